@@ -1,0 +1,41 @@
+"""ds_mp: tensor parallelism, TeraPipe and Ouroboros for Hugging Face GPT-2 on DeepSpeed.
+
+``engine, optimizer, dataloader, lr_scheduler = ds_mp.initialize(model=..., config=...)``
+mirrors ``deepspeed.initialize``; everything ds_mp does is read from the ``"ds_mp"``
+block of the same DeepSpeed JSON.
+"""
+from __future__ import annotations
+
+from ds_mp.config import ConfigError, DsMpConfig, load_config
+from ds_mp.pipeline.schedules import SCHEDULES, register_schedule
+
+__version__ = "0.1.0"
+
+__all__ = ["initialize", "ConfigError", "DsMpConfig", "load_config", "SCHEDULES", "register_schedule",
+           "save_hf", "__version__"]
+
+
+def initialize(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None):
+    """Build the parallel GPT-2 and DeepSpeed's engine for it.
+
+    Args:
+        model: a ``GPT2LMHeadModel``, an HF checkpoint directory, or None (use
+            ``ds_mp.model`` from the config: a directory or an inline shape).
+        config: path or dict of the DeepSpeed JSON (default: ``args.deepspeed_config``).
+        training_data, args, optimizer, lr_scheduler: as in ``deepspeed.initialize``.
+
+    Returns ``(engine, optimizer, dataloader, lr_scheduler)``; ``engine.train_batch(it)``
+    takes an iterator of ``(input_ids, labels)`` pairs ``[micro_batch, seq]`` and
+    returns the mean loss of the global batch.
+    """
+    from ds_mp.runtime import build_engine
+
+    return build_engine(model=model, config=config, training_data=training_data, args=args,
+                        optimizer=optimizer, lr_scheduler=lr_scheduler)
+
+
+def save_hf(engine, out_dir: str, tokenizer_dir: str | None = None) -> None:
+    """Collective: every rank calls it; rank 0 writes a complete HF GPT-2 directory."""
+    from ds_mp.checkpoint.hf import save_hf as _save_hf
+
+    _save_hf(engine, out_dir, tokenizer_dir=tokenizer_dir)

@@ -1,0 +1,316 @@
+"""The ``"ds_mp"`` block of a DeepSpeed JSON: typed dataclasses and every check.
+
+DeepSpeed ignores unknown top-level keys, so ds_mp lives beside ``train_batch_size``,
+``optimizer`` and friends in the same file.  :func:`load_config` reads the file (or a
+dict), parses the block into :class:`DsMpConfig`, and validates it against the world
+size.  It runs on every rank *before* any collective, so a bad config fails everywhere
+with the same single line instead of hanging a job.  Every failure is a
+:class:`ConfigError` whose message names the key and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A ds_mp configuration problem; the message is one line naming the key and the fix."""
+
+
+@dataclass
+class InlineModel:
+    """A GPT-2 shape for training from scratch (fields as in ``transformers.GPT2Config``)."""
+
+    n_layer: int = 4  # transformer blocks
+    n_embd: int = 128  # hidden size
+    n_head: int = 4  # attention heads
+    vocab_size: int = 8192  # true vocabulary size (padding is added for TP, never exported)
+    n_positions: int = 1024  # maximum sequence length
+    dropout: float = 0.0  # resid/embd/attn dropout probability
+
+
+@dataclass
+class TensorParallelConfig:
+    size: int = 1  # TP degree; must divide n_head
+    sequence_parallel: bool = False  # shard LayerNorm/dropout regions along the sequence
+    vocab_pad_multiple: int = 128  # vocab is padded to a multiple of this × size
+
+
+@dataclass
+class PipelineConfig:
+    stages: int = 1  # PP degree (number of pipeline stages)
+    schedule: str = "1f1b"  # a name registered in ds_mp.SCHEDULES
+    partition: Union[str, list] = "uniform"  # "uniform" | "parameters" | [blocks per stage]
+    activation_checkpoint_interval: int = 0  # checkpoint every N pipeline layers (0 = off)
+
+
+@dataclass
+class TeraPipeConfig:
+    slices: Union[str, list] = "auto"  # "auto" (planner) or token lengths summing to seq_len
+    batch_slices: int = 1  # split each micro-batch into this many batch-slices
+    granularity: int = 8  # planner slice lengths are multiples of this
+    profile: str = ""  # cost-model JSON to reuse ("" = <output_dir>/terapipe_profile.json)
+
+
+@dataclass
+class OuroborosConfig:
+    modules: int = 0  # K modules on K-1 ranks (0 = pipeline.stages + 1)
+    delay: bool = True  # False reduces to synchronous backprop (for testing)
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # prepared dataset dir (ds-mp prepare-data); "" = embedded stdlib corpus
+    seq_len: int = 128  # tokens per sample
+    vocab_size: int = 8192  # tokenizer vocab for the embedded default corpus
+    seed: int = 1234  # shuffle seed
+    cache_dir: str = ""  # where the default corpus is built ("" = ~/.cache/ds_mp)
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100  # optimizer steps
+    log_interval: int = 10  # steps between log lines / CSV rows
+    eval_interval: int = 50  # steps between validation passes (0 = off)
+    eval_batches: int = 4  # micro-batches per validation pass
+    checkpoint_interval: int = 50  # steps between checkpoints (0 = only at the end)
+    output_dir: str = "runs/ds_mp"  # checkpoints, logs, exported model
+    seed: int = 1234  # model init / dropout seed
+    on_nan: str = "stop"  # "stop" (save diagnostics, exit) or "skip" the step
+    init_from: str = ""  # HF dir or ds_mp checkpoint to initialise weights from
+    export_hf: bool = True  # write an HF directory at the end of training
+
+
+@dataclass
+class DsMpConfig:
+    model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir or inline shape
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    terapipe: TeraPipeConfig = field(default_factory=TeraPipeConfig)
+    ouroboros: OuroborosConfig = field(default_factory=OuroborosConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    # Filled by validate(): the degrees and the model shape actually used.
+    world_size: int = field(default=1, repr=False)
+    dp: int = field(default=1, repr=False)
+    shape: InlineModel | None = field(default=None, repr=False)
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel.size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline.stages
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _check_type(value: Any, tp: Any, key: str) -> Any:
+    """Return ``value`` coerced to ``tp`` or raise ConfigError naming ``key``."""
+    origin = get_origin(tp)
+    if origin is Union:
+        for option in get_args(tp):
+            if option is type(None) and value is None:
+                return value
+            try:
+                return _check_type(value, option, key)
+            except ConfigError:
+                continue
+        names = " or ".join(_type_name(a) for a in get_args(tp))
+        raise ConfigError(f"ds_mp.{key}: expected {names}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"ds_mp.{key}: expected an object {{...}}, got {value!r}")
+        return _parse(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"ds_mp.{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"ds_mp.{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"ds_mp.{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"ds_mp.{key}: expected a string, got {value!r}")
+        return value
+    if tp is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"ds_mp.{key}: expected a list, got {value!r}")
+        return value
+    return value
+
+
+def _parse(cls: type, raw: dict, prefix: str) -> Any:
+    hints = get_type_hints(cls)
+    public = [f.name for f in dataclasses.fields(cls) if f.repr]
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}.{key}" if prefix else key
+        if key not in public:
+            close = difflib.get_close_matches(key, public, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(public)}"
+            raise ConfigError(f"ds_mp.{path}: unknown key; {hint}")
+        kwargs[key] = _check_type(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def parse_config(raw: dict) -> DsMpConfig:
+    """Parse the ``"ds_mp"`` block (types and key names only; see :func:`validate`)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"ds_mp: expected an object {{...}}, got {raw!r}")
+    return _parse(DsMpConfig, raw, "")
+
+
+def _model_shape(cfg: DsMpConfig) -> InlineModel:
+    if isinstance(cfg.model, InlineModel):
+        return cfg.model
+    path = os.path.join(cfg.model, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"ds_mp.model: {cfg.model!r} has no config.json; give an HF GPT-2 "
+                          "directory (save_pretrained) or an inline {n_layer, n_embd, ...} object")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"ds_mp.model: cannot read {path}: {e}") from None
+    if hf.get("model_type") not in ("gpt2", None):
+        raise ConfigError(f"ds_mp.model: {cfg.model!r} is a {hf.get('model_type')!r} model; "
+                          "ds_mp supports GPT-2 checkpoints")
+    drop = hf.get("resid_pdrop", 0.1)
+    return InlineModel(n_layer=hf["n_layer"], n_embd=hf["n_embd"], n_head=hf["n_head"],
+                       vocab_size=hf["vocab_size"], n_positions=hf["n_positions"], dropout=drop)
+
+
+def _positive(value: int, key: str) -> None:
+    if value < 1:
+        raise ConfigError(f"ds_mp.{key}: must be >= 1, got {value}")
+
+
+def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
+    """Check ``cfg`` against itself and ``world_size``; fill ``dp`` and ``shape``.
+
+    World size = TP × PP × DP, except for Ouroboros where PP is K − 1 ring ranks.
+    """
+    from ds_mp.pipeline.schedules import SCHEDULES  # registry is filled at import
+
+    tp, pp = cfg.tensor_parallel, cfg.pipeline
+    for key, v in (("tensor_parallel.size", tp.size), ("pipeline.stages", pp.stages),
+                   ("tensor_parallel.vocab_pad_multiple", tp.vocab_pad_multiple),
+                   ("data.seq_len", cfg.data.seq_len), ("training.steps", cfg.training.steps),
+                   ("training.log_interval", cfg.training.log_interval),
+                   ("terapipe.batch_slices", cfg.terapipe.batch_slices),
+                   ("terapipe.granularity", cfg.terapipe.granularity)):
+        _positive(v, key)
+    for key, v in (("training.eval_interval", cfg.training.eval_interval),
+                   ("training.checkpoint_interval", cfg.training.checkpoint_interval),
+                   ("training.eval_batches", cfg.training.eval_batches),
+                   ("pipeline.activation_checkpoint_interval", pp.activation_checkpoint_interval)):
+        if v < 0:
+            raise ConfigError(f"ds_mp.{key}: must be >= 0, got {v}")
+    if cfg.training.on_nan not in ("stop", "skip"):
+        raise ConfigError(f"ds_mp.training.on_nan: must be 'stop' or 'skip', got {cfg.training.on_nan!r}")
+    if pp.schedule not in SCHEDULES:
+        close = difflib.get_close_matches(pp.schedule, list(SCHEDULES), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"ds_mp.pipeline.schedule: unknown schedule {pp.schedule!r}; "
+                          f"registered: {', '.join(sorted(SCHEDULES))} {hint}".rstrip())
+
+    shape = _model_shape(cfg)
+    for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
+        _positive(getattr(shape, key), f"model.{key}")
+    if shape.n_embd % shape.n_head:
+        raise ConfigError(f"ds_mp.model.n_embd: {shape.n_embd} is not divisible by "
+                          f"n_head={shape.n_head}; pick n_embd a multiple of n_head")
+    if not 0.0 <= shape.dropout < 1.0:
+        raise ConfigError(f"ds_mp.model.dropout: must be in [0, 1), got {shape.dropout}")
+    if shape.n_head % tp.size:
+        raise ConfigError(f"ds_mp.tensor_parallel.size: {tp.size} does not divide n_head="
+                          f"{shape.n_head}; use a divisor of {shape.n_head}")
+    if cfg.data.seq_len > shape.n_positions:
+        raise ConfigError(f"ds_mp.data.seq_len: {cfg.data.seq_len} exceeds the model's "
+                          f"n_positions={shape.n_positions}; lower seq_len")
+
+    ring = pp.schedule == "ouroboros"
+    if ring:
+        k = cfg.ouroboros.modules or pp.stages + 1
+        if k < 2:
+            raise ConfigError(f"ds_mp.ouroboros.modules: K={k} < 2; Ouroboros needs at least 2 modules")
+        if k != pp.stages + 1:
+            raise ConfigError(f"ds_mp.ouroboros.modules: K={k} modules run on K-1 ranks, but "
+                              f"pipeline.stages={pp.stages}; set pipeline.stages to {k - 1}")
+        if k > shape.n_layer:
+            raise ConfigError(f"ds_mp.ouroboros.modules: K={k} exceeds n_layer={shape.n_layer}; "
+                              f"use at most {shape.n_layer} modules")
+    elif pp.stages > shape.n_layer:
+        raise ConfigError(f"ds_mp.pipeline.stages: {pp.stages} stages but the model has "
+                          f"{shape.n_layer} blocks; use at most {shape.n_layer} stages")
+
+    if isinstance(pp.partition, list):
+        if len(pp.partition) != pp.stages or any(
+                isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in pp.partition):
+            raise ConfigError(f"ds_mp.pipeline.partition: expected {pp.stages} non-negative "
+                              f"integers (blocks per stage), got {pp.partition}")
+        if sum(pp.partition) != shape.n_layer:
+            raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition} sums to "
+                              f"{sum(pp.partition)} but the model has {shape.n_layer} blocks")
+    elif pp.partition not in ("uniform", "parameters"):
+        raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} is not 'uniform', "
+                          "'parameters' or a list of blocks per stage")
+
+    sl = cfg.terapipe.slices
+    if isinstance(sl, list):
+        if not sl or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sl):
+            raise ConfigError(f"ds_mp.terapipe.slices: expected positive integers, got {sl}")
+        if sum(sl) != cfg.data.seq_len:
+            raise ConfigError(f"ds_mp.terapipe.slices: {sl} sums to {sum(sl)} but data.seq_len "
+                              f"is {cfg.data.seq_len}; make the slices sum to {cfg.data.seq_len}")
+    elif sl != "auto":
+        raise ConfigError(f"ds_mp.terapipe.slices: {sl!r} is not 'auto' or a list of lengths")
+
+    model_ranks = tp.size * pp.stages
+    if world_size % model_ranks:
+        raise ConfigError(f"ds_mp: world size {world_size} is not divisible by tensor_parallel.size "
+                          f"({tp.size}) × pipeline.stages ({pp.stages}) = {model_ranks}; launch a "
+                          f"multiple of {model_ranks} ranks or change the degrees")
+    cfg.world_size, cfg.dp, cfg.shape = world_size, world_size // model_ranks, shape
+    return cfg
+
+
+def read_json(config: str | dict) -> dict:
+    """The whole DeepSpeed JSON as a dict (a path or an already-parsed dict)."""
+    if isinstance(config, dict):
+        return config
+    try:
+        with open(config) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config: file {config!r} not found; pass --deepspeed_config PATH") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config: {config} is not valid JSON (line {e.lineno}, column "
+                          f"{e.colno}: {e.msg}); fix the syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: {config} must hold a JSON object at the top level")
+    return raw
+
+
+def load_config(config: str | dict, world_size: int) -> tuple[DsMpConfig, dict]:
+    """Return the validated ds_mp block and the full DeepSpeed dict (with ``ds_mp`` kept)."""
+    raw = read_json(config)
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        v = raw.get(key, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{key}: must be a positive integer, got {v!r}")
+    cfg = validate(parse_config(raw.get("ds_mp", {})), world_size)
+    return cfg, raw

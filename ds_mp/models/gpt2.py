@@ -1,0 +1,346 @@
+"""Hugging Face GPT-2 as a DeepSpeed ``PipelineModule`` with Megatron tensor parallelism.
+
+The pipeline is a flat list of layers (DeepSpeed partitions it into stages):
+
+    0        TiedLayerSpec("wte")  token embedding (vocab-parallel), tied with the head
+    1        Positions             + wpe, embedding dropout
+    2..L+1   Block × L             pre-LN attention + MLP, TP plan applied
+    L+2      FinalNorm             ln_f
+    L+3      TiedLayerSpec("wte")  LM head: logits = h Eᵀ on the local vocab block
+    loss     LMLoss                fused vocab-parallel cross-entropy, HF label shift
+
+Weights are read from a :class:`WeightSource` (an in-memory HF model or a safetensors
+directory) by HF name, and only for the layers this rank builds, so each rank
+materialises just its own stage.  ``GPT2_TP_PLAN`` is the whole TP plan: one table, one
+function (:func:`tp_kind`) applying it.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from transformers.activations import ACT2FN
+
+from ds_mp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                   padded_vocab_size, vocab_parallel_cross_entropy)
+from ds_mp.tensor_parallel.random import parallel_region_rng
+from ds_mp.topology import Topology
+
+# HF parameter name (suffix after "transformer." / "h.<i>.") -> how TP shards it.
+GPT2_TP_PLAN: dict[str, str] = {
+    "wte.weight": "vocab",
+    "wpe.weight": "replicated",
+    "ln_1.weight": "replicated", "ln_1.bias": "replicated",
+    "attn.c_attn.weight": "qkv", "attn.c_attn.bias": "qkv",
+    "attn.c_proj.weight": "row", "attn.c_proj.bias": "replicated",
+    "ln_2.weight": "replicated", "ln_2.bias": "replicated",
+    "mlp.c_fc.weight": "column", "mlp.c_fc.bias": "column",
+    "mlp.c_proj.weight": "row", "mlp.c_proj.bias": "replicated",
+    "ln_f.weight": "replicated", "ln_f.bias": "replicated",
+}
+
+
+def tp_kind(hf_name: str) -> str:
+    """Shard kind of an HF GPT-2 parameter name (``transformer.h.3.attn.c_attn.weight``)."""
+    key = re.sub(r"^(transformer\.)?(h\.\d+\.)?", "", hf_name)
+    if key not in GPT2_TP_PLAN:
+        raise KeyError(f"{hf_name!r} is not a GPT-2 parameter ds_mp knows")
+    return GPT2_TP_PLAN[key]
+
+
+class WeightSource:
+    """Full HF-layout tensors by name: ``get("transformer.h.0.ln_1.weight")``."""
+
+    def __init__(self, getter: Callable[[str], torch.Tensor], hf_config: Any) -> None:
+        self._get, self.config = getter, hf_config
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._get(name)
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "WeightSource":
+        sd = model.state_dict()
+        return cls(lambda n: sd[n], model.config)
+
+
+class Ctx:
+    """What every layer needs: TP rank/size/group, SP flag, shapes. Passed explicitly."""
+
+    def __init__(self, topology: Topology, hf_config: Any, sequence_parallel: bool,
+                 vocab_pad_multiple: int) -> None:
+        self.topology = topology
+        self.tp_rank, self.tp = topology.tp_rank, topology.tp
+        self.sp = sequence_parallel and self.tp > 1
+        self.n_head, self.n_embd = hf_config.n_head, hf_config.n_embd
+        self.vocab = hf_config.vocab_size
+        self.padded_vocab = padded_vocab_size(self.vocab, self.tp, vocab_pad_multiple)
+        self.dropout = hf_config.resid_pdrop
+        self.embd_dropout = hf_config.embd_pdrop
+        self.attn_dropout = hf_config.attn_pdrop
+        self.eps = hf_config.layer_norm_epsilon
+        self.act = hf_config.activation_function
+
+    @property
+    def group(self) -> Any:
+        return self.topology.tp_group if self.tp > 1 else None
+
+    def dropout_rng(self):
+        """Dropout on sequence-sharded activations must differ per TP rank."""
+        import contextlib
+        return parallel_region_rng() if self.sp else contextlib.nullcontext()
+
+
+def _layer_norm(src: WeightSource, prefix: str, ctx: Ctx) -> nn.LayerNorm:
+    ln = nn.LayerNorm(ctx.n_embd, eps=ctx.eps)
+    with torch.no_grad():
+        ln.weight.copy_(src.get(prefix + ".weight"))
+        ln.bias.copy_(src.get(prefix + ".bias"))
+    for p in ln.parameters():
+        p.tp_kind = "replicated"
+    return ln
+
+
+class Block(nn.Module):
+    """One GPT-2 block, ``x + Attn(LN1 x)`` then ``+ MLP(LN2 ·)``, heads split over TP.
+
+    ``context`` (set by TeraPipe) holds keys/values of earlier token slices of the same
+    sequence; the slice attends to all of them plus causally to itself.
+    """
+
+    def __init__(self, src: WeightSource, index: int, ctx: Ctx) -> None:
+        super().__init__()
+        p = f"transformer.h.{index}."
+        g, r, n = ctx.group, ctx.tp_rank, ctx.tp
+        self.ctx, self.index = ctx, index
+        self.ln_1 = _layer_norm(src, p + "ln_1", ctx)
+        self.c_attn = ColumnParallelLinear(src.get(p + "attn.c_attn.weight"), src.get(p + "attn.c_attn.bias"),
+                                           g, r, n, kind="qkv", n_head=ctx.n_head, sequence_parallel=ctx.sp)
+        self.attn_proj = RowParallelLinear(src.get(p + "attn.c_proj.weight"), src.get(p + "attn.c_proj.bias"),
+                                           g, r, n, sequence_parallel=ctx.sp)
+        self.ln_2 = _layer_norm(src, p + "ln_2", ctx)
+        self.c_fc = ColumnParallelLinear(src.get(p + "mlp.c_fc.weight"), src.get(p + "mlp.c_fc.bias"),
+                                         g, r, n, kind="column", sequence_parallel=ctx.sp)
+        self.mlp_proj = RowParallelLinear(src.get(p + "mlp.c_proj.weight"), src.get(p + "mlp.c_proj.bias"),
+                                          g, r, n, sequence_parallel=ctx.sp)
+        self.act = ACT2FN[ctx.act]
+        self.n_head_local = ctx.n_head // n
+        self.context: Any = None  # TeraPipe KV context (see ds_mp.pipeline.terapipe)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.c_attn(x)  # (B, T, 3·nh_l·hs)
+        B, T, _ = qkv.shape
+        q, k, v = qkv.view(B, T, 3, self.n_head_local, -1).permute(2, 0, 3, 1, 4)  # (B, nh_l, T, hs)
+        p = self.ctx.attn_dropout if self.training else 0.0
+        if self.context is not None:
+            k, v, mask = self.context.extend(self.index, k, v)  # (B, nh_l, ctx+T, hs)
+        else:
+            mask = None
+        with parallel_region_rng():  # each rank's own heads: its own dropout mask
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh_l·hs)
+        return self.attn_proj(y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.attention(self.ln_1(x))
+        with self.ctx.dropout_rng():
+            x = x + F.dropout(a, self.ctx.dropout, self.training)
+        h = self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
+        with self.ctx.dropout_rng():
+            return x + F.dropout(h, self.ctx.dropout, self.training)
+
+
+class TokenEmbedding(nn.Module):
+    """``wte`` (vocab-parallel); tied between the first stage (lookup) and the last (head)."""
+
+    def __init__(self, src: WeightSource, ctx: Ctx) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.wte = VocabParallelEmbedding(src.get("transformer.wte.weight"), ctx.group, ctx.tp_rank, ctx.tp,
+                                          ctx.padded_vocab, sequence_parallel=ctx.sp)
+
+
+def embed_forward(module: TokenEmbedding, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """First stage: ``ids`` or ``(ids, positions)`` -> ``(wte(ids), positions)``."""
+    ids, pos = inputs if isinstance(inputs, (tuple, list)) else (inputs, None)
+    if pos is None:
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    return module.wte(ids), pos
+
+
+def head_forward(module: TokenEmbedding, h: torch.Tensor) -> torch.Tensor:
+    """Last stage: logits on the local vocab block, ``(B, T, V_p/p)``."""
+    return module.wte.logits(h)
+
+
+class Positions(nn.Module):
+    """``h = dropout(wte(ids) + wpe(pos))`` (positions absolute, also for token slices)."""
+
+    def __init__(self, src: WeightSource, ctx: Ctx) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.wpe = nn.Parameter(src.get("transformer.wpe.weight").detach().clone())
+        self.wpe.tp_kind = "replicated"
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tok, pos = inputs
+        if self.ctx.sp:  # tok is the local sequence shard: take the matching positions
+            pos = pos.expand(tok.shape[0], -1).chunk(self.ctx.tp, dim=1)[self.ctx.tp_rank]
+        h = tok + F.embedding(pos, self.wpe)
+        with self.ctx.dropout_rng():
+            return F.dropout(h, self.ctx.embd_dropout, self.training)
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, src: WeightSource, ctx: Ctx) -> None:
+        super().__init__()
+        self.ln_f = _layer_norm(src, "transformer.ln_f", ctx)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(h)
+
+
+class LMLoss:
+    """Mean next-token cross-entropy with HF's shift (``logits[:, t]`` predicts
+    ``labels[:, t+1]``; ``-100`` ignored), from vocab-parallel logits."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        self.ctx = ctx
+        self.__name__ = "LMLoss"
+
+    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``(B, T)`` against already-shifted ``targets``."""
+        start = self.ctx.tp_rank * (self.ctx.padded_vocab // self.ctx.tp)
+        flat = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                            vocab_start=start, true_vocab=self.ctx.vocab, group=self.ctx.group)
+        return flat.view(targets.shape)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets = shift_labels(labels)
+        count = (targets != -100).sum().clamp(min=1)
+        return self.token_losses(logits, targets).sum() / count
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """``targets[:, t] = labels[:, t+1]``, last position ignored (-100)."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def stage_parts(n_layer: int, stages: int, partition: str | list, n_embd: int, vocab: int) -> list[int]:
+    """DeepSpeed ``parts``: layer-index boundaries of each stage over the L+4 layers.
+
+    ``uniform`` gives blocks as evenly as possible (extra blocks to the middle stages,
+    which carry no embedding/head).  ``parameters`` balances parameter counts, charging
+    the embedding to the first stage and the (tied) head to the last; each stage keeps
+    at least one block.  A list gives blocks per stage.
+    """
+    if isinstance(partition, list):
+        blocks = list(partition)
+    elif partition == "uniform":
+        base, extra = divmod(n_layer, stages)
+        order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), s))
+        blocks = [base + (1 if s in order[:extra] else 0) for s in range(stages)]
+    elif partition == "parameters":
+        block_w = 12 * n_embd * n_embd
+        embed_w = vocab * n_embd
+        blocks = _balance(n_layer, stages, block_w, embed_w)
+    else:
+        raise ValueError(f"unknown partition {partition!r}")
+    parts, at = [0], 2  # layers 0,1 (embedding, positions) go to stage 0
+    for s, b in enumerate(blocks):
+        at += b
+        parts.append(at if s < stages - 1 else n_layer + 4)
+    return parts
+
+
+def _balance(n_layer: int, stages: int, block_w: int, embed_w: int) -> list[int]:
+    """Blocks per stage minimising the heaviest stage (contiguous, >= 1 block each)."""
+    best: tuple[float, list[int]] | None = None
+
+    def rec(s: int, left: int, acc: list[int]) -> None:
+        nonlocal best
+        if s == stages - 1:
+            if left < 1:
+                return
+            counts = acc + [left]
+            w = [c * block_w + (embed_w if i in (0, stages - 1) else 0) for i, c in enumerate(counts)]
+            if best is None or max(w) < best[0]:
+                best = (max(w), counts)
+            return
+        for c in range(1, left - (stages - s - 1) + 1):
+            rec(s + 1, left - c, acc + [c])
+
+    if stages == 1:
+        return [n_layer]
+    rec(0, n_layer, [])
+    assert best is not None
+    return best[1]
+
+
+class GPT2Pipeline(PipelineModule):
+    """GPT-2 as a PipelineModule; our partition replaces DeepSpeed's."""
+
+    def __init__(self, layers: list, parts: list[int], topology: Topology, ctx: Ctx, **kw: Any) -> None:
+        self._ds_mp_parts, self.ds_mp_topology, self.ds_mp_ctx = parts, topology, ctx
+        super().__init__(layers=layers, topology=topology.topo, loss_fn=LMLoss(ctx), **kw)
+
+    def _build(self) -> None:
+        self.ds_mp_topology.attach(self._grid)  # layers need the TP group at construction
+        super()._build()
+
+    def _partition_layers(self, method: str = "uniform") -> None:  # noqa: ARG002 - ours
+        self.parts = self._ds_mp_parts
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    def blocks(self) -> list[Block]:
+        return [m for m in self.forward_funcs if isinstance(m, Block)]
+
+
+def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str | list = "uniform",
+                        sequence_parallel: bool = False, vocab_pad_multiple: int = 128,
+                        activation_checkpoint_interval: int = 0) -> GPT2Pipeline:
+    """Build this rank's stage of GPT-2 (reading only its weights from ``src``)."""
+    cfg = src.config
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if getattr(cfg, flag, False):
+            raise ValueError(f"GPT-2 option {flag}=True is not supported by ds_mp")
+    if not getattr(cfg, "scale_attn_weights", True):
+        raise ValueError("GPT-2 option scale_attn_weights=False is not supported by ds_mp")
+    ctx = Ctx(topology, cfg, sequence_parallel, vocab_pad_multiple)
+    L = cfg.n_layer
+    layers: list = [TiedLayerSpec("wte", TokenEmbedding, src, ctx, forward_fn=embed_forward,
+                                  tied_weight_attr=["wte.weight"]),
+                    LayerSpec(Positions, src, ctx)]
+    layers += [LayerSpec(Block, src, i, ctx) for i in range(L)]
+    layers += [LayerSpec(FinalNorm, src, ctx),
+               TiedLayerSpec("wte", TokenEmbedding, src, ctx, forward_fn=head_forward,
+                             tied_weight_attr=["wte.weight"])]
+    parts = stage_parts(L, topology.pp, partition, cfg.n_embd, cfg.vocab_size)
+    return GPT2Pipeline(layers, parts, topology, ctx,
+                        activation_checkpoint_interval=activation_checkpoint_interval,
+                        dynamic_shape=True)
+
+
+def hf_param_name(module_name: str, pipe: GPT2Pipeline) -> str:
+    """Map a pipeline parameter name (``5.c_attn.weight``) to its HF name."""
+    head, rest = module_name.split(".", 1)
+    if head == "tied_modules":  # tied_modules.wte.wte.weight
+        return "transformer.wte.weight"
+    idx = int(head)
+    L = len(pipe._layer_specs) - 4
+    if idx == 1:
+        return "transformer.wpe.weight"
+    if idx == L + 2:
+        return "transformer." + rest  # ln_f.weight
+    block = idx - 2
+    rename = {"c_attn": "attn.c_attn", "attn_proj": "attn.c_proj", "c_fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj"}
+    first, tail = rest.split(".", 1)
+    return f"transformer.h.{block}.{rename.get(first, first)}.{tail}"
+
+
+__all__ = ["GPT2_TP_PLAN", "tp_kind", "WeightSource", "build_gpt2_pipeline", "GPT2Pipeline",
+           "Block", "LMLoss", "shift_labels", "stage_parts", "hf_param_name"]

@@ -1,0 +1,4 @@
+"""Pipeline engine, schedule registry and schedules."""
+from ds_mp.pipeline.schedules import SCHEDULES, GPipe, OneFOneB, register_schedule
+
+__all__ = ["SCHEDULES", "register_schedule", "OneFOneB", "GPipe"]

@@ -1,0 +1,338 @@
+"""Ouroboros: delayed-gradient model parallelism for a tied-embedding GPT-2 (Algorithm 1).
+
+Yang, Huo, Wang, Huang, Carin, "Ouroboros: On Accelerating Training of Transformer-Based
+Language Models" (NeurIPS 2019), built on decoupled backprop / features replay (Huo et al. 2018).
+Module ids here are 0-based: G_m, m = 0..K-1, is the paper's module k = m + 1.
+
+Split and layout
+    G_0     = input embedding V_i (wte) + wpe + first blocks
+    G_m     = blocks only, 0 < m < K-1
+    G_{K-1} = last blocks + ln_f + output projection V_o = V_i = V (tied: logits = h V^T)
+    K modules on K-1 ranks, a ring: rank 0 holds G_0 and G_{K-1} (so V lives on one rank and
+    needs no tied-gradient all-reduce), rank r holds G_r for r = 1..K-2.
+
+Contract (what OuroborosReference.step computes). Notation: w^t = all weights at the start of
+iteration t (after t updates); x_t, y_t = batch of iteration t; h_m^s = input of G_m for sample s
+(h_0^s = token ids); d_m = K-1-m = delay of G_m (paper: K-k).  Iteration t:
+  1. Forward, locked, current weights: h_{m+1}^t = G_m(h_m^t; w^t) for m = 0..K-2; G_m stashes h_m^t.
+  2. G_{K-1}: f_t = CE(G_{K-1}(h_{K-1}^t; w^t), y_t) (returned by step());
+     g_{K-1} = df_t/dw_{K-1} (undelayed) and delta_{K-2}^t = df_t/dh_{K-1}^t goes to G_{K-2}.
+  3. Every m < K-1 with s = t - d_m >= 0 replays G_m on its stash h_m^s with the CURRENT weights
+     w^t (features replay; the forward of sample s used w^s) and backpropagates the delta_m^s it
+     received at iteration t-1:
+        g_m = (dG_m(h_m^s; w^t)/dw_m)^T delta_m^s,  delta_{m-1}^s = (dG_m(h_m^s; w^t)/dh)^T delta_m^s,
+     and delta_{m-1}^s is used by G_{m-1} at iteration t+1 (sample (t+1) - d_{m-1} = s).
+     Warm-up, t < d_m: G_m has no sample yet and g_m = 0.
+  4. Tied embedding: g_V = 1/2 (df_t/dV_o + df_{t-K+1}/dV_i)      (tied_rule="mean", the paper's rule
+     as read here; "sum" drops the 1/2). The V_i term is 0 for t < K-1. wpe belongs to G_0.
+  5. Every parameter steps with its gradient, zero ones included (one optimizer over all).
+delay=False sets d_m = 0 (delta used within the iteration) and tied_rule="sum": the replay then
+recomputes the very forward of step 1, so this is exact backprop of the HF model.
+
+Zero gradients in warm-up: SGD without momentum/weight decay does not move; SGD momentum buffers
+and Adam's m, v start at 0, so the update 0 or 0/(sqrt(0)+eps) = 0 does not move either, but
+Adam's step counter advances, so G_m's first real update is bias-corrected with count d_m + 1.
+Weight decay (SGD weight_decay, AdamW) does move weights on zero gradients.
+
+Memory: G_m keeps d_m + 1 = K - m stashed inputs (paper: K-k+1) and the last delta it received.
+Replay needs deterministic modules: dropout must be 0 (a replay would draw a new mask).
+"""
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Literal, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GPT2LMHeadModel
+from transformers.masking_utils import create_causal_mask
+
+# ----------------------------------------------------------------------------- split and layout
+
+
+def split_modules(n_layer: int, K: int) -> list[range]:
+    """Block indices of G_0..G_{K-1}, contiguous and in order.
+
+    Balanced per rank, since ranks are what run in parallel: the n_layer blocks are dealt to the
+    K-1 ranks as evenly as possible, the remainder to the last ranks (rank 0 also carries the
+    embedding and the head); rank 0's share b is split G_0 = b // 2, G_{K-1} = b - b // 2 blocks.
+    G_0 may thus hold the embedding alone. Needs K >= 2 and n_layer >= K-1 (a block per rank).
+    """
+    if K < 2 or n_layer < K - 1:
+        raise ValueError(f"Ouroboros needs K >= 2 modules and n_layer >= K-1 (one block per rank); "
+                         f"got K={K}, n_layer={n_layer}")
+    ranks = K - 1
+    base, extra = divmod(n_layer, ranks)
+    share = [base + (r >= ranks - extra) for r in range(ranks)]  # share[0] == base
+    sizes = [share[0] // 2, *share[1:], share[0] - share[0] // 2]
+    starts = [sum(sizes[:m]) for m in range(K)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def ring_layout(K: int) -> list[list[int]]:
+    """rank -> module ids it holds: [[0, K-1], [1], ..., [K-2]] (K=2: one rank, [[0, 1]])."""
+    if K < 2:
+        raise ValueError(f"Ouroboros needs K >= 2 modules; got K={K}")
+    return [[0, K - 1]] + [[m] for m in range(1, K - 1)]
+
+
+# ----------------------------------------------------------------------------- timetable
+@dataclass(frozen=True)
+class Forward:
+    """h_{m+1}^s = G_m(h_m^s; w^t); G_{K-1} also computes the loss f_s."""
+    module: int
+    sample: int
+
+    def __str__(self) -> str:
+        return f"F{self.module}:{self.sample}"
+
+
+@dataclass(frozen=True)
+class Backward:
+    """G_m backprops delta_m^s; m < K-1 replays on its stash with w^t, G_{K-1} uses this iteration's graph."""
+    module: int
+    sample: int
+
+    def __str__(self) -> str:
+        return f"B{self.module}:{self.sample}"
+
+
+@dataclass(frozen=True)
+class _Message:
+    """A p2p message produced by G_module for `sample`; `peer` is the other rank."""
+    module: int
+    sample: int
+    peer: int
+    _fmt = ""
+
+    def __str__(self) -> str:
+        return self._fmt.format(m=self.module, s=self.sample, p=self.peer)
+
+
+class SendAct(_Message):
+    """Send h_{m+1}^s (output of G_m) to the rank of G_{m+1}."""
+    _fmt = "a{m}:{s}>r{p}"
+
+
+class RecvAct(_Message):
+    """Receive h_{m+1}^s (output of G_m) from the rank of G_m; G_{m+1} forwards it now."""
+    _fmt = "a{m}:{s}<r{p}"
+
+
+class SendGrad(_Message):
+    """Send delta_{m-1}^s (gradient w.r.t. G_m's input) to the rank of G_{m-1}."""
+    _fmt = "g{m}:{s}>r{p}"
+
+
+class RecvGrad(_Message):
+    """Receive delta_{m-1}^s from the rank of G_m; G_{m-1} backprops it at the next iteration."""
+    _fmt = "g{m}:{s}<r{p}"
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """Every rank updates every module it holds (zero gradient in warm-up)."""
+
+    def __str__(self) -> str:
+        return "step"
+
+
+Step = Union[Forward, Backward, SendAct, RecvAct, SendGrad, RecvGrad, OptimizerStep]
+
+
+def ouroboros_timetable(K: int, T: int) -> list[list[list[Step]]]:
+    """table[t][rank] = ordered actions of `rank` at iteration t (blocking p2p, posted in order).
+
+    Rank 0 (G_0, G_{K-1}):  F0:t  a0:t>r1  B0:t-K+1  a(K-2):t<r(K-2)  F(K-1):t  B(K-1):t
+                            g1:t-K+2<r1  g(K-1):t>r(K-2)  step
+    Rank r (G_r):           a(r-1):t<   Fr:t  ar:t>   Br:t-d_r  gr:t-d_r>   g(r+1):t-d_r+1<   step
+    The forward is sequential across ranks (DDG locks the forward); what runs in parallel is the
+    backward (replay + backprop, ~3 forwards' worth of the ~4 per module): rank r replays while
+    the ranks after it forward, rank 0 replays G_0 while the chain runs. Rank 0 receives g1 before it sends g(K-1), which breaks the gradient ring (deadlock-
+    free with blocking sends). Steady state: one activation and one gradient received per rank.
+    Messages between modules on the same rank (K=2) are local handoffs and not listed.
+    """
+    layout = ring_layout(K)
+    owner = {m: r for r, mods in enumerate(layout) for m in mods}
+
+    def replayed(m: int, t: int) -> int | None:  # sample G_m backprops at iteration t
+        s = t - (K - 1 - m)
+        return s if s >= 0 else None
+
+    def msg(cls: type[_Message], m: int, s: int | None, me: int, peer: int) -> list[Step]:
+        return [cls(m, s, peer)] if s is not None and peer != me else []
+
+    table = []
+    for t in range(T):
+        s0, s1 = replayed(0, t), replayed(1, t)
+        rank0: list[Step] = [Forward(0, t), *msg(SendAct, 0, t, 0, owner[1])]
+        rank0 += [Backward(0, s0)] if s0 is not None else []
+        rank0 += [*msg(RecvAct, K - 2, t, 0, owner[K - 2]), Forward(K - 1, t), Backward(K - 1, t)]
+        rank0 += msg(RecvGrad, 1, s1, 0, owner[1]) if K > 2 else []
+        rank0 += [*msg(SendGrad, K - 1, t, 0, owner[K - 2]), OptimizerStep()]
+        rows = [rank0]
+        for r in range(1, K - 1):
+            s, s_up = replayed(r, t), replayed(r + 1, t)
+            row: list[Step] = [RecvAct(r - 1, t, owner[r - 1]), Forward(r, t), SendAct(r, t, owner[r + 1])]
+            row += [Backward(r, s), SendGrad(r, s, owner[r - 1])] if s is not None else []
+            row += msg(RecvGrad, r + 1, s_up, r, owner[r + 1]) + [OptimizerStep()]
+            rows.append(row)
+        table.append(rows)
+    return table
+
+
+def format_timetable(table: list[list[list[Step]]]) -> str:
+    """One line per (iteration, rank), e.g. 't=3 r1 | a0:3<r0 F1:3 a1:3>r2 B1:1 g1:1>r0 g2:2<r2 step'."""
+    return "\n".join(f"t={t} r{r} | " + " ".join(map(str, row))
+                     for t, rows in enumerate(table) for r, row in enumerate(rows))
+
+
+# ----------------------------------------------------------------------------- module maths
+class OuroborosModule(nn.Module):
+    """G_m: [wte + wpe + drop if m == 0] -> blocks -> [ln_f, logits = h V^T if m == K-1].
+
+    Shares its submodules with the GPT2Model it was cut from (G_0 and G_{K-1} share wte).
+    Input: token ids (B, T) for G_0, hidden (B, T, C) otherwise. Output: hidden (B, T, C), or
+    logits (B, T, vocab) for G_{K-1}. Reproduces GPT2LMHeadModel's forward exactly.
+    """
+
+    def __init__(self, index: int, num_modules: int, transformer: nn.Module, blocks: range) -> None:
+        super().__init__()
+        self.index, self.is_first, self.is_last = index, index == 0, index == num_modules - 1
+        self.config = transformer.config
+        if self.is_first:
+            self.wpe, self.drop = transformer.wpe, transformer.drop
+        if self.is_first or self.is_last:
+            self.wte = transformer.wte  # V, tied
+        self.blocks = nn.ModuleList(transformer.h[i] for i in blocks)
+        if self.is_last:
+            self.ln_f = transformer.ln_f
+
+    def forward(self, x: Tensor) -> Tensor:
+        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, T)
+        h = self.drop(self.wte(x) + self.wpe(pos)) if self.is_first else x  # (B, T, C)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
+                                  past_key_values=None, position_ids=pos)
+        for block in self.blocks:
+            h = block(h, attention_mask=mask, position_ids=pos)
+        if self.is_last:
+            return F.linear(self.ln_f(h), self.wte.weight)  # (B, T, vocab) = h V^T
+        return h
+
+
+def build_modules(model: GPT2LMHeadModel, K: int) -> list[OuroborosModule]:
+    """Cut `model` into G_0..G_{K-1} (split_modules), sharing its parameters."""
+    return [OuroborosModule(m, K, model.transformer, blocks)
+            for m, blocks in enumerate(split_modules(model.config.n_layer, K))]
+
+
+def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """HF causal-LM loss: mean CE of logits[:, :-1] against labels[:, 1:], ignoring -100."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def module_forward(module: OuroborosModule, x: Tensor) -> Tensor:
+    """Locked forward of step 1, no graph kept: h_{m+1} = G_m(h_m; current weights)."""
+    with torch.no_grad():
+        return module(x)
+
+
+def _grads(module: nn.Module, out: Tensor, x: Tensor, grad_out: Tensor | None) -> tuple[Tensor | None, list[Tensor]]:
+    params = list(module.parameters())
+    inputs = [x] + params if x.requires_grad else params
+    grads = torch.autograd.grad(out, inputs, grad_outputs=grad_out, materialize_grads=True)
+    return (grads[0], list(grads[1:])) if x.requires_grad else (None, list(grads))
+
+
+def _leaf(x: Tensor) -> Tensor:
+    return x.detach().requires_grad_(x.is_floating_point())
+
+
+def module_backward(module: OuroborosModule, x_saved: Tensor, delta: Tensor) -> tuple[Tensor | None, list[Tensor]]:
+    """Replay backward of step 3 with the module's current weights w:
+    returns (dG(x; w)/dx)^T delta (None for G_0, whose input is ids) and
+    [(dG(x; w)/dp)^T delta for p in module.parameters()]."""
+    with torch.enable_grad():
+        x = _leaf(x_saved)
+        return _grads(module, module(x), x, delta)
+
+
+def loss_backward(module: OuroborosModule, x: Tensor, labels: Tensor) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+    """Step 2 for G_{K-1}: (f, df/dx, [df/dp for p in module.parameters()]), f = lm_loss(G(x), labels)."""
+    with torch.enable_grad():
+        x = _leaf(x)
+        loss = lm_loss(module(x), labels)
+        grad_x, grads = _grads(module, loss, x, None)
+    return loss.detach(), grad_x, grads
+
+
+# ----------------------------------------------------------------------------- reference
+class OuroborosReference:
+    """Single-process Ouroboros (the module docstring's contract), one step() per iteration.
+
+    Owns a deep copy of `model`; `self.model` is that copy (HF layout, tied), `self.parts` its
+    modules. `backward_samples[m]` is the sample G_m backpropagated at the last step (None in
+    warm-up), for checking against ouroboros_timetable.
+    """
+
+    def __init__(self, model: GPT2LMHeadModel, K: int,
+                 make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                 delay: bool = True, tied_rule: Literal["mean", "sum"] | None = None) -> None:
+        cfg = model.config
+        if max(cfg.embd_pdrop, cfg.resid_pdrop, cfg.attn_pdrop) > 0:
+            raise ValueError("OuroborosReference needs embd_pdrop = resid_pdrop = attn_pdrop = 0 "
+                             "(the replay would draw a new dropout mask)")
+        self.model = copy.deepcopy(model)
+        self.K, self.delay, self.t = K, delay, 0
+        self.tie_scale = 0.5 if (tied_rule or ("mean" if delay else "sum")) == "mean" else 1.0
+        self.parts = build_modules(self.model, K)
+        self.optimizer = make_optimizer(self.model.parameters())
+        self.delays = [K - 1 - m if delay else 0 for m in range(K)]
+        self._stash: list[deque[tuple[int, Tensor]]] = [deque() for _ in range(K)]
+        self._inbox: dict[int, tuple[int, Tensor]] = {}  # m -> (s, delta_m^s) received last iteration
+        self.backward_samples: list[int | None] = [None] * K
+
+    def step(self, input_ids: Tensor, labels: Tensor) -> float:
+        """Run iteration t = self.t on batch (input_ids, labels); returns f_t."""
+        K, t = self.K, self.t
+        h = input_ids
+        for m in range(K - 1):  # 1. locked forward with w^t
+            self._stash[m].append((t, h))
+            assert len(self._stash[m]) <= self.delays[m] + 1
+            h = module_forward(self.parts[m], h)
+        loss, delta, grads_last = loss_backward(self.parts[K - 1], h, labels)  # 2.
+        grads: dict[int, list[Tensor]] = {K - 1: grads_last}
+        outbox = {K - 2: (t, delta)}
+        self.backward_samples = [None] * (K - 1) + [t]
+        for m in reversed(range(K - 1)):  # 3. replay backward, delayed or not
+            received = self._inbox.get(m) if self.delay else outbox.get(m)
+            if received is None:  # warm-up: nothing to backprop yet
+                grads[m] = [torch.zeros_like(p) for p in self.parts[m].parameters()]
+                continue
+            s, delta_m = received
+            s_stash, x = self._stash[m].popleft()
+            assert s_stash == s == t - self.delays[m], (m, s_stash, s, t)
+            grad_x, grads[m] = module_backward(self.parts[m], x, delta_m)
+            self.backward_samples[m] = s
+            if m > 0:
+                outbox[m - 1] = (s, grad_x)
+        self._inbox = outbox
+        self._apply(grads)  # 4. and 5.
+        self.t += 1
+        return loss.item()
+
+    def _apply(self, grads: dict[int, list[Tensor]]) -> None:
+        """p.grad = sum of the module gradients of p; the tied V (in G_0 and G_{K-1}) gets
+        tie_scale * (g_Vo + g_Vi). Then one optimizer step over all parameters."""
+        total: dict[int, Tensor] = {}  # id(p) -> summed gradient
+        count: dict[int, int] = {}  # id(p) -> number of modules holding p (2 for V only)
+        for m, part in enumerate(self.parts):
+            for p, g in zip(part.parameters(), grads[m]):
+                total[id(p)] = total[id(p)] + g if id(p) in total else g.clone()
+                count[id(p)] = count.get(id(p), 0) + 1
+        for p in self.model.parameters():
+            p.grad = total[id(p)] * (self.tie_scale if count[id(p)] == 2 else 1.0)
+        self.optimizer.step()

@@ -1,0 +1,221 @@
+"""Pipeline schedule simulator: a timetable + per-op costs -> iteration time, busy time, bubble.
+
+A timetable lists, for every stage s = 0 … K−1, the ops that stage runs, in order. A stage runs
+one op at a time; an op starts when the stage is free and every prerequisite has finished:
+
+    start(s, op) = max( end(previous op of s),  max_{(s', d) ∈ deps(s, op)} end(s', d) + λ·[s' ≠ s] )
+
+with λ the point-to-point latency. Costs come from a callable cost(stage, op) -> seconds (a
+fitted cost model or measurements), dependencies from a callable, so new op kinds (Ouroboros)
+only need a new deps function. bubble = 1 − Σ_s busy_s / (K · iteration_time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from .slicing import Cost, plan_slices, slice_costs
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    kind: str       # "F" forward, "B" backward; other kinds need their own deps function
+    micro: int      # micro-batch index
+    slice: int = 0  # token slice index inside the micro-batch (TeraPipe), 0 otherwise
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.micro}" + (f".{self.slice}" if self.slice else "")
+
+
+Timetable = list[list[Op]]                                  # timetable[stage] = ops in order
+Deps = Callable[[int, Op, int], Iterable[tuple[int, Op]]]   # (stage, op, K) -> [(stage', op')]
+OpCost = Callable[[int, Op], float]                         # (stage, op) -> seconds
+
+
+def pipeline_deps(stage: int, op: Op, num_stages: int) -> list[tuple[int, Op]]:
+    """Data dependencies of a pipeline schedule (GPipe, 1F1B, TeraPipe):
+
+        F(s, m, i) needs F(s−1, m, i)                     (activations from the previous stage)
+                   and   F(s, m, i−1)                     (slice i's key/value context, i > 0)
+        B(s, m, i) needs F(s, m, i)                       (its own activations)
+                   and   B(s+1, m, i)  unless s = K − 1   (the gradient from the next stage)
+
+    B(s, m, i) also consumes the context gradient of B(s, m, i+1); TeraPipe's timetable supplies
+    that order on each stage (backward slices in reverse), so it is not repeated here.
+    """
+    s, m, i = stage, op.micro, op.slice
+    if op.kind == "F":
+        return ([(s - 1, op)] if s > 0 else []) + ([(s, Op("F", m, i - 1))] if i > 0 else [])
+    if op.kind == "B":
+        return [(s, Op("F", m, i))] + ([(s + 1, op)] if s < num_stages - 1 else [])
+    raise ValueError(f"pipeline_deps knows ops F and B, got {op.kind!r}: pass deps= for new kinds")
+
+
+@dataclass(frozen=True)
+class SimResult:
+    iteration_time: float                                # max over ops of end time
+    busy: list[float]                                    # per stage: Σ op durations
+    bubble_fraction: float                               # 1 − Σ busy / (K · iteration_time)
+    times: dict[tuple[int, Op], tuple[float, float]]     # (stage, op) -> (start, end)
+
+    def gantt(self, width: int = 80) -> str:
+        """One text row per stage; each op drawn as its label over its duration."""
+        scale = width / self.iteration_time if self.iteration_time > 0 else 0.0
+        rows = [[" "] * width for _ in self.busy]
+        for (s, op), (a, b) in self.times.items():
+            lo = min(int(a * scale), width - 1)
+            hi = max(min(int(round(b * scale)), width), lo + 1)
+            rows[s][lo:hi] = list((str(op) + "." * width)[: hi - lo])
+        return "\n".join(f"{s:>3} |{''.join(r)}|" for s, r in enumerate(rows))
+
+
+def simulate(timetable: Sequence[Sequence[Op]], cost: OpCost, *, latency: float = 0.0,
+             deps: Deps = pipeline_deps) -> SimResult:
+    """Run the timetable; raise ValueError on a duplicate op, a never-scheduled dependency or a
+    deadlock (some stage's next op waits on an op that can never finish), naming the ops."""
+    K = len(timetable)
+    prereq: dict[tuple[int, Op], list[tuple[int, Op]]] = {}
+    for s, ops in enumerate(timetable):
+        for op in ops:
+            if (s, op) in prereq:
+                raise ValueError(f"stage {s} runs {op} twice")
+            prereq[(s, op)] = list(deps(s, op, K))
+    for (s, op), pre in prereq.items():
+        for d in pre:
+            if d not in prereq:
+                raise ValueError(f"stage {s} {op} needs {d[1]} on stage {d[0]}, which is never scheduled")
+
+    end: dict[tuple[int, Op], float] = {}
+    times: dict[tuple[int, Op], tuple[float, float]] = {}
+    nxt, free, busy = [0] * K, [0.0] * K, [0.0] * K
+    progress = True
+    while progress:
+        progress = False
+        for s in range(K):
+            while nxt[s] < len(timetable[s]):
+                key = (s, timetable[s][nxt[s]])
+                if any(d not in end for d in prereq[key]):
+                    break
+                start = max([free[s]] + [end[d] + (latency if d[0] != s else 0.0) for d in prereq[key]])
+                dur = float(cost(*key))
+                if dur < 0:
+                    raise ValueError(f"negative cost {dur} for stage {s} {key[1]}")
+                times[key] = (start, start + dur)
+                end[key] = free[s] = start + dur
+                busy[s] += dur
+                nxt[s] += 1
+                progress = True
+    stuck = [(s, timetable[s][nxt[s]]) for s in range(K) if nxt[s] < len(timetable[s])]
+    if stuck:
+        why = "; ".join(f"stage {s} waits at {op} for "
+                        + ", ".join(f"{d[1]}@stage{d[0]}" for d in prereq[(s, op)] if d not in end)
+                        for s, op in stuck)
+        raise ValueError(f"deadlock: {why}")
+    T = max(end.values(), default=0.0)
+    bubble = 1.0 - sum(busy) / (K * T) if T > 0 else 0.0
+    return SimResult(T, busy, bubble, times)
+
+
+# ------------------------------------------------------------------ timetables
+
+def _F(m: int, i: int = 0) -> Op:
+    return Op("F", m, i)
+
+
+def _B(m: int, i: int = 0) -> Op:
+    return Op("B", m, i)
+
+
+def gpipe_timetable(K: int, M: int) -> Timetable:
+    """GPipe: every stage runs all forwards, then all backwards, last micro-batch first:
+
+        F0 F1 … F(M−1)  B(M−1) … B1 B0
+    """
+    forward = [_F(m) for m in range(M)]
+    backward = [_B(m) for m in reversed(range(M))]
+    return [forward + backward for _ in range(K)]
+
+
+def one_f_one_b_timetable(K: int, M: int) -> Timetable:
+    """1F1B (PipeDream-flush, DeepSpeed's TrainSchedule). Stage s runs
+
+        warm-up:   F0 … F(w−1)                      w = min(K − s − 1, M) forwards
+        steady:    F(w) B0  F(w+1) B1 …             M − w pairs, one forward then one backward
+        cool-down: B(M−w) … B(M−1)                  the w backwards still owed
+
+    e.g. K = 3, M = 4:  stage 0: F0 F1 F2 B0 F3 B1 B2 B3;  stage 2: F0 B0 F1 B1 F2 B2 F3 B3.
+    """
+    table = []
+    for s in range(K):
+        w = min(K - s - 1, M)
+        warmup = [_F(m) for m in range(w)]
+        steady = [op for m in range(M - w) for op in (_F(w + m), _B(m))]
+        cooldown = [_B(m) for m in range(M - w, M)]
+        table.append(warmup + steady + cooldown)
+    return table
+
+
+def terapipe_timetable(K: int, slices_count: int, micro: int = 1) -> Timetable:
+    """TeraPipe: every stage forwards all token slices of every micro-batch in order, then
+    backwards them in reverse (slice i's backward needs slice i+1's context gradient):
+
+        F0.0 F0.1 … F0.(N−1)  F1.0 …  |  … B1.0  B0.(N−1) … B0.1 B0.0
+    """
+    forward = [_F(m, i) for m in range(micro) for i in range(slices_count)]
+    backward = [_B(m, i) for m in reversed(range(micro)) for i in reversed(range(slices_count))]
+    return [forward + backward for _ in range(K)]
+
+
+def terapipe_op_cost(slices: Sequence[int], cost: Cost, fwd_fraction: float = 1 / 3) -> OpCost:
+    """Per-op cost from a per-stage fwd+bwd slice cost t(l_i, c_i): F takes fwd_fraction of it,
+    B the rest (backward ≈ 2 × forward FLOPs, hence 1/3). Same on every stage and micro-batch."""
+    t = slice_costs(slices, cost)
+    return lambda s, op: t[op.slice] * (fwd_fraction if op.kind == "F" else 1.0 - fwd_fraction)
+
+
+# ------------------------------------------------------------------ projection to GPT-3 shapes
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    seq_len: int = 2048
+
+    def slice_flops(self, i: int, j: int, layers: float) -> float:
+        """Forward FLOPs of i tokens after j context tokens through `layers` layers:
+        per token 24·h² (QKV, proj, 4h MLP: 2·12h² MACs) plus 4·h per attended key
+        (QKᵀ and AV); a causal slice attends to i·j + i(i+1)/2 (query, key) pairs."""
+        h = self.hidden
+        return layers * (24 * h * h * i + 4 * h * (i * j + i * (i + 1) / 2))
+
+
+# GPT-3 shapes of the TeraPipe paper's Table 1 (params ≈ 12·layers·h²), sequence length 2048.
+GPT3_SHAPES: dict[str, ModelShape] = {
+    "gpt3-1b": ModelShape(layers=24, hidden=2048),
+    "gpt3-13b": ModelShape(layers=40, hidden=5120),
+    "gpt3-44b": ModelShape(layers=96, hidden=6144),
+    "gpt3-175b": ModelShape(layers=96, hidden=12288),
+}
+
+
+def project_gpt3(cost: Cost, measured: ModelShape, measured_stages: int,
+                 target: str | ModelShape, num_stages: int, *, slices: Sequence[int] | None = None,
+                 micro: int = 1, granularity: int = 16,
+                 latency: float = 0.0) -> tuple[list[int], SimResult]:
+    """Predict a TeraPipe iteration of `target` on num_stages stages from a measured stage cost.
+
+    t_target(i, j) = t_measured(i, j) · FLOPs_target(i, j) / FLOPs_measured(i, j), FLOPs per stage
+    (layers / stages each): everything, overheads included, is assumed to scale with FLOPs (a
+    compute-bound device of the same speed). Slices default to plan_slices on the target cost.
+    Returns (slices, simulated result of terapipe_timetable).
+    """
+    tgt = GPT3_SHAPES[target] if isinstance(target, str) else target
+    lm, lt = measured.layers / measured_stages, tgt.layers / num_stages
+
+    def projected(i: int, j: int) -> float:
+        return cost(i, j) * tgt.slice_flops(i, j, lt) / measured.slice_flops(i, j, lm)
+
+    if slices is None:
+        slices = plan_slices(tgt.seq_len, num_stages, projected, granularity=granularity).slices
+    table = terapipe_timetable(num_stages, len(slices), micro)
+    return list(slices), simulate(table, terapipe_op_cost(slices, projected), latency=latency)

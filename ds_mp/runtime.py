@@ -1,0 +1,117 @@
+"""Wiring behind :func:`ds_mp.initialize`: distributed init, config, model, engine."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+import torch
+
+from ds_mp.config import ConfigError, DsMpConfig, InlineModel, load_config, read_json
+from ds_mp.models.gpt2 import WeightSource, build_gpt2_pipeline
+from ds_mp.topology import Topology
+
+
+def init_distributed(timeout_s: float | None = None) -> None:
+    """``deepspeed.init_distributed`` with a bounded collective timeout.
+
+    The timeout (``DS_MP_TIMEOUT`` seconds, default 300) makes a dead peer fail the job
+    instead of hanging it.  DeepSpeed's shared-memory all-reduce op (only used for
+    inference) is JIT-compiled on first use (~1 min on a fresh machine); ds_mp skips it
+    unless ``DS_MP_SHM_COMM=1``.
+    """
+    import datetime
+
+    import deepspeed
+    import deepspeed.ops
+
+    if os.environ.get("DS_MP_SHM_COMM", "0") != "1":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    secs = timeout_s if timeout_s is not None else float(os.environ.get("DS_MP_TIMEOUT", "300"))
+    if not torch.distributed.is_initialized():
+        for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                             ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")):
+            os.environ.setdefault(key, default)  # a plain `python script.py` is a 1-rank job
+    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=secs), verbose=False)
+
+
+def hf_config_from(shape: InlineModel) -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
+                      vocab_size=shape.vocab_size, n_positions=shape.n_positions,
+                      resid_pdrop=shape.dropout, embd_pdrop=shape.dropout, attn_pdrop=shape.dropout,
+                      bos_token_id=0, eos_token_id=0)
+
+
+def weight_source(model: Any, cfg: DsMpConfig, seed: int) -> WeightSource:
+    """Where the weights come from: a model object, an HF/ds_mp directory, or fresh init."""
+    if model is not None and not isinstance(model, str):
+        return WeightSource.from_model(model)
+    path = model if isinstance(model, str) else (cfg.model if isinstance(cfg.model, str) else None)
+    if path:
+        from ds_mp.checkpoint.hf import directory_source
+
+        return directory_source(path)
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(seed)  # identical fresh weights on every rank; each keeps its shard
+    return WeightSource.from_model(GPT2LMHeadModel(hf_config_from(cfg.shape)))
+
+
+def build_engine(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from ds_mp.pipeline.engine import DsMpPipelineEngine
+    from ds_mp.tensor_parallel.random import seed_everything
+
+    if config is None:
+        config = getattr(args, "deepspeed_config", None)
+        if config is None:
+            raise ConfigError("config: pass config=PATH|dict or --deepspeed_config PATH")
+    raw = read_json(config)
+    if isinstance(model, str) or (model is not None and hasattr(model, "config")):
+        raw = copy.deepcopy(raw)
+        raw.setdefault("ds_mp", {})["model"] = model if isinstance(model, str) else None
+        if not isinstance(model, str):
+            raw["ds_mp"]["model"] = _inline_from_hf(model.config)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg, raw = load_config(raw, world)  # every rank, before any collective
+    init_distributed()
+    world = torch.distributed.get_world_size()
+    if world != cfg.world_size:
+        cfg, raw = load_config(raw, world)
+    topology = Topology(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=torch.distributed.get_rank())
+    seed_everything(cfg.training.seed, topology.tp_rank)
+    src = weight_source(model, cfg, cfg.training.seed)
+    net = build_gpt2_pipeline(src, topology, partition=cfg.pipeline.partition,
+                              sequence_parallel=cfg.tensor_parallel.sequence_parallel,
+                              vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,
+                              activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval)
+    if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1 and cfg.data.seq_len % cfg.tp:
+        raise ConfigError(f"ds_mp.tensor_parallel.sequence_parallel: data.seq_len={cfg.data.seq_len} "
+                          f"must be divisible by tensor_parallel.size={cfg.tp}")
+    ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
+    ds_dict.setdefault("train_micro_batch_size_per_gpu", 1)
+    ds_dict.setdefault("gradient_accumulation_steps", 1)
+    ds_dict.pop("train_batch_size", None)  # derived: micro × accumulation × DP
+    mpu = net.mpu()
+    params = [p for p in net.parameters() if p.requires_grad]
+    engine = DsMpPipelineEngine(args=args, model=net, optimizer=optimizer, model_parameters=params,
+                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                                config=ds_dict, config_class=DeepSpeedConfig(ds_dict, mpu),
+                                ds_mp_config=cfg, topology=topology)
+    engine.hf_config = src.config
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _inline_from_hf(hf: Any) -> dict:
+    return {"n_layer": hf.n_layer, "n_embd": hf.n_embd, "n_head": hf.n_head, "vocab_size": hf.vocab_size,
+            "n_positions": hf.n_positions, "dropout": float(hf.resid_pdrop)}
+
+
+def dump_config(cfg: DsMpConfig) -> str:
+    import dataclasses
+
+    return json.dumps(dataclasses.asdict(cfg), indent=2, default=str)

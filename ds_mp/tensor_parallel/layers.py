@@ -1,0 +1,101 @@
+"""Tensor-parallel layers built from full Hugging Face (``Conv1D``-layout) tensors.
+
+Each layer is constructed from the *full* weight (``[in, out]``, as GPT-2's ``Conv1D``
+stores it) and keeps only this rank's shard (:mod:`ds_mp.tensor_parallel.sharding`), so
+the same classes serve freshly initialised and ``from_pretrained`` models.  Every
+parameter carries ``tp_kind`` (how it is sharded) for clipping and checkpointing.
+
+With sequence parallelism on, activations between layers are split along the sequence
+(dim 1); the all-reduce of a TP region becomes all-gather at entry and reduce-scatter at
+exit, and LayerNorm parameters (replicated) see only a slice of tokens, so their
+gradients are summed over the TP group (``sequence_parallel`` attribute).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ds_mp.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, reduce_from_tp,
+                                            reduce_scatter_to_sequence)
+from ds_mp.tensor_parallel.sharding import shard
+
+
+def tp_parameter(full: torch.Tensor, kind: str, rank: int, size: int, **meta: int) -> nn.Parameter:
+    """An ``nn.Parameter`` holding this rank's shard of ``full``, tagged with ``tp_kind``."""
+    p = nn.Parameter(shard(full.detach(), kind, rank, size, **meta).clone().contiguous())
+    p.tp_kind = kind  # type: ignore[attr-defined]
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y_r = X A_r + b_r`` with ``A = [A_1 … A_p]`` split by columns; no communication
+    on the output (a following GeLU is element-wise).  Backward all-reduces ``dX``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group: Any, rank: int, size: int,
+                 kind: str = "column", n_head: int = 0, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.weight = tp_parameter(weight, kind, rank, size, n_head=n_head)  # (in, out/p)
+        self.bias = tp_parameter(bias, kind, rank, size, n_head=n_head)  # (out/p,)
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.group, dim=1)  # (B, T/p, C) -> (B, T, C)
+        else:
+            x = copy_to_tp(x, self.group)
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = Σ_r X_r A_r + b`` with ``A = [A_1; …; A_p]`` split by rows; one all-reduce
+    (reduce-scatter along the sequence with SP) and the replicated bias added once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group: Any, rank: int, size: int,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.weight = tp_parameter(weight, "row", rank, size)  # (in/p, out)
+        self.bias = tp_parameter(bias, "replicated", rank, size)  # (out,)
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.mm(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.group, dim=1)
+        else:
+            y = reduce_from_tp(y, self.group)
+        return y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[r·V_p/p, (r+1)·V_p/p)`` of the (padded) embedding on rank r.
+
+    ``forward(ids)``: local lookup with out-of-block ids zeroed, then all-reduce (or
+    reduce-scatter along the sequence with SP).  ``logits(h)``: the tied LM head,
+    ``h Eᵀ`` restricted to the local vocab block, ``(B, T, V_p/p)``.
+    """
+
+    def __init__(self, weight: torch.Tensor, group: Any, rank: int, size: int, padded_vocab: int,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.weight = tp_parameter(weight, "vocab", rank, size, padded_vocab=padded_vocab)
+        self.per_rank = padded_vocab // size
+        self.vocab_start = rank * self.per_rank
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        emb = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(emb, self.group, dim=1)
+        return reduce_from_tp(emb, self.group)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            h = gather_from_sequence(h, self.group, dim=1)
+        else:
+            h = copy_to_tp(h, self.group)
+        return torch.matmul(h, self.weight.t())

@@ -1,0 +1,166 @@
+"""Autograd-aware collectives for tensor (and sequence) parallelism.
+
+Megatron-LM's conjugate pair, with the group always passed in:
+
+    f = copy_to_tp      forward: identity        backward: all-reduce
+    g = reduce_from_tp  forward: all-reduce      backward: identity
+
+A column-parallel linear starts with f, a row-parallel linear ends with g, so an MLP
+``Y = GeLU(X A) B`` with ``A = [A_1 … A_p]`` (columns) and ``B = [B_1; …; B_p]`` (rows)
+needs exactly one all-reduce forward and one backward.
+
+Sequence parallelism (Korthikanti et al.) replaces f/g around the LayerNorm/dropout regions
+by an all-gather along the sequence (forward; reduce-scatter backward) and a
+reduce-scatter (forward; all-gather backward).  gloo has no reduce-scatter, so it is an
+all-reduce followed by taking the local chunk there; results are identical.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Group = Any
+
+
+def _world(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if _world(group) == 1:
+        return x
+    # gloo cannot reduce bf16/fp16 in every torch version: reduce in fp32.
+    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
+        y = x.float()
+        dist.all_reduce(y, group=group)
+        return y.to(x.dtype)
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    n = _world(group)
+    if n == 1:
+        return x
+    if x.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by {n} ranks")
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    n = _world(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
+        fparts = [p.float() for p in parts]
+        dist.all_gather(fparts, x.float(), group=group)
+        parts = [p.to(x.dtype) for p in fparts]
+    else:
+        dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    if _world(group) == 1:
+        return x
+    return _split(_all_reduce(x.clone(), group), dim, group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+class _ScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):  # type: ignore[override]
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):  # type: ignore[override]
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherSeqReduceScatterGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):  # type: ignore[override]
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):  # type: ignore[override]
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """f: forward identity, backward all-reduce over ``group``."""
+    return x if _world(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """g: forward all-reduce over ``group``, backward identity."""
+    return x if _world(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Forward: keep this rank's chunk along ``dim``; backward: all-gather."""
+    return x if _world(group) == 1 else _ScatterAlong.apply(x, dim, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Forward: all-gather along ``dim``; backward: keep this rank's chunk."""
+    return x if _world(group) == 1 else _GatherAlong.apply(x, dim, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """SP entry into a TP region: forward all-gather along ``dim``; backward reduce-scatter."""
+    return x if _world(group) == 1 else _GatherSeqReduceScatterGrad.apply(x, dim, group)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """SP exit from a TP region: forward reduce-scatter along ``dim``; backward all-gather."""
+    return x if _world(group) == 1 else _ReduceScatterSeq.apply(x, dim, group)

@@ -1,0 +1,61 @@
+"""Shared test fixtures: tiny GPT-2 models, configs, single-process HF references."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+
+def tiny_gpt2(seed: int = 0, n_layer: int = 4, n_embd: int = 48, n_head: int = 4, vocab: int = 203,
+              n_positions: int = 64, dropout: float = 0.0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=n_positions,
+                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def batches(n: int, micro: int, seq: int, vocab: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (micro, seq), generator=g)
+        out.append((ids, ids.clone()))
+    return out
+
+
+def ds_config(tp: int = 1, pp: int = 1, micro: int = 2, gas: int = 2, lr: float = 0.05, clip: float = 0.0,
+              schedule: str = "1f1b", optimizer: str = "SGD", seq: int = 16, **ds_mp: Any) -> dict:
+    opt = {"type": optimizer, "params": {"lr": lr}}
+    if optimizer.lower() in ("adam", "adamw"):
+        opt["params"]["torch_adam"] = True
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+           "optimizer": opt, "gradient_clipping": clip, "steps_per_print": 10**9,
+           "ds_mp": {"tensor_parallel": {"size": tp}, "pipeline": {"stages": pp, "schedule": schedule},
+                     "data": {"seq_len": seq}}}
+    for k, v in ds_mp.items():
+        cfg["ds_mp"].setdefault(k, {}).update(v) if isinstance(v, dict) else cfg["ds_mp"].__setitem__(k, v)
+    return cfg
+
+
+def hf_reference(model, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], lr: float = 0.05,
+                 clip: float = 0.0, optimizer: str = "SGD") -> tuple[list[float], Any]:
+    """Single-process HF training: per step, mean loss over the micro-batches (GAS)."""
+    model = copy.deepcopy(model).train()
+    opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "SGD"
+           else torch.optim.Adam(model.parameters(), lr=lr))
+    losses = []
+    for micro_batches in steps:
+        opt.zero_grad()
+        total = 0.0
+        for ids, labels in micro_batches:
+            loss = model(input_ids=ids, labels=labels).loss / len(micro_batches)
+            loss.backward()
+            total += float(loss)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(total)
+    return losses, model

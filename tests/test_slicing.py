@@ -1,0 +1,127 @@
+"""TeraPipe slicing planner: DP vs brute force, bounds, granularity, cost-model fit and I/O."""
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from ds_mp.pipeline.slicing import (
+    CostModel, batch_cost, best_uniform, fit_cost_model, plan_joint, plan_slices,
+    predicted_time, predicted_time_joint, profile_stage, uniform_slices,
+)
+
+COSTS = {
+    "model": CostModel(c0=1.0, c1=0.3, c2=0.02, a0=0.2, a1=0.05, a2=0.01, a3=0.04),
+    "attention": lambda i, j: 0.5 + i + 0.1 * i * (i + 1) / 2 + 0.1 * i * j,
+    "bumpy": lambda i, j: 1.0 + 0.3 * ((7 * i + 3 * j) % 5) + 0.1 * i * i,
+    "overhead": lambda i, j: 2.0 + i,
+}
+
+
+def compositions(L: int):
+    """Every (l_1, …, l_M) with l_k ≥ 1 and Σ l_k = L (2^(L−1) of them)."""
+    for cuts in itertools.product([False, True], repeat=L - 1):
+        out, run = [], 1
+        for c in cuts:
+            if c:
+                out.append(run)
+                run = 1
+            else:
+                run += 1
+        yield out + [run]
+
+
+@pytest.mark.parametrize("name", sorted(COSTS))
+@pytest.mark.parametrize("K", [1, 2, 4])
+@pytest.mark.parametrize("L", [1, 5, 10])
+def test_dp_equals_brute_force(name: str, K: int, L: int) -> None:
+    cost = COSTS[name]
+    best = min(predicted_time(s, K, cost) for s in compositions(L))
+    plan = plan_slices(L, K, cost)
+    assert sum(plan.slices) == L and min(plan.slices) >= 1
+    assert plan.predicted_time == pytest.approx(best, rel=1e-12)
+    assert plan.predicted_time == pytest.approx(predicted_time(plan.slices, K, cost), rel=1e-12)
+
+
+def test_single_stage_gives_single_slice() -> None:
+    cost = CostModel(c0=1.0, c1=0.1, a3=0.01)
+    assert plan_slices(64, 1, cost).slices == [64]
+
+
+def test_context_cost_makes_early_slices_longer() -> None:
+    cost = CostModel(c0=0.5, c1=1.0, a3=0.01)
+    s = plan_slices(64, 4, cost).slices
+    assert len(s) > 1 and s[0] >= s[-1]
+    assert s[0] > s[-1]  # here strictly: later slices pay for a longer context
+
+
+@pytest.mark.parametrize("eps", [0.05, 0.3, 1.0])
+def test_eps_grid_within_bound(eps: float) -> None:
+    cost, K = COSTS["model"], 4
+    exact = plan_slices(48, K, cost).predicted_time
+    approx = plan_slices(48, K, cost, eps=eps).predicted_time
+    assert exact - 1e-9 <= approx <= exact + (K - 1) * eps + 1e-9
+
+
+def test_granularity_respected() -> None:
+    plan = plan_slices(100, 4, COSTS["attention"], granularity=16)
+    assert sum(plan.slices) == 100
+    assert all(l % 16 == 0 for l in plan.slices[:-1])
+
+
+def test_long_sequence_plans_fast_and_beats_uniform() -> None:
+    cost = CostModel(c0=1e-3, c1=1e-5, c2=1e-9, a0=1e-4, a1=1e-6, a2=1e-7, a3=2e-9)
+    t0 = time.perf_counter()
+    plan = plan_slices(2048, 8, cost, granularity=16)
+    assert time.perf_counter() - t0 < 2.0
+    assert plan.predicted_time <= best_uniform(2048, 8, cost, 64).predicted_time + 1e-12
+    assert plan.predicted_time <= plan_slices(2048, 8, cost, granularity=16, eps=1e-4).predicted_time
+
+
+def test_uniform_slices() -> None:
+    assert uniform_slices(10, 3) == [4, 3, 3]
+    assert uniform_slices(8, 8) == [1] * 8
+    with pytest.raises(ValueError):
+        uniform_slices(3, 4)
+
+
+def test_joint_equals_brute_force() -> None:
+    B, L, K = 3, 4, 3
+    cost = batch_cost(COSTS["attention"], b_ref=1, overhead=0.5)
+    partitions = [[3], [2, 1], [1, 1, 1]]
+    best = min(predicted_time_joint(list(zip(p, ss)), K, cost)
+               for p in partitions for ss in itertools.product(list(compositions(L)), repeat=len(p)))
+    plan = plan_joint(B, L, K, cost)
+    assert sum(b for b, _ in plan) == B and all(sum(s) == L for _, s in plan)
+    assert predicted_time_joint(plan, K, cost) == pytest.approx(best, rel=1e-12)
+
+
+def test_joint_respects_batch_sizes() -> None:
+    plan = plan_joint(4, 32, 4, batch_cost(COSTS["model"]), granularity=8, batch_sizes=[2, 4])
+    assert all(b in (2, 4) for b, _ in plan) and sum(b for b, _ in plan) == 4
+    with pytest.raises(ValueError, match="not a sum"):
+        plan_joint(3, 8, 2, batch_cost(COSTS["model"]), batch_sizes=[2])
+
+
+def test_fit_recovers_coefficients() -> None:
+    true = CostModel(c0=1e-3, c1=2e-5, c2=3e-8, a0=4e-4, a1=5e-6, a2=6e-7, a3=7e-9)
+    samples = [(i, j, true(i, j)) for i in (8, 16, 32, 64, 128, 256) for j in (0, 32, 128, 512)]
+    fit, err = fit_cost_model(samples)
+    assert err < 1e-6
+    for k, v in true.to_dict().items():
+        assert getattr(fit, k) == pytest.approx(v, rel=1e-2), k
+
+
+def test_save_load_round_trip(tmp_path) -> None:
+    m = CostModel(c0=1.5, c1=2.0, c2=0.25, a0=0.1, a1=0.2, a2=0.3, a3=0.4)
+    m.save(tmp_path / "cost.json")
+    assert CostModel.load(tmp_path / "cost.json") == m
+    assert CostModel.from_dict(m.to_dict()) == m
+
+
+def test_profile_stage_calls_and_shapes() -> None:
+    calls = []
+    out = profile_stage(lambda i, j: calls.append((i, j)), [4, 8], [0, 16], repeats=3, warmup=1)
+    assert [(i, j) for i, j, _ in out] == [(4, 0), (4, 16), (8, 0), (8, 16)]
+    assert all(t >= 0 for *_, t in out) and len(calls) == 4 * 4

@@ -223,9 +223,9 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
         raise ConfigError(f"ds_mp.training.on_nan: must be 'stop' or 'skip', got {cfg.training.on_nan!r}")
     if pp.schedule not in SCHEDULES:
         close = difflib.get_close_matches(pp.schedule, list(SCHEDULES), n=1)
-        hint = f"did you mean '{close[0]}'?" if close else ""
+        hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"ds_mp.pipeline.schedule: unknown schedule {pp.schedule!r}; "
-                          f"registered: {', '.join(sorted(SCHEDULES))} {hint}".rstrip())
+                          f"registered: {', '.join(sorted(SCHEDULES))}{hint}")
 
     shape = _model_shape(cfg)
     for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
@@ -264,7 +264,8 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
                               f"integers (blocks per stage), got {pp.partition}")
         if sum(pp.partition) != shape.n_layer:
             raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition} sums to "
-                              f"{sum(pp.partition)} but the model has {shape.n_layer} blocks")
+                              f"{sum(pp.partition)} but the model has {shape.n_layer} blocks; "
+                              f"make them sum to {shape.n_layer}")
     elif pp.partition not in ("uniform", "parameters"):
         raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} is not 'uniform', "
                           "'parameters' or a list of blocks per stage")

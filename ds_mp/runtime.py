@@ -97,13 +97,37 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     ds_dict.setdefault("gradient_accumulation_steps", 1)
     ds_dict.pop("train_batch_size", None)  # derived: micro × accumulation × DP
     mpu = net.mpu()
-    params = [p for p in net.parameters() if p.requires_grad]
+    params, optimizer = optimizer_setup(net, ds_dict, optimizer)
     engine = DsMpPipelineEngine(args=args, model=net, optimizer=optimizer, model_parameters=params,
                                 training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                                 config=ds_dict, config_class=DeepSpeedConfig(ds_dict, mpu),
                                 ds_mp_config=cfg, topology=topology)
     engine.hf_config = src.config
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def optimizer_setup(net: torch.nn.Module, ds_dict: dict, optimizer: Any) -> tuple[list, Any]:
+    """Parameter groups (no weight decay on biases/LayerNorm) and, for ``"type": "Lamb"``,
+    ds_mp's own LAMB (DeepSpeed's Lamb is CUDA-only): it is passed to DeepSpeed as a
+    client optimizer and the ``optimizer`` block is removed from the dict DeepSpeed sees.
+    """
+    from ds_mp.optim import Lamb, param_groups_no_decay
+
+    block = ds_dict.get("optimizer") or {}
+    opts = dict(block.get("params", {}))
+    groups = param_groups_no_decay(net, float(opts.get("weight_decay", 0.0)))
+    if optimizer is None and str(block.get("type", "")).lower() == "lamb":
+        allowed = {"lr", "betas", "eps", "weight_decay", "max_trust", "bias_correction", "max_coeff"}
+        unknown = set(opts) - allowed
+        if unknown:
+            raise ConfigError(f"optimizer.params: {sorted(unknown)} not understood by ds_mp's Lamb; "
+                              f"use {sorted(allowed - {'max_coeff'})}")
+        if "max_coeff" in opts:  # DeepSpeed's name for the trust-ratio clip
+            opts["max_trust"] = opts.pop("max_coeff")
+        opts.pop("weight_decay", None)
+        optimizer = Lamb(groups, **opts)
+        del ds_dict["optimizer"]
+    return groups, optimizer
 
 
 def _inline_from_hf(hf: Any) -> dict:

@@ -36,6 +36,8 @@ class DsMpPipelineEngine(PipelineEngine):
         self.trace: list[tuple[str, int, float, float]] = []  # (instruction, buffer, start, end)
         self.trace_enabled = False
         self.last_grad_norm: float | None = None
+        self.nonfinite_steps = 0  # optimizer steps skipped because a gradient was NaN/Inf
+        self.last_step_nonfinite = False
         self._buffer_loss: dict[int, torch.Tensor] = {}
         self._loaded_micro: dict[int, int] = {}
         self._recv_micro: dict[int, int] = {}
@@ -108,6 +110,26 @@ class DsMpPipelineEngine(PipelineEngine):
                 if p.grad is not None and getattr(p, "tp_kind", "") == "replicated":
                     dist.all_reduce(p.grad, group=ctx.group)
         super()._exec_reduce_grads()
+
+    def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
+        """Skip the update (weights stay finite) when any gradient is NaN/Inf anywhere.
+
+        fp16 runs keep DeepSpeed's own loss-scaler overflow handling instead.
+        """
+        if not self.fp16_enabled():
+            bad = torch.zeros(1)
+            for p in self.module.parameters():
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    bad.fill_(1.0)
+                    break
+            if torch.distributed.get_world_size() > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            self.last_step_nonfinite = bool(bad.item())
+            if self.last_step_nonfinite:
+                self.nonfinite_steps += 1
+                self.zero_grad()
+                return
+        super()._exec_optimizer_step(lr_kwargs)
 
     def global_grad_norm(self) -> float:
         """‖g‖₂ over the whole model: each TP shard once, each replicated or tied tensor

@@ -1,0 +1,227 @@
+"""The training / fine-tuning loop behind ``launch/train.py`` and ``launch/finetune.py``.
+
+    deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/quickstart.json
+
+Reads everything from the ``"ds_mp"`` block; rank 0 shows a progress bar (loss,
+tokens/s) and writes ``<output_dir>/log.csv``; validation every ``eval_interval``
+steps; layout-free checkpoints every ``checkpoint_interval`` steps and at the end
+(``--resume`` continues from the latest, at any TP × PP × DP); an HF directory is
+exported to ``<output_dir>/hf`` at the end.
+
+Metrics (per log interval):
+  tokens/s   = global batch × seq_len / mean step time
+  TFLOP/s    = F / step time, with Megatron-LM's count for a GPT of l layers, hidden h,
+               vocab V, batch B, sequence s (forward + backward, no recomputation):
+               F = 72 B s l h² (1 + s/(6h) + V/(12 l h))
+  bubble     = 1 − (forward + backward time) / step time on this rank (pipeline idle share)
+  peak_mem   = peak resident memory of this rank (CPU) or peak allocated (GPU), MiB
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ds_mp.config import ConfigError, DsMpConfig, load_config, read_json
+
+
+class NonFiniteLoss(RuntimeError):
+    """Raised when the loss is NaN/Inf and ``training.on_nan`` is "stop"."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Train or fine-tune GPT-2 with ds_mp (run under `deepspeed`).")
+    p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", required=True,
+                   help="DeepSpeed JSON with a \"ds_mp\" block")
+    p.add_argument("--resume", action="store_true", help="continue from <output_dir>/checkpoints/latest")
+    p.add_argument("--model", default=None, help="HF GPT-2 directory to fine-tune (overrides ds_mp.model)")
+    p.add_argument("--data", default=None, help="prepared dataset dir (overrides ds_mp.data.path)")
+    p.add_argument("--steps", type=int, default=None, help="override ds_mp.training.steps")
+    p.add_argument("--output_dir", default=None, help="override ds_mp.training.output_dir")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def megatron_flops(cfg: DsMpConfig, batch: int) -> float:
+    s, l, h, V = cfg.data.seq_len, cfg.shape.n_layer, cfg.shape.n_embd, cfg.shape.vocab_size
+    return 72.0 * batch * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def peak_memory_mib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _apply_overrides(raw: dict, args: argparse.Namespace) -> dict:
+    block = raw.setdefault("ds_mp", {})
+    if args.model:
+        block["model"] = args.model
+    if args.data:
+        block.setdefault("data", {})["path"] = args.data
+    if args.steps is not None:
+        block.setdefault("training", {})["steps"] = args.steps
+    if args.output_dir:
+        block.setdefault("training", {})["output_dir"] = args.output_dir
+    return raw
+
+
+def _dataset(cfg: DsMpConfig) -> tuple[str, Any, Any]:
+    from ds_mp.data import DataError, TokenDataset, ensure_default_dataset
+
+    path = cfg.data.path or ensure_default_dataset(
+        cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "ds_mp"), cfg.data.vocab_size)
+    train, val = TokenDataset(path, "train"), TokenDataset(path, "val")
+    if train.vocab_size > cfg.shape.vocab_size:
+        raise DataError(f"data: tokenizer vocab {train.vocab_size} exceeds the model's vocab_size "
+                        f"{cfg.shape.vocab_size}; raise ds_mp.model.vocab_size or use the model's tokenizer")
+    return path, train, val
+
+
+class CsvLog:
+    FIELDS = ["step", "loss", "val_loss", "lr", "tokens_per_s", "tflops", "bubble", "grad_norm",
+              "peak_mem_mib", "skipped", "elapsed_s"]
+
+    def __init__(self, path: str, resume: bool) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        new = not (resume and os.path.exists(path))
+        self.f = open(path, "w" if new else "a", newline="")
+        self.w = csv.DictWriter(self.f, fieldnames=self.FIELDS)
+        if new:
+            self.w.writeheader()
+
+    def row(self, **kw: Any) -> None:
+        self.w.writerow({k: kw.get(k, "") for k in self.FIELDS})
+        self.f.flush()
+
+
+def evaluate(engine: Any, val_batches: Any) -> float:
+    """Mean validation loss over ``val_batches`` (every rank returns the same value)."""
+    it = iter(val_batches)
+    n = max(1, len(val_batches) // engine.micro_batches)
+    losses = [float(engine.eval_batch(it)) for _ in range(n)]
+    return sum(losses) / len(losses)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return _run(args)
+    except (ConfigError, NonFiniteLoss) as e:
+        print(f"ds_mp: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 3
+
+
+def _run(args: argparse.Namespace) -> int:
+    import ds_mp
+    from ds_mp.checkpoint import latest_tag, load_checkpoint, save_checkpoint
+    from ds_mp.data import ChunkSampler, DataError, ValidationBatches
+    from ds_mp.tensor_parallel.random import rng_state, set_rng_state
+
+    raw = _apply_overrides(read_json(args.deepspeed_config), args)
+    cfg, raw = load_config(raw, int(os.environ.get("WORLD_SIZE", "1")))  # before any collective
+    tcfg = cfg.training
+    try:
+        data_path, train_ds, val_ds = _dataset(cfg)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    if os.path.isfile(tcfg.output_dir):
+        raise ConfigError(f"ds_mp.training.output_dir: {tcfg.output_dir!r} is a file; choose a directory")
+    ckpt_root = os.path.join(tcfg.output_dir, "checkpoints")
+    resume_tag = latest_tag(ckpt_root) if args.resume else None
+    if args.resume and resume_tag is None:
+        raise ConfigError(f"--resume: no checkpoint under {ckpt_root}; run without --resume first")
+
+    init = tcfg.init_from or (cfg.model if isinstance(cfg.model, str) else None)
+    engine, _, _, _ = ds_mp.initialize(model=init, config=raw)
+    topo, rank0 = engine.topology, torch.distributed.get_rank() == 0
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    sampler = ChunkSampler(train_ds, cfg.data.seq_len, micro, gas, topo.dp_rank, topo.dp, cfg.data.seed)
+    val = ValidationBatches(val_ds, cfg.data.seq_len, micro, tcfg.eval_batches * gas, topo.dp_rank, topo.dp)
+    start_step = 0
+    if resume_tag is not None:
+        state = load_checkpoint(engine, ckpt_root, resume_tag)
+        start_step = int(state["step"])
+        sampler.set_step(start_step)
+        if state.get("rng") is not None and state.get("layout") == _layout(topo):
+            set_rng_state(state["rng"])
+    log = CsvLog(os.path.join(tcfg.output_dir, "log.csv"), resume=resume_tag is not None) if rank0 else None
+
+    def save(step: int, tag: str | None = None) -> None:
+        save_checkpoint(engine, ckpt_root, tag or f"step{step}",
+                        {"step": step, "data": data_path, "rng": rng_state(), "layout": _layout(topo)})
+
+    tokens_per_step = micro * gas * topo.dp * cfg.data.seq_len
+    flops_per_step = megatron_flops(cfg, micro * gas * topo.dp)
+    bar = _progress(rank0, start_step, tcfg.steps)
+    engine.trace_enabled = True
+    window: list[float] = []
+    t_start = time.time()
+    for step in range(start_step + 1, tcfg.steps + 1):
+        engine.trace.clear()
+        t0 = time.perf_counter()
+        loss = float(engine.train_batch(sampler))
+        dt = time.perf_counter() - t0
+        window.append(dt)
+        if not math.isfinite(loss) or engine.last_step_nonfinite:  # the update was skipped
+            if tcfg.on_nan == "stop":
+                save(step, f"nan-step{step}")
+                raise NonFiniteLoss(f"non-finite loss {loss} at step {step}; diagnostic checkpoint saved under "
+                                    f"{ckpt_root}/nan-step{step} (weights before the bad step); lower the "
+                                    "LR or set training.on_nan='skip'")
+        val_loss = None
+        if tcfg.eval_interval and step % tcfg.eval_interval == 0:
+            val_loss = evaluate(engine, val)
+        if rank0:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+        if step % tcfg.log_interval == 0 or val_loss is not None or step == tcfg.steps:
+            mean_dt = sum(window) / len(window)
+            times = engine.instruction_times()
+            busy = times.get("ForwardPass", 0.0) + times.get("BackwardPass", 0.0)
+            if log is not None:
+                log.row(step=step, loss=f"{loss:.6f}", val_loss="" if val_loss is None else f"{val_loss:.6f}",
+                        lr=engine.get_lr()[0], tokens_per_s=f"{tokens_per_step / mean_dt:.1f}",
+                        tflops=f"{flops_per_step / mean_dt / 1e12:.4f}", bubble=f"{max(0.0, 1 - busy / dt):.3f}",
+                        grad_norm="" if engine.last_grad_norm is None else f"{engine.last_grad_norm:.4f}",
+                        peak_mem_mib=f"{peak_memory_mib():.0f}", skipped=engine.nonfinite_steps + engine.skipped_steps,
+                        elapsed_s=f"{time.time() - t_start:.1f}")
+                msg = f"step {step} loss {loss:.4f}" + (f" val {val_loss:.4f}" if val_loss is not None else "")
+                bar.write(msg + f" | {tokens_per_step / mean_dt:,.0f} tok/s")
+            window.clear()
+        if tcfg.checkpoint_interval and step % tcfg.checkpoint_interval == 0 and step != tcfg.steps:
+            save(step)
+    if start_step < tcfg.steps:
+        save(tcfg.steps)
+    if tcfg.export_hf:
+        from ds_mp.data import TokenDataset  # noqa: F401 - tokenizer path comes from the dataset metadata
+
+        ds_mp.save_hf(engine, os.path.join(tcfg.output_dir, "hf"), tokenizer_dir=train_ds.info.tokenizer_dir)
+    if rank0:
+        bar.close()
+        print(f"ds_mp: done: {tcfg.steps} steps; checkpoints in {ckpt_root}; HF model in "
+              f"{os.path.join(tcfg.output_dir, 'hf')}; log {os.path.join(tcfg.output_dir, 'log.csv')}")
+    return 0
+
+
+def _layout(topo: Any) -> list[int]:
+    return [topo.tp, topo.pp, topo.dp]
+
+
+def _progress(enabled: bool, start: int, total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, disable=not enabled, desc="train", dynamic_ncols=True,
+                file=sys.stdout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

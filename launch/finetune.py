@@ -1,0 +1,18 @@
+"""Fine-tune a pretrained Hugging Face GPT-2 directory with ds_mp.
+
+    ds-mp prepare-data my_corpus/ --tokenizer path/to/gpt2 --out data/mine
+    deepspeed --num_gpus 2 launch/finetune.py --model path/to/gpt2 --data data/mine \
+        --deepspeed_config ds_configs/finetune_tp2.json
+
+Loads the HF weights straight into the parallel layout (each rank reads only its own
+shards), trains, evaluates, and writes an HF directory to <output_dir>/hf that
+``GPT2LMHeadModel.from_pretrained`` and ``generate()`` accept.
+"""
+import sys
+
+from ds_mp.train import main
+
+if __name__ == "__main__":
+    if "--model" not in sys.argv:
+        sys.exit("launch/finetune.py: pass --model <HF GPT-2 directory> (use launch/train.py to train from scratch)")
+    sys.exit(main())

@@ -218,9 +218,15 @@ class LMLoss:
                                             vocab_start=start, true_vocab=self.ctx.vocab, group=self.ctx.group)
         return flat.view(targets.shape)
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        targets = shift_labels(labels)
-        count = (targets != -100).sum().clamp(min=1)
+    def __call__(self, logits: torch.Tensor, labels: Any) -> torch.Tensor:
+        """``labels`` (B, T), or ``(targets, count)`` for a TeraPipe token slice: its already-shifted
+        targets and the number of valid targets of its whole micro-batch (slice losses then sum
+        to the micro-batch loss)."""
+        if isinstance(labels, tuple):
+            targets, count = labels
+        else:
+            targets = shift_labels(labels)
+            count = (targets != -100).sum().clamp(min=1)
         return self.token_losses(logits, targets).sum() / count
 
 

@@ -1,4 +1,5 @@
 """Pipeline engine, schedule registry and schedules."""
 from ds_mp.pipeline.schedules import SCHEDULES, GPipe, OneFOneB, register_schedule
+from ds_mp.pipeline.terapipe import TeraPipeSchedule  # registers "terapipe"
 
-__all__ = ["SCHEDULES", "register_schedule", "OneFOneB", "GPipe"]
+__all__ = ["SCHEDULES", "register_schedule", "OneFOneB", "GPipe", "TeraPipeSchedule"]

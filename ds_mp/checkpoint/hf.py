@@ -1,0 +1,246 @@
+"""Hugging Face GPT-2 directories in and out.
+
+In: :func:`directory_source` turns an HF directory (``config.json`` + ``model.safetensors``,
+a sharded safetensors index, or ``pytorch_model.bin``) or a ds_mp sharded directory into a
+:class:`WeightSource`.  Every file header, key and shape is checked against the config up
+front; tensors are then read lazily by name (``safe_open``), so a rank building one
+pipeline stage reads only that stage's tensors.
+
+Out: :func:`write_hf_dir` writes ``config.json`` + ``model.safetensors`` (+ tokenizer files)
+atomically; :func:`save_hf` is the collective that gathers a running engine's shards to
+global rank 0 and calls it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_mp.checkpoint.atomic import atomic_dir
+from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, canonical_name, expected_shapes,
+                                      is_sharded_dir, open_safetensors)
+from ds_mp.models.gpt2 import WeightSource, hf_param_name, tp_kind
+from ds_mp.tensor_parallel.sharding import unshard
+
+# Buffers older GPT-2 checkpoints carry (causal mask); recomputed by every implementation.
+_IGNORED = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+
+
+def read_hf_config(path: str) -> Any:
+    """The ``GPT2Config`` of an HF directory, refusing other model types."""
+    from transformers import GPT2Config
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is not a directory; give an HF GPT-2 directory (save_pretrained) "
+                              "or a ds_mp sharded checkpoint")
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no config.json; not an HF model directory (save_pretrained writes one)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({e}); fix or re-export the config") from None
+    if raw.get("model_type") != "gpt2":
+        raise CheckpointError(f"{cfg_path}: model_type is {raw.get('model_type')!r}; ds_mp reads GPT-2 "
+                              "checkpoints (model_type 'gpt2') only")
+    return GPT2Config.from_dict(raw)
+
+
+class HFReader:
+    """Validated, lazy access to the tensors of an HF GPT-2 directory by canonical name."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.config = read_hf_config(path)
+        self._where: dict[str, tuple[Any, str]] = {}  # canonical name -> (handle, stored key)
+        self._shape: dict[str, tuple[int, ...]] = {}
+        for file in self._weight_files():
+            self._index(file)
+        self._validate()
+
+    def _weight_files(self) -> list[str]:
+        p = self.path
+        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            if os.path.isfile(os.path.join(p, index)):
+                try:
+                    with open(os.path.join(p, index)) as f:
+                        files = sorted(set(json.load(f)["weight_map"].values()))
+                except (json.JSONDecodeError, KeyError) as e:
+                    raise CheckpointError(f"{p}/{index}: not a valid weight index ({e}); re-export the model") from None
+                return [os.path.join(p, f) for f in files]
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            if os.path.isfile(os.path.join(p, single)):
+                return [os.path.join(p, single)]
+        raise CheckpointError(f"{p}: no model.safetensors, pytorch_model.bin or index json (found "
+                              f"{sorted(os.listdir(p))}); save the model with save_pretrained")
+
+    def _index(self, file: str) -> None:
+        if file.endswith(".safetensors"):
+            handle = open_safetensors(file)
+            keys = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+        else:
+            if not os.path.isfile(file):
+                raise CheckpointError(f"{file}: file missing; the checkpoint is incomplete, re-copy it")
+            try:
+                handle = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # noqa: BLE001 - torch raises several types for bad files
+                raise CheckpointError(f"{file}: cannot load ({type(e).__name__}: {e}); the file is truncated "
+                                      "or not a weights-only PyTorch state dict") from None
+            keys = {k: tuple(v.shape) for k, v in handle.items()}
+        for key, shape in keys.items():
+            if _IGNORED.match(key):
+                continue
+            name = "lm_head.weight" if key == "lm_head.weight" else canonical_name(key)
+            self._where[name], self._shape[name] = (handle, key), shape
+
+    def _raw(self, name: str) -> torch.Tensor:
+        handle, key = self._where[name]
+        return handle.get_tensor(key) if hasattr(handle, "get_tensor") else handle[key]
+
+    def _validate(self) -> None:
+        want = expected_shapes(self.config)
+        have = set(self._shape) - {"lm_head.weight"}
+        if want.keys() - have:
+            raise CheckpointError(f"{self.path}: missing tensors {sorted(want.keys() - have)[:5]}; the "
+                                  "checkpoint does not match its config.json (n_layer?)")
+        if have - want.keys():
+            raise CheckpointError(f"{self.path}: unexpected tensors {sorted(have - want.keys())[:5]}; not a "
+                                  "plain GPT2LMHeadModel checkpoint for this config.json")
+        for name, shape in want.items():
+            if self._shape[name] != shape:
+                raise CheckpointError(f"{self.path}: {name} has shape {list(self._shape[name])} but config.json "
+                                      f"implies {list(shape)}; the weights and config.json disagree")
+        if "lm_head.weight" in self._shape and not getattr(self.config, "tie_word_embeddings", True):
+            if not torch.equal(self._raw("lm_head.weight"), self._raw("transformer.wte.weight")):
+                raise CheckpointError(f"{self.path}: lm_head.weight is untied from wte; ds_mp ties the LM "
+                                      "head to the embedding, so this checkpoint cannot be loaded")
+
+    def get(self, name: str) -> torch.Tensor:
+        name = canonical_name(name)
+        if name not in self._where:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in this GPT-2 checkpoint")
+        return self._raw(name)
+
+
+def open_reader(path: str) -> HFReader | ShardedReader:
+    """An :class:`HFReader` or a :class:`ShardedReader`, whichever ``path`` holds."""
+    if os.path.isdir(path) and is_sharded_dir(path):
+        return ShardedReader(path)
+    return HFReader(path)
+
+
+def directory_source(path: str) -> WeightSource:
+    """A lazy ``WeightSource`` over an HF GPT-2 directory or a ds_mp sharded directory.
+
+    Names are accepted with or without the ``transformer.`` prefix; floating tensors
+    are returned as fp32 (training keeps fp32 master weights; bf16 is DeepSpeed's cast).
+    """
+    reader = open_reader(path)
+
+    def get(name: str) -> torch.Tensor:
+        t = reader.get(name)
+        return t.float() if t.is_floating_point() else t
+
+    return WeightSource(get, reader.config)
+
+
+def copy_tokenizer(tokenizer_dir: str, out: str) -> None:
+    found = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer_dir, f))]
+    if not found:
+        raise CheckpointError(f"{tokenizer_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...); "
+                              "pass the directory the tokenizer was saved to")
+    for f in found:
+        shutil.copy2(os.path.join(tokenizer_dir, f), os.path.join(out, f))
+
+
+def write_hf_dir(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokenizer_dir: str | None = None,
+                 overwrite: bool = False) -> None:
+    """Write an HF GPT-2 directory atomically from full tensors (true vocab) by HF name.
+
+    With ``tie_word_embeddings`` (the GPT-2 default) ``lm_head.weight`` is omitted, as
+    ``save_pretrained`` does; otherwise it is written as a copy of ``wte``.
+    """
+    import copy
+
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    want = expected_shapes(cfg)
+    if want.keys() != tensors.keys():
+        raise CheckpointError(f"{out}: refusing to write an incomplete model (missing "
+                              f"{sorted(want.keys() - tensors.keys())[:5]})")
+    state = {n: tensors[n].detach().cpu().contiguous() for n in want}
+    if not getattr(cfg, "tie_word_embeddings", True):
+        state["lm_head.weight"] = state["transformer.wte.weight"].clone()
+    cfg = copy.deepcopy(cfg)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    cfg.dtype = str(state["transformer.wte.weight"].dtype).removeprefix("torch.")
+    if tokenizer_dir and not os.path.isdir(tokenizer_dir):
+        raise CheckpointError(f"tokenizer_dir {tokenizer_dir!r} is not a directory")
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        cfg.save_pretrained(tmp)
+        GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer_dir:
+            copy_tokenizer(tokenizer_dir, tmp)
+
+
+def gather_stage(engine: Any) -> dict[str, torch.Tensor]:
+    """Collective over the TP group: this stage's full tensors by HF name (on TP rank 0).
+
+    The tied ``wte`` is kept only on stage 0.  Tensors travel as fp32 (gloo lacks bf16).
+    """
+    pipe, topo = engine.module, engine.topology
+    out: dict[str, torch.Tensor] = {}
+    for pname, p in pipe.named_parameters():
+        name = hf_param_name(pname, pipe)
+        if name == "transformer.wte.weight" and topo.pp_rank != 0:
+            continue
+        local, kind = p.detach().float().contiguous(), tp_kind(name)
+        if topo.tp > 1 and kind != "replicated":
+            parts = [torch.empty_like(local) for _ in range(topo.tp)] if topo.tp_rank == 0 else None
+            dist.gather(local, parts, dst=topo.rank_of(tp=0, pp=topo.pp_rank, dp=topo.dp_rank),
+                        group=topo.tp_group)
+        else:
+            parts = [local]
+        if topo.tp_rank == 0:
+            out[name] = unshard(parts, kind, n_head=engine.hf_config.n_head,
+                                vocab=engine.hf_config.vocab_size).cpu()
+    return out
+
+
+def save_hf(engine: Any, out_dir: str, tokenizer_dir: str | None = None) -> None:
+    """Collective (every rank calls it): global rank 0 writes an HF GPT-2 directory.
+
+    TP shards are gathered to TP rank 0 of each stage of DP replica 0, whose stage
+    dicts are gathered over the pipeline group to global rank 0.  A write error on rank
+    0 is re-raised on every rank.  ``out_dir`` is replaced atomically if it exists.
+    """
+    topo = engine.topology
+    tensors: dict[str, torch.Tensor] = {}
+    if topo.dp_rank == 0:
+        tensors = gather_stage(engine)
+        if topo.tp_rank == 0 and topo.pp > 1:
+            stages = [None] * topo.pp if topo.rank == 0 else None
+            dist.gather_object(tensors, stages, dst=0, group=topo.pp_group)
+            tensors = {k: v for d in (stages or []) for k, v in d.items()}
+    error = ""
+    if topo.rank == 0:
+        try:
+            write_hf_dir(tensors, engine.hf_config, out_dir, tokenizer_dir=tokenizer_dir, overwrite=True)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = f"{type(e).__name__}: {e}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise CheckpointError(f"save_hf to {out_dir!r} failed on rank 0: {error}")

@@ -1,0 +1,221 @@
+"""The ds_mp sharded checkpoint format: one safetensors file per (pipeline stage, TP rank).
+
+    DIR/
+      ds_mp_meta.json               format + version, tp, pp, stage parts, true and padded
+                                    vocab, the HF config dict
+      model-pp00-tp00.safetensors   stage 0 / TP rank 0's shards, keyed by HF name
+      ...
+      optim-pp00-tp00.safetensors   training checkpoints only: optimizer state tensors,
+                                    keyed "<HF name>::<state key>" (see training.py)
+      trainer_state.pt              training checkpoints only
+
+A tensor is stored in the file of the stage that holds its layer (the tied ``wte`` once,
+on stage 0).  Shards are cut by :func:`ds_mp.tensor_parallel.sharding.shard` with the
+kind from ``GPT2_TP_PLAN``, so ``unshard`` of the TP shards of one name gives the full HF
+tensor (vocab padding dropped) and any other layout can re-cut it: the format is
+layout-free.  :class:`ShardedReader` validates every file header up front and reads
+tensors lazily (``safe_open``), one name at a time.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ds_mp.models.gpt2 import GPT2_TP_PLAN, tp_kind
+from ds_mp.tensor_parallel.sharding import shard, unshard
+
+FORMAT, VERSION = "ds_mp.sharded", 1
+META = "ds_mp_meta.json"
+_TOP = ("wte.weight", "wpe.weight")
+_FINAL = ("ln_f.weight", "ln_f.bias")
+BLOCK_KEYS = tuple(k for k in GPT2_TP_PLAN if k not in _TOP + _FINAL)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or written; the message names the file and the fix."""
+
+
+def canonical_name(name: str) -> str:
+    """``h.0.ln_1.weight`` / ``transformer.h.0.ln_1.weight`` -> ``transformer.h.0.ln_1.weight``."""
+    return name if name.startswith("transformer.") else "transformer." + name
+
+
+def expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Every GPT-2 parameter (HF name, HF order) and its full shape for ``cfg``."""
+    C, inner = cfg.n_embd, getattr(cfg, "n_inner", None) or 4 * cfg.n_embd
+    size = {"wte.weight": (cfg.vocab_size, C), "wpe.weight": (cfg.n_positions, C),
+            "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,), "attn.c_proj.weight": (C, C),
+            "mlp.c_fc.weight": (C, inner), "mlp.c_fc.bias": (inner,), "mlp.c_proj.weight": (inner, C)}
+    out = {f"transformer.{k}": size[k] for k in _TOP}
+    for i in range(cfg.n_layer):
+        out.update({f"transformer.h.{i}.{k}": size.get(k, (C,)) for k in BLOCK_KEYS})
+    out.update({f"transformer.{k}": (C,) for k in _FINAL})
+    return out
+
+
+def layer_index(name: str, n_layer: int) -> int:
+    """Pipeline layer of an HF name: wte 0, wpe 1, block i -> i+2, ln_f L+2."""
+    rest = canonical_name(name)[len("transformer."):]
+    if rest.startswith("h."):
+        return int(rest.split(".")[1]) + 2
+    return {"wte.weight": 0, "wpe.weight": 1}.get(rest, n_layer + 2)
+
+
+def stage_of(name: str, n_layer: int, parts: list[int]) -> int:
+    """The stage whose layer range ``[parts[s], parts[s+1])`` holds ``name``'s layer."""
+    return bisect.bisect_right(parts, layer_index(name, n_layer)) - 1
+
+
+def shard_shape(full: tuple[int, ...], kind: str, tp: int, n_head: int, padded_vocab: int) -> tuple[int, ...]:
+    """Shape of one TP shard, computed by ``shard`` itself on a meta tensor."""
+    t = torch.empty(full, device="meta")
+    return tuple(shard(t, kind, 0, tp, n_head=n_head, padded_vocab=padded_vocab).shape)
+
+
+def shard_file(path: str, prefix: str, stage: int, rank: int) -> str:
+    return os.path.join(path, f"{prefix}-pp{stage:02d}-tp{rank:02d}.safetensors")
+
+
+def make_meta(cfg: Any, tp: int, parts: list[int], padded_vocab: int, has_optimizer: bool = False) -> dict:
+    return {"format": FORMAT, "version": VERSION, "tp": tp, "pp": len(parts) - 1, "parts": list(parts),
+            "vocab_size": cfg.vocab_size, "padded_vocab": padded_vocab, "has_optimizer": has_optimizer,
+            "hf_config": cfg.to_dict()}
+
+
+def write_meta(path: str, meta: dict) -> None:
+    with open(os.path.join(path, META), "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+
+
+def write_sharded(get: Any, cfg: Any, out: str, tp: int, parts: list[int], padded_vocab: int) -> None:
+    """Cut every full tensor ``get(hf_name)`` into TP shards and write the model files.
+
+    Works stage by stage, so at most one stage's tensors are in memory at once.
+    """
+    from safetensors.torch import save_file
+
+    names = list(expected_shapes(cfg))
+    for s in range(len(parts) - 1):
+        per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+        for name in (n for n in names if stage_of(n, cfg.n_layer, parts) == s):
+            full = get(name)
+            for r in range(tp):
+                piece = shard(full, tp_kind(name), r, tp, n_head=cfg.n_head, padded_vocab=padded_vocab)
+                per_rank[r][name] = piece.clone().contiguous()
+        for r in range(tp):
+            save_file(per_rank[r], shard_file(out, "model", s, r), metadata={"format": "pt"})
+    write_meta(out, make_meta(cfg, tp, parts, padded_vocab))
+
+
+def open_safetensors(path: str) -> Any:
+    """``safe_open`` with a one-line error naming the file (missing, truncated, corrupt)."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: file missing; the checkpoint is incomplete, re-create or re-copy it")
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the file is truncated "
+                              "or corrupt, re-create or re-copy it") from None
+
+
+def is_sharded_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META))
+
+
+class ShardedReader:
+    """Validated, lazy access to a sharded directory: full tensors by HF name."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import GPT2Config
+
+        self.path = path
+        try:
+            with open(os.path.join(path, META)) as f:
+                meta = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: cannot read {META} ({e}); not a ds_mp sharded checkpoint") from None
+        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise CheckpointError(f"{path}: {META} has format {meta.get('format')!r} version "
+                                  f"{meta.get('version')!r}; this ds_mp reads {FORMAT!r} version {VERSION}")
+        if meta["hf_config"].get("model_type") != "gpt2":
+            raise CheckpointError(f"{path}: model_type {meta['hf_config'].get('model_type')!r}; ds_mp reads GPT-2")
+        self.meta, self.tp, self.parts = meta, meta["tp"], meta["parts"]
+        self.config = GPT2Config.from_dict(meta["hf_config"])
+        self.shapes = expected_shapes(self.config)
+        self._files: dict[tuple[str, int, int], Any] = {}
+        self.state_keys: dict[str, list[str]] = {}
+        for s in range(meta["pp"]):
+            want = {n for n in self.shapes if self.stage_of(n) == s}
+            for r in range(self.tp):
+                self._check_model_file(s, r, want)
+                if meta.get("has_optimizer"):
+                    self._index_optim_file(s, r, want)
+
+    def stage_of(self, name: str) -> int:
+        return stage_of(name, self.config.n_layer, self.parts)
+
+    def _open(self, prefix: str, s: int, r: int) -> Any:
+        key = (prefix, s, r)
+        if key not in self._files:
+            self._files[key] = open_safetensors(shard_file(self.path, prefix, s, r))
+        return self._files[key]
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        return shard_shape(self.shapes[name], tp_kind(name), self.tp, self.config.n_head, self.meta["padded_vocab"])
+
+    def _check_model_file(self, s: int, r: int, want: set[str]) -> None:
+        f, path = self._open("model", s, r), shard_file(self.path, "model", s, r)
+        have = set(f.keys())
+        if want - have:
+            raise CheckpointError(f"{path}: missing tensors {sorted(want - have)[:5]}; the checkpoint is incomplete")
+        if have - want:
+            raise CheckpointError(f"{path}: unexpected tensors {sorted(have - want)[:5]}; the files do not "
+                                  f"match {META} (tp={self.tp}, parts={self.parts})")
+        for name in sorted(want):
+            got, exp = tuple(f.get_slice(name).get_shape()), self.local_shape(name)
+            if got != exp:
+                raise CheckpointError(f"{path}: {name} has shape {list(got)}, expected {list(exp)} for the "
+                                      f"config in {META}; the checkpoint and its config disagree")
+
+    def _index_optim_file(self, s: int, r: int, want: set[str]) -> None:
+        f = self._open("optim", s, r)
+        keys: dict[str, list[str]] = {}
+        for k in f.keys():
+            name, _, key = k.partition("::")
+            if name not in want:
+                raise CheckpointError(f"{shard_file(self.path, 'optim', s, r)}: state for unknown tensor "
+                                      f"{name!r}; the optimizer files do not match {META}")
+            keys.setdefault(name, []).append(key)
+        for name, ks in keys.items():
+            self.state_keys.setdefault(name, sorted(ks))
+
+    def get(self, name: str) -> torch.Tensor:
+        """The full HF tensor ``name`` (true vocab), merged from its TP shards."""
+        name = canonical_name(name)
+        if name not in self.shapes:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in a GPT-2 with this config")
+        s = self.stage_of(name)
+        shards = [self._open("model", s, r).get_tensor(name) for r in range(self.tp)]
+        return unshard(shards, tp_kind(name), n_head=self.config.n_head, vocab=self.config.vocab_size)
+
+    def get_state(self, name: str) -> dict[str, Any]:
+        """Optimizer state of parameter ``name``: tensors shaped like the parameter merged
+        by its shard rule (full HF shape), other tensors (e.g. Adam's step) as stored, and
+        non-tensor entries from the file's JSON metadata."""
+        name = canonical_name(name)
+        s = self.stage_of(name)
+        out: dict[str, Any] = {}
+        for key in self.state_keys.get(name, []):
+            shards = [self._open("optim", s, r).get_tensor(f"{name}::{key}") for r in range(self.tp)]
+            sharded = tuple(shards[0].shape) == self.local_shape(name)
+            kind = tp_kind(name) if sharded else "replicated"
+            out[key] = unshard(shards, kind, n_head=self.config.n_head, vocab=self.config.vocab_size)
+        if self.meta.get("has_optimizer"):
+            extras = json.loads((self._open("optim", s, 0).metadata() or {}).get("extras", "{}"))
+            out.update(extras.get(name, {}))
+        return out

@@ -1,0 +1,72 @@
+"""Helpers for end-to-end runs through the real ``deepspeed`` launcher."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from dist_utils import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_MODEL = {"n_layer": 4, "n_embd": 32, "n_head": 4, "vocab_size": 512, "n_positions": 64, "dropout": 0.0}
+
+
+def tiny_dataset(root: str) -> str:
+    """A small prepared dataset (a few stdlib modules, 400-token BPE), built once per dir."""
+    from ds_mp.data import prepare_data, stdlib_files
+
+    out = os.path.join(root, "data")
+    if not os.path.exists(os.path.join(out, "meta.json")):
+        files = [f for f in stdlib_files() if os.path.basename(f) in
+                 ("textwrap.py", "shlex.py", "fnmatch.py", "glob.py", "colorsys.py", "bisect.py", "heapq.py")]
+        prepare_data(files, out, vocab_size=400, val_fraction=0.3, show_progress=False)
+    return out
+
+
+def train_config(tmp: str, data: str, *, tp: int = 1, pp: int = 2, schedule: str = "1f1b", steps: int = 4,
+                 micro: int = 2, gas: int = 2, lr: float = 3e-3, **extra: Any) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+           "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
+           "gradient_clipping": 1.0, "steps_per_print": 10**6,
+           "ds_mp": {"model": dict(TINY_MODEL), "tensor_parallel": {"size": tp},
+                     "pipeline": {"stages": pp, "schedule": schedule},
+                     "data": {"path": data, "seq_len": 32},
+                     "training": {"steps": steps, "log_interval": 1, "eval_interval": 2, "eval_batches": 1,
+                                  "checkpoint_interval": 2, "output_dir": os.path.join(tmp, "run")}}}
+    for key, value in extra.items():
+        if key == "ds":
+            cfg.update(value)
+        elif isinstance(value, dict):
+            cfg["ds_mp"].setdefault(key, {}).update(value)
+        else:
+            cfg["ds_mp"][key] = value
+    return cfg
+
+
+def launch(tmp: str, cfg: dict | None, n: int = 2, script: str = "launch/train.py", args: tuple = (),
+           timeout: float = 240, launcher_args: tuple = (), config_path: str | None = None
+           ) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus n <script> --deepspeed_config <cfg>``; returns the finished process."""
+    if config_path is None:
+        config_path = os.path.join(tmp, "config.json")
+        with open(config_path, "w") as f:
+            json.dump(cfg, f)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_MP_TIMEOUT="60", PYTHONUNBUFFERED="1")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), *launcher_args,
+           "--master_port", str(free_port())]
+    if "--hostfile" not in launcher_args:
+        cmd += ["--num_gpus", str(n)]
+    cmd += [script, "--deepspeed_config", config_path, *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_log(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "log.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"

@@ -1,0 +1,76 @@
+"""End-to-end runs through the real ``deepspeed`` launcher on CPU ranks (gloo)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from launcher_utils import explain, launch, read_log, tiny_dataset, train_config
+
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return tiny_dataset(str(tmp_path_factory.mktemp("launcher")))
+
+
+def test_train_pp2_checkpoint_resume_export(tmp_path, data):
+    cfg = train_config(str(tmp_path), data, steps=4, lr=1e-2)
+    proc = launch(str(tmp_path), cfg)
+    assert proc.returncode == 0, explain(proc)
+    run = os.path.join(str(tmp_path), "run")
+    rows = read_log(run)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])  # it learns
+    assert rows[1]["val_loss"] and rows[3]["val_loss"]
+    assert os.path.isfile(os.path.join(run, "hf", "config.json"))
+    assert os.path.isfile(os.path.join(run, "checkpoints", "latest"))
+    # --resume continues from the step-4 checkpoint up to 6 steps
+    cfg["ds_mp"]["training"]["steps"] = 6
+    proc = launch(str(tmp_path), cfg, args=("--resume",))
+    assert proc.returncode == 0, explain(proc)
+    assert [int(r["step"]) for r in read_log(run)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("schedule,tp,pp", [("gpipe", 1, 2), ("1f1b", 2, 1)])
+def test_schedules_and_tp_through_launcher(tmp_path, data, schedule, tp, pp):
+    cfg = train_config(str(tmp_path), data, tp=tp, pp=pp, schedule=schedule, steps=2,
+                       training={"export_hf": False})
+    proc = launch(str(tmp_path), cfg)
+    assert proc.returncode == 0, explain(proc)
+    assert len(read_log(os.path.join(str(tmp_path), "run"))) == 2
+
+
+def test_bf16_on_cpu(tmp_path, data):
+    cfg = train_config(str(tmp_path), data, steps=2, ds={"bf16": {"enabled": True}},
+                       training={"export_hf": False})
+    proc = launch(str(tmp_path), cfg)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_log(os.path.join(str(tmp_path), "run"))
+    assert all(float(r["loss"]) > 0 for r in rows)
+
+
+def test_hostfile_localhost(tmp_path, data):
+    """The multi-node path (hostfile) with a hostfile naming only localhost."""
+    hostfile = os.path.join(str(tmp_path), "hostfile")
+    with open(hostfile, "w") as f:
+        f.write("localhost slots=2\n")
+    cfg = train_config(str(tmp_path), data, steps=1, training={"export_hf": False})
+    proc = launch(str(tmp_path), cfg, launcher_args=("--hostfile", hostfile, "--num_nodes", "1",
+                                                     "--master_addr", "127.0.0.1"))
+    assert proc.returncode == 0, explain(proc)
+
+
+def test_bad_config_fails_fast_on_two_ranks(tmp_path, data):
+    cfg = train_config(str(tmp_path), data, tensor_parallel={"size": 3})  # 3 does not divide 4 heads
+    proc = launch(str(tmp_path), cfg, timeout=60)
+    assert proc.returncode != 0
+    assert "ds_mp.tensor_parallel.size: 3 does not divide n_head=4" in proc.stderr + proc.stdout
+    assert not os.path.exists(os.path.join(str(tmp_path), "run", "checkpoints"))
+
+
+def test_shipped_quickstart_config_is_what_readme_runs():
+    with open(os.path.join(os.path.dirname(__file__), "..", "ds_configs", "quickstart.json")) as f:
+        cfg = json.load(f)
+    assert cfg["ds_mp"]["pipeline"]["stages"] == 2 and cfg["ds_mp"]["data"].get("path", "") == ""

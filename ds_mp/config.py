@@ -253,6 +253,12 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
         if k > shape.n_layer:
             raise ConfigError(f"ds_mp.ouroboros.modules: K={k} exceeds n_layer={shape.n_layer}; "
                               f"use at most {shape.n_layer} modules")
+        if tp.size > 1:
+            raise ConfigError(f"ds_mp.tensor_parallel.size: {tp.size}, but the ouroboros schedule runs whole "
+                              "modules per rank (no TP inside modules); set tensor_parallel.size to 1")
+        if shape.dropout > 0:
+            raise ConfigError(f"ds_mp.model.dropout: {shape.dropout}, but Ouroboros replays each forward "
+                              "(a replay would draw a new mask); set the model's dropout to 0")
     elif pp.stages > shape.n_layer:
         raise ConfigError(f"ds_mp.pipeline.stages: {pp.stages} stages but the model has "
                           f"{shape.n_layer} blocks; use at most {shape.n_layer} stages")
@@ -266,6 +272,10 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
             raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition} sums to "
                               f"{sum(pp.partition)} but the model has {shape.n_layer} blocks; "
                               f"make them sum to {shape.n_layer}")
+        empty = [s for s, n in enumerate(pp.partition) if n == 0 and 0 < s < pp.stages - 1]
+        if empty:  # first/last stages hold the embedding/head; a middle one would hold nothing
+            raise ConfigError(f"ds_mp.pipeline.partition: middle stage {empty[0]} of {pp.partition} "
+                              "has no blocks and no parameters; give every middle stage at least 1 block")
     elif pp.partition not in ("uniform", "parameters"):
         raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} is not 'uniform', "
                           "'parameters' or a list of blocks per stage")
@@ -314,4 +324,10 @@ def load_config(config: str | dict, world_size: int) -> tuple[DsMpConfig, dict]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{key}: must be a positive integer, got {v!r}")
     cfg = validate(parse_config(raw.get("ds_mp", {})), world_size)
+    if cfg.pipeline.schedule == "ouroboros":  # its engine sets fp32 gradients by hand
+        for key in ("fp16", "bf16"):
+            if (raw.get(key) or {}).get("enabled"):
+                raise ConfigError(f"{key}.enabled: the ouroboros schedule trains in fp32; remove the {key} block")
+        if (raw.get("zero_optimization") or {}).get("stage", 0):
+            raise ConfigError("zero_optimization.stage: the ouroboros schedule supports ZeRO stage 0; set it to 0")
     return cfg, raw

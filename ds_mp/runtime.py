@@ -85,6 +85,11 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     topology = Topology(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=torch.distributed.get_rank())
     seed_everything(cfg.training.seed, topology.tp_rank)
     src = weight_source(model, cfg, cfg.training.seed)
+    if cfg.pipeline.schedule == "ouroboros":  # K-1 ring ranks with their own engine, not a PipelineModule
+        from ds_mp.pipeline.ouroboros_engine import build_ouroboros_engine
+
+        return build_ouroboros_engine(src, cfg, raw, topology, args=args, optimizer=optimizer,
+                                      lr_scheduler=lr_scheduler, training_data=training_data)
     net = build_gpt2_pipeline(src, topology, partition=cfg.pipeline.partition,
                               sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                               vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,

@@ -60,7 +60,7 @@ class HFReader:
     def __init__(self, path: str) -> None:
         self.path = path
         self.config = read_hf_config(path)
-        self._where: dict[str, tuple[Any, str]] = {}  # canonical name -> (handle, stored key)
+        self._where: dict[str, tuple[Any, str]] = {}  # canonical name -> (source, stored key)
         self._shape: dict[str, tuple[int, ...]] = {}
         for file in self._weight_files():
             self._index(file)
@@ -83,9 +83,12 @@ class HFReader:
                               f"{sorted(os.listdir(p))}); save the model with save_pretrained")
 
     def _index(self, file: str) -> None:
+        """Record each tensor's shape and where to read it: a safetensors path (reopened
+        per read, so no memory map outlives its tensor) or the mmap-loaded ``.bin`` dict."""
+        handle: str | dict[str, torch.Tensor]
         if file.endswith(".safetensors"):
-            handle = open_safetensors(file)
-            keys = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+            f = open_safetensors(file)
+            handle, keys = file, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         else:
             if not os.path.isfile(file):
                 raise CheckpointError(f"{file}: file missing; the checkpoint is incomplete, re-copy it")
@@ -103,7 +106,7 @@ class HFReader:
 
     def _raw(self, name: str) -> torch.Tensor:
         handle, key = self._where[name]
-        return handle.get_tensor(key) if hasattr(handle, "get_tensor") else handle[key]
+        return open_safetensors(handle).get_tensor(key) if isinstance(handle, str) else handle[key]
 
     def _validate(self) -> None:
         want = expected_shapes(self.config)
@@ -161,9 +164,9 @@ def copy_tokenizer(tokenizer_dir: str, out: str) -> None:
         shutil.copy2(os.path.join(tokenizer_dir, f), os.path.join(out, f))
 
 
-def write_hf_dir(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokenizer_dir: str | None = None,
-                 overwrite: bool = False) -> None:
-    """Write an HF GPT-2 directory atomically from full tensors (true vocab) by HF name.
+def write_hf_files(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokenizer_dir: str | None = None) -> None:
+    """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` into ``out``
+    from full tensors (true vocab) by HF name.
 
     With ``tie_word_embeddings`` (the GPT-2 default) ``lm_head.weight`` is omitted, as
     ``save_pretrained`` does; otherwise it is written as a copy of ``wte``.
@@ -183,14 +186,20 @@ def write_hf_dir(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokenizer
     cfg = copy.deepcopy(cfg)
     cfg.architectures = ["GPT2LMHeadModel"]
     cfg.dtype = str(state["transformer.wte.weight"].dtype).removeprefix("torch.")
+    cfg.save_pretrained(out)
+    GenerationConfig.from_model_config(cfg).save_pretrained(out)
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer_dir:
+        copy_tokenizer(tokenizer_dir, out)
+
+
+def write_hf_dir(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokenizer_dir: str | None = None,
+                 overwrite: bool = False) -> None:
+    """:func:`write_hf_files` into a temporary sibling of ``out``, renamed when complete."""
     if tokenizer_dir and not os.path.isdir(tokenizer_dir):
         raise CheckpointError(f"tokenizer_dir {tokenizer_dir!r} is not a directory")
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        cfg.save_pretrained(tmp)
-        GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer_dir:
-            copy_tokenizer(tokenizer_dir, tmp)
+        write_hf_files(tensors, cfg, tmp, tokenizer_dir)
 
 
 def gather_stage(engine: Any) -> dict[str, torch.Tensor]:

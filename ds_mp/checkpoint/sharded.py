@@ -147,7 +147,6 @@ class ShardedReader:
         self.meta, self.tp, self.parts = meta, meta["tp"], meta["parts"]
         self.config = GPT2Config.from_dict(meta["hf_config"])
         self.shapes = expected_shapes(self.config)
-        self._files: dict[tuple[str, int, int], Any] = {}
         self.state_keys: dict[str, list[str]] = {}
         for s in range(meta["pp"]):
             want = {n for n in self.shapes if self.stage_of(n) == s}
@@ -160,10 +159,8 @@ class ShardedReader:
         return stage_of(name, self.config.n_layer, self.parts)
 
     def _open(self, prefix: str, s: int, r: int) -> Any:
-        key = (prefix, s, r)
-        if key not in self._files:
-            self._files[key] = open_safetensors(shard_file(self.path, prefix, s, r))
-        return self._files[key]
+        """A fresh handle per access: its memory map (pages counted in RSS) ends with it."""
+        return open_safetensors(shard_file(self.path, prefix, s, r))
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         return shard_shape(self.shapes[name], tp_kind(name), self.tp, self.config.n_head, self.meta["padded_vocab"])

@@ -43,6 +43,10 @@ class DsMpPipelineEngine(PipelineEngine):
         self._recv_micro: dict[int, int] = {}
         self._n_loaded = self._n_recv = 0
         super().__init__(*args, **kwargs)
+        if getattr(getattr(self.module, "ds_mp_ctx", None), "sp", False):
+            # DeepSpeed's partitioned p2p sends 1/TP of an activation that it assumes is equal
+            # on all TP ranks and all-gathers it; sequence-parallel shards differ: send whole.
+            self.is_pipe_partitioned = self.is_grad_partitioned = False
 
     # --- extension points -------------------------------------------------------------
     @classmethod

@@ -36,13 +36,15 @@ Weight decay (SGD weight_decay, AdamW) does move weights on zero gradients.
 
 Memory: G_m keeps d_m + 1 = K - m stashed inputs (paper: K-k+1) and the last delta it received.
 Replay needs deterministic modules: dropout must be 0 (a replay would draw a new mask).
+
+Where the rest lives: the split, ring layout and per-rank timetable in ouroboros_schedule (light,
+registers the "ouroboros" schedule); the distributed engine on K-1 ranks in ouroboros_engine.
 """
 from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Iterable, Literal, Union
+from typing import Callable, Iterable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -50,144 +52,13 @@ from torch import Tensor, nn
 from transformers import GPT2LMHeadModel
 from transformers.masking_utils import create_causal_mask
 
-# ----------------------------------------------------------------------------- split and layout
+from ds_mp.pipeline.ouroboros_schedule import (Backward, Forward, OptimizerStep, RecvAct, RecvGrad, SendAct,
+                                               SendGrad, Step, format_timetable, ouroboros_timetable, rank_steps,
+                                               ring_layout, split_modules)
 
-
-def split_modules(n_layer: int, K: int) -> list[range]:
-    """Block indices of G_0..G_{K-1}, contiguous and in order.
-
-    Balanced per rank, since ranks are what run in parallel: the n_layer blocks are dealt to the
-    K-1 ranks as evenly as possible, the remainder to the last ranks (rank 0 also carries the
-    embedding and the head); rank 0's share b is split G_0 = b // 2, G_{K-1} = b - b // 2 blocks.
-    G_0 may thus hold the embedding alone. Needs K >= 2 and n_layer >= K-1 (a block per rank).
-    """
-    if K < 2 or n_layer < K - 1:
-        raise ValueError(f"Ouroboros needs K >= 2 modules and n_layer >= K-1 (one block per rank); "
-                         f"got K={K}, n_layer={n_layer}")
-    ranks = K - 1
-    base, extra = divmod(n_layer, ranks)
-    share = [base + (r >= ranks - extra) for r in range(ranks)]  # share[0] == base
-    sizes = [share[0] // 2, *share[1:], share[0] - share[0] // 2]
-    starts = [sum(sizes[:m]) for m in range(K)]
-    return [range(a, a + n) for a, n in zip(starts, sizes)]
-
-
-def ring_layout(K: int) -> list[list[int]]:
-    """rank -> module ids it holds: [[0, K-1], [1], ..., [K-2]] (K=2: one rank, [[0, 1]])."""
-    if K < 2:
-        raise ValueError(f"Ouroboros needs K >= 2 modules; got K={K}")
-    return [[0, K - 1]] + [[m] for m in range(1, K - 1)]
-
-
-# ----------------------------------------------------------------------------- timetable
-@dataclass(frozen=True)
-class Forward:
-    """h_{m+1}^s = G_m(h_m^s; w^t); G_{K-1} also computes the loss f_s."""
-    module: int
-    sample: int
-
-    def __str__(self) -> str:
-        return f"F{self.module}:{self.sample}"
-
-
-@dataclass(frozen=True)
-class Backward:
-    """G_m backprops delta_m^s; m < K-1 replays on its stash with w^t, G_{K-1} uses this iteration's graph."""
-    module: int
-    sample: int
-
-    def __str__(self) -> str:
-        return f"B{self.module}:{self.sample}"
-
-
-@dataclass(frozen=True)
-class _Message:
-    """A p2p message produced by G_module for `sample`; `peer` is the other rank."""
-    module: int
-    sample: int
-    peer: int
-    _fmt = ""
-
-    def __str__(self) -> str:
-        return self._fmt.format(m=self.module, s=self.sample, p=self.peer)
-
-
-class SendAct(_Message):
-    """Send h_{m+1}^s (output of G_m) to the rank of G_{m+1}."""
-    _fmt = "a{m}:{s}>r{p}"
-
-
-class RecvAct(_Message):
-    """Receive h_{m+1}^s (output of G_m) from the rank of G_m; G_{m+1} forwards it now."""
-    _fmt = "a{m}:{s}<r{p}"
-
-
-class SendGrad(_Message):
-    """Send delta_{m-1}^s (gradient w.r.t. G_m's input) to the rank of G_{m-1}."""
-    _fmt = "g{m}:{s}>r{p}"
-
-
-class RecvGrad(_Message):
-    """Receive delta_{m-1}^s from the rank of G_m; G_{m-1} backprops it at the next iteration."""
-    _fmt = "g{m}:{s}<r{p}"
-
-
-@dataclass(frozen=True)
-class OptimizerStep:
-    """Every rank updates every module it holds (zero gradient in warm-up)."""
-
-    def __str__(self) -> str:
-        return "step"
-
-
-Step = Union[Forward, Backward, SendAct, RecvAct, SendGrad, RecvGrad, OptimizerStep]
-
-
-def ouroboros_timetable(K: int, T: int) -> list[list[list[Step]]]:
-    """table[t][rank] = ordered actions of `rank` at iteration t (blocking p2p, posted in order).
-
-    Rank 0 (G_0, G_{K-1}):  F0:t  a0:t>r1  B0:t-K+1  a(K-2):t<r(K-2)  F(K-1):t  B(K-1):t
-                            g1:t-K+2<r1  g(K-1):t>r(K-2)  step
-    Rank r (G_r):           a(r-1):t<   Fr:t  ar:t>   Br:t-d_r  gr:t-d_r>   g(r+1):t-d_r+1<   step
-    The forward is sequential across ranks (DDG locks the forward); what runs in parallel is the
-    backward (replay + backprop, ~3 forwards' worth of the ~4 per module): rank r replays while
-    the ranks after it forward, rank 0 replays G_0 while the chain runs. Rank 0 receives g1 before it sends g(K-1), which breaks the gradient ring (deadlock-
-    free with blocking sends). Steady state: one activation and one gradient received per rank.
-    Messages between modules on the same rank (K=2) are local handoffs and not listed.
-    """
-    layout = ring_layout(K)
-    owner = {m: r for r, mods in enumerate(layout) for m in mods}
-
-    def replayed(m: int, t: int) -> int | None:  # sample G_m backprops at iteration t
-        s = t - (K - 1 - m)
-        return s if s >= 0 else None
-
-    def msg(cls: type[_Message], m: int, s: int | None, me: int, peer: int) -> list[Step]:
-        return [cls(m, s, peer)] if s is not None and peer != me else []
-
-    table = []
-    for t in range(T):
-        s0, s1 = replayed(0, t), replayed(1, t)
-        rank0: list[Step] = [Forward(0, t), *msg(SendAct, 0, t, 0, owner[1])]
-        rank0 += [Backward(0, s0)] if s0 is not None else []
-        rank0 += [*msg(RecvAct, K - 2, t, 0, owner[K - 2]), Forward(K - 1, t), Backward(K - 1, t)]
-        rank0 += msg(RecvGrad, 1, s1, 0, owner[1]) if K > 2 else []
-        rank0 += [*msg(SendGrad, K - 1, t, 0, owner[K - 2]), OptimizerStep()]
-        rows = [rank0]
-        for r in range(1, K - 1):
-            s, s_up = replayed(r, t), replayed(r + 1, t)
-            row: list[Step] = [RecvAct(r - 1, t, owner[r - 1]), Forward(r, t), SendAct(r, t, owner[r + 1])]
-            row += [Backward(r, s), SendGrad(r, s, owner[r - 1])] if s is not None else []
-            row += msg(RecvGrad, r + 1, s_up, r, owner[r + 1]) + [OptimizerStep()]
-            rows.append(row)
-        table.append(rows)
-    return table
-
-
-def format_timetable(table: list[list[list[Step]]]) -> str:
-    """One line per (iteration, rank), e.g. 't=3 r1 | a0:3<r0 F1:3 a1:3>r2 B1:1 g1:1>r0 g2:2<r2 step'."""
-    return "\n".join(f"t={t} r{r} | " + " ".join(map(str, row))
-                     for t, rows in enumerate(table) for r, row in enumerate(rows))
+__all__ = ["split_modules", "ring_layout", "Forward", "Backward", "SendAct", "RecvAct", "SendGrad", "RecvGrad",
+           "OptimizerStep", "Step", "rank_steps", "ouroboros_timetable", "format_timetable", "OuroborosModule",
+           "build_modules", "lm_loss", "module_forward", "module_backward", "loss_backward", "OuroborosReference"]
 
 
 # ----------------------------------------------------------------------------- module maths

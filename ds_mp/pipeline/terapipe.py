@@ -35,8 +35,9 @@ neighbour (sends before receives inside a step), as in ``GPipe``.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Hashable, Iterator
 
 import torch
 from deepspeed.runtime.pipe import schedule as ds
@@ -46,7 +47,6 @@ from ds_mp.pipeline.engine import DsMpPipelineEngine
 from ds_mp.pipeline.instructions import BackwardSlice, ForwardSlice, LoadSlice
 from ds_mp.pipeline.schedules import register_schedule
 from ds_mp.pipeline.simulate import Op
-from ds_mp.pipeline.slicing import uniform_slices
 
 Plan = list[tuple[int, list[int]]]  # [(batch-slice rows, token slice lengths)], as plan_joint
 
@@ -152,7 +152,9 @@ class TeraPipeSchedule(ds.PipeSchedule):
 
     @classmethod
     def from_engine(cls, engine: Any) -> "TeraPipeSchedule":
-        return cls(engine.micro_batches, engine.num_stages, engine.stage_id, _state(engine).plan)
+        st = _state(engine)
+        st.micro = -1  # a new batch: LoadSlice fetches micro-batch 0 afresh
+        return cls(engine.micro_batches, engine.num_stages, engine.stage_id, st.plan)
 
     def num_pipe_buffers(self) -> int:
         return len(self.units)
@@ -232,14 +234,6 @@ class TeraPipeState:
     count: torch.Tensor | None = None
 
 
-def explicit_plan(slices: Sequence[int], micro_batch: int, batch_slices: int) -> Plan:
-    """``batch_slices`` near-equal batch-slices, each cut into the same token ``slices``."""
-    if batch_slices > micro_batch:
-        raise ConfigError(f"ds_mp.terapipe.batch_slices: {batch_slices} exceeds the micro-batch size "
-                          f"{micro_batch}; use at most {micro_batch}")
-    return [(rows, list(slices)) for rows in uniform_slices(micro_batch, batch_slices)]
-
-
 def _state(engine: Any) -> TeraPipeState:
     """The engine's TeraPipe state; the plan is made once, on the first train_batch."""
     st = getattr(engine, "_terapipe", None)
@@ -255,13 +249,9 @@ def _state(engine: Any) -> TeraPipeState:
     if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1:
         raise ConfigError("ds_mp.tensor_parallel.sequence_parallel: not supported with terapipe "
                           "(slices need not divide by TP); set it to false")
-    tcfg, B = cfg.terapipe, engine.train_micro_batch_size_per_gpu()
-    if isinstance(tcfg.slices, list):
-        plan = explicit_plan(tcfg.slices, B, tcfg.batch_slices)
-    else:
-        from ds_mp.pipeline.terapipe_plan import auto_plan
-        plan = auto_plan(engine)
-    engine._terapipe = st = TeraPipeState(plan)
+    from ds_mp.pipeline.terapipe_plan import engine_plan
+
+    engine._terapipe = st = TeraPipeState(engine_plan(engine))
     return st
 
 
@@ -289,7 +279,15 @@ def _exec_load_slice(self: Any, buffer_id: int, micro: int, rows: tuple[int, int
     self._n_loaded += 1
 
 
+def _forget_partition_shapes(self: Any) -> None:
+    """With TP > 1 DeepSpeed sends activations/grads partitioned over TP and caches each
+    partition's shape once; token slices change shape, so forget it before every slice."""
+    self.pipe_partition_input_meta_cache = self.pipe_partition_output_meta_cache = None
+    self.pipe_partition_grad_meta_cache = self.grad_partition_grad_layer_meta_cache = None
+
+
 def _exec_forward_slice(self: Any, buffer_id: int, micro: int, batch_slice: int, slice: int) -> None:
+    _forget_partition_shapes(self)
     context, blocks = self._terapipe.context, self.module.blocks()
     context.key = (micro, batch_slice)
     for blk in blocks:
@@ -302,14 +300,33 @@ def _exec_forward_slice(self: Any, buffer_id: int, micro: int, batch_slice: int,
 
 
 def _exec_backward_slice(self: Any, buffer_id: int, micro: int, batch_slice: int, slice: int) -> None:
+    _forget_partition_shapes(self)
     self._exec_backward_pass(buffer_id)
     if slice == 0:  # the sequence's first slice: no later backward needs its cache
         self._terapipe.context.release((micro, batch_slice))
+
+
+def plan_cli(argv: list[str]) -> int:
+    """``ds-mp plan --config X.json [--profile]``: the slicing plan and its predicted speedups."""
+    import argparse
+
+    from ds_mp.pipeline.terapipe_plan import plan_from_config
+
+    ap = argparse.ArgumentParser(prog="ds-mp plan", description="TeraPipe slicing plan for a DeepSpeed JSON")
+    ap.add_argument("--config", required=True, help="DeepSpeed JSON with a ds_mp block")
+    ap.add_argument("--profile", action="store_true", help="time a stage's blocks here and save the cost model")
+    args = ap.parse_args(argv)
+    try:
+        plan_from_config(args.config, profile=args.profile)
+    except ConfigError as e:
+        print(f"ds-mp plan: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 DsMpPipelineEngine.register_instruction(LoadSlice, _exec_load_slice)
 DsMpPipelineEngine.register_instruction(ForwardSlice, _exec_forward_slice)
 DsMpPipelineEngine.register_instruction(BackwardSlice, _exec_backward_slice)
 
-__all__ = ["KVContext", "context_mask", "TeraPipeSchedule", "Unit", "plan_units", "explicit_plan",
-           "TeraPipeState", "Plan"]
+__all__ = ["KVContext", "context_mask", "TeraPipeSchedule", "Unit", "plan_units", "TeraPipeState", "Plan",
+           "plan_cli"]

@@ -1,0 +1,246 @@
+"""Benchmark harness: persistent worker groups timed side by side, results, plots.
+
+One configuration = one :class:`Group` of ``ranks`` spawned processes (gloo, ``threads``
+torch threads each).  A group builds its model once (``setup``: ``"module:function"``
+called as ``fn(rank, world, **kwargs)`` on every rank, returning an object with a
+``step()`` method) and then waits on a queue, idle, while the other groups run.
+:func:`interleave` runs ``steps`` steps of every group in turn, round-robin over
+``repeats`` rounds (the order rotates every round), so slow drifts of a shared machine
+hit every configuration alike.  A step's time is the slowest rank's; a configuration's
+figure is the median over all its timed steps.  Only ratios of medians are reported.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import platform
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+@dataclass
+class Config:
+    name: str  # row label in tables and plots
+    setup: str  # "module:function"; fn(rank, world, **kwargs) -> object with .step()
+    ranks: int = 1  # processes (gloo ranks)
+    threads: int = 1  # torch intra-op threads per process
+    kwargs: dict = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(path: str) -> Callable:
+    module, fn = path.split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def _worker(rank: int, cfg: Config, port: int, cmds: Any, results: Any) -> None:
+    n = str(cfg.threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.ranks), LOCAL_RANK=str(rank), LOCAL_SIZE=str(cfg.ranks),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=n, MKL_NUM_THREADS=n,
+                      DS_MP_TIMEOUT=os.environ.get("DS_MP_TIMEOUT", "600"))
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    try:
+        bench = _resolve(cfg.setup)(rank, cfg.ranks, **cfg.kwargs)
+        results.put((rank, "ok", None))
+        while (cmd := cmds.get()) is not None:
+            if cmd[0] == "steps":
+                out = []
+                for _ in range(cmd[1]):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    bench.step()
+                    out.append((time.perf_counter() - t0, time.process_time() - c0))
+            else:
+                out = getattr(bench, cmd[1])(*cmd[2])
+            results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - reported to the orchestrator
+        results.put((rank, "error", traceback.format_exc()))
+
+
+class Group:
+    """The processes of one configuration; ``steps``/``call`` block until every rank answers."""
+
+    def __init__(self, cfg: Config, timeout: float = 900) -> None:
+        self.cfg, self.timeout = cfg, timeout
+        ctx = mp.get_context("spawn")
+        self.cmds = [ctx.Queue() for _ in range(cfg.ranks)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(cfg.threads)  # before torch loads
+        try:
+            self.procs = [ctx.Process(target=_worker, args=(r, cfg, port, self.cmds[r], self.results), daemon=True)
+                          for r in range(cfg.ranks)]
+            for p in self.procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+    def wait_ready(self) -> None:
+        """Block until every rank has built its model."""
+        self._collect()
+
+    def _collect(self) -> list[Any]:
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout
+        while len(out) < self.cfg.ranks:
+            try:
+                rank, status, value = self.results.get(timeout=5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in out]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    why = f"ranks {dead} died" if dead else f"no answer within {self.timeout}s"
+                    raise RuntimeError(f"benchmark config {self.cfg.name!r}: {why}") from None
+                continue
+            if status == "error":
+                self.close()
+                raise RuntimeError(f"benchmark config {self.cfg.name!r}, rank {rank} failed:\n{value}")
+            out[rank] = value
+        return [out[r] for r in range(self.cfg.ranks)]
+
+    def steps(self, k: int) -> list[tuple[float, float]]:
+        """Run ``k`` steps; per step (slowest rank's wall seconds, CPU seconds summed over
+        ranks: every thread of every rank, gloo's included)."""
+        for q in self.cmds:
+            q.put(("steps", k))
+        per_rank = self._collect()
+        return [(max(w for w, _ in ts), sum(c for _, c in ts)) for ts in zip(*per_rank)]
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """``bench.<method>(*args)`` on every rank (a collective if the method is one)."""
+        for q in self.cmds:
+            q.put(("call", method, args))
+        return self._collect()
+
+    def close(self) -> None:
+        for q, p in zip(self.cmds, self.procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def interleave(groups: list[Group], repeats: int, steps: int, warmup: int = 1) -> dict[str, list[tuple]]:
+    """Warm up every group, then ``repeats`` round-robin rounds of ``steps`` steps each;
+    per config the list of (wall, CPU) seconds of every timed step."""
+    for g in groups:
+        g.steps(warmup)
+    times: dict[str, list[tuple]] = {g.cfg.name: [] for g in groups}
+    for rep in range(repeats):
+        order = groups[rep % len(groups):] + groups[:rep % len(groups)]
+        for g in order:
+            times[g.cfg.name] += g.steps(steps)
+        print(f"  round {rep + 1}/{repeats} (running medians): " + "  ".join(
+            f"{n} {statistics.median(w for w, _ in t):.2f}s" for n, t in times.items()), flush=True)
+    return times
+
+
+def run_side_by_side(configs: list[Config], repeats: int, steps: int, warmup: int = 1,
+                     extra: Callable[[dict[str, Group]], Any] | None = None) -> tuple[dict[str, list[tuple]], Any]:
+    """Start every group (all at once: start-up is import-bound), interleave, call
+    ``extra(groups)``, close all."""
+    groups: list[Group] = []
+    try:
+        t0 = time.perf_counter()
+        for cfg in configs:
+            groups.append(Group(cfg))
+        for g in groups:
+            g.wait_ready()
+            print(f"  ready: {g.cfg.name} ({g.cfg.ranks} rank(s) × {g.cfg.threads} thread(s)) after "
+                  f"{time.perf_counter() - t0:.0f}s", flush=True)
+        times = interleave(groups, repeats, steps, warmup)
+        more = extra({g.cfg.name: g for g in groups}) if extra else None
+    finally:
+        for g in groups:
+            g.close()
+    return times, more
+
+
+def summarize(times: dict[str, list[tuple]], tokens_per_step: dict[str, int]) -> dict[str, dict]:
+    """Per config: median step wall seconds, spread (IQR / median), tokens/s, median CPU
+    seconds per step (all ranks), raw times."""
+    out = {}
+    for name, ts in times.items():
+        wall = [w for w, _ in ts]
+        med = statistics.median(wall)
+        q = statistics.quantiles(wall, n=4) if len(wall) >= 2 else [med, med, med]
+        out[name] = {"median_s": med, "iqr_rel": (q[2] - q[0]) / med, "tokens_per_s": tokens_per_step[name] / med,
+                     "cpu_s": statistics.median(c for _, c in ts), "step_times_s": wall}
+    return out
+
+
+# ------------------------------------------------------------------ reporting helpers
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    import deepspeed
+    import torch
+    import transformers
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu_count": os.cpu_count(), "cpu": model, "load_avg_1m": round(os.getloadavg()[0], 2),
+            "python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__, "platform": platform.platform(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def table(title: str, columns: list[str], rows: list[list[Any]]) -> dict:
+    return {"title": title, "columns": columns, "rows": rows}
+
+
+def fmt_ratio(x: float) -> str:
+    return f"{x:.2f}×"
+
+
+def bar_chart(path: str, labels: list[str], values: list[float], title: str, ylabel: str,
+              reference: float | None = 1.0, target: float | None = None) -> str:
+    """Bars of ``values`` (ratios) with a dashed reference line and an optional target line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(labels)), 4))
+    bars = ax.bar(range(len(labels)), values, color="#4C72B0")
+    ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], padding=2)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=15, ha="right", fontsize=8)
+    if reference is not None:
+        ax.axhline(reference, color="grey", linestyle="--", linewidth=1)
+    if target is not None:
+        ax.axhline(target, color="#C44E52", linestyle=":", linewidth=1.5, label=f"target {target:g}")
+        ax.legend()
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def command_line() -> str:
+    return "python -m benchmarks.run " + " ".join(sys.argv[1:])

@@ -1,0 +1,132 @@
+"""``ds-mp convert hf-to-ds | ds-to-hf``: HF ⇄ sharded conversion, verified by logits.
+
+Both directions write into a temporary sibling of OUT, verify there, and rename only on
+success, so a crash or a failed check leaves no OUT behind.  Verification runs two HF
+``GPT2LMHeadModel``s on a fixed input and compares logits (max |Δ| ≤ ``--atol``):
+
+* hf-to-ds: the source model vs a model rebuilt from the written shards (every tensor
+  merged back with ``unshard``), which checks the cut and the vocab padding;
+* ds-to-hf: a model rebuilt from the source shards vs ``from_pretrained(OUT)``, which
+  checks that HF's own loader reads the export (names, tying, config) as intended.
+
+``hf-to-ds`` also accepts a sharded directory as input, which reshards it to a new
+TP × PP.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+import torch
+
+from ds_mp.checkpoint.atomic import atomic_dir
+from ds_mp.checkpoint.hf import HFReader, open_reader, write_hf_files
+from ds_mp.checkpoint.sharded import CheckpointError, ShardedReader, expected_shapes, is_sharded_dir, write_sharded
+from ds_mp.models.gpt2 import stage_parts
+from ds_mp.tensor_parallel.sharding import padded_vocab_size
+
+
+def model_from(reader: HFReader | ShardedReader) -> Any:
+    """An fp32 ``GPT2LMHeadModel`` holding exactly the reader's tensors."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(reader.config).float().eval()
+    with torch.no_grad():
+        for name in expected_shapes(reader.config):
+            model.get_parameter(name).copy_(reader.get(name))
+    return model
+
+
+def max_logit_diff(a: Any, b: Any, vocab: int, n_positions: int) -> float:
+    """max |logits_a − logits_b| on a fixed (2, ≤16) batch of token ids."""
+    T = min(16, n_positions)
+    ids = (torch.arange(2 * T).view(2, T) * 7919 + 13) % vocab
+    with torch.no_grad():
+        return float((a(input_ids=ids).logits.float() - b(input_ids=ids).logits.float()).abs().max())
+
+
+def _check(diff: float, atol: float, what: str) -> str:
+    if not diff <= atol:  # also catches NaN
+        raise CheckpointError(f"verification failed: {what} max |Δlogits| = {diff:.3e} > atol {atol:.1e}; "
+                              "the written checkpoint does not reproduce the source (output not written)")
+    return f"verified: max |Δlogits| = {diff:.3e} (atol {atol:.1e})"
+
+
+def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str = "uniform", vocab_pad_multiple: int = 128,
+             verify: bool = True, atol: float = 1e-5, overwrite: bool = False) -> str:
+    """Write ``src`` (HF or sharded dir) as a sharded directory for TP=``tp``, PP=``pp``."""
+    reader = open_reader(src)
+    cfg = reader.config
+    if tp < 1 or cfg.n_head % tp:
+        raise CheckpointError(f"--tp {tp} does not divide n_head={cfg.n_head}; use a divisor of {cfg.n_head}")
+    if pp < 1 or pp > cfg.n_layer:
+        raise CheckpointError(f"--pp {pp}: need 1 <= stages <= n_layer={cfg.n_layer}")
+    if vocab_pad_multiple < 1:
+        raise CheckpointError(f"--vocab-pad-multiple {vocab_pad_multiple}: must be >= 1")
+    parts = stage_parts(cfg.n_layer, pp, partition, cfg.n_embd, cfg.vocab_size)
+    padded = padded_vocab_size(cfg.vocab_size, tp, vocab_pad_multiple)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        write_sharded(reader.get, cfg, tmp, tp, parts, padded)
+        msg = f"wrote {out} (tp={tp}, pp={pp}, parts={parts}, vocab {cfg.vocab_size} padded to {padded})"
+        if verify:
+            diff = max_logit_diff(model_from(reader), model_from(ShardedReader(tmp)), cfg.vocab_size, cfg.n_positions)
+            msg += "; " + _check(diff, atol, "source vs shards")
+    return msg
+
+
+def ds_to_hf(src: str, out: str, tokenizer_dir: str | None = None, verify: bool = True, atol: float = 1e-5,
+             overwrite: bool = False) -> str:
+    """Write the sharded directory ``src`` as an HF GPT-2 directory (vocab padding removed)."""
+    from transformers import GPT2LMHeadModel
+
+    if not is_sharded_dir(src):
+        raise CheckpointError(f"{src}: not a ds_mp sharded checkpoint (no ds_mp_meta.json)")
+    reader = ShardedReader(src)
+    cfg = reader.config
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        write_hf_files({n: reader.get(n) for n in expected_shapes(cfg)}, cfg, tmp, tokenizer_dir)
+        msg = f"wrote {out} (from tp={reader.tp}, pp={len(reader.parts) - 1})"
+        if verify:
+            hf = GPT2LMHeadModel.from_pretrained(tmp, dtype=torch.float32).eval()
+            diff = max_logit_diff(model_from(reader), hf, cfg.vocab_size, cfg.n_positions)
+            msg += "; " + _check(diff, atol, "shards vs from_pretrained")
+    return msg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-mp convert", description="Convert GPT-2 checkpoints between the "
+                                "Hugging Face layout and ds_mp's sharded layout (any TP × PP).")
+    sub = p.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-ds", help="HF directory (or sharded dir) -> sharded directory")
+    a.add_argument("src", metavar="IN")
+    a.add_argument("out", metavar="OUT")
+    a.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides n_head)")
+    a.add_argument("--pp", type=int, default=1, help="pipeline stages (<= n_layer)")
+    a.add_argument("--partition", default="uniform", choices=["uniform", "parameters"])
+    a.add_argument("--vocab-pad-multiple", type=int, default=128, help="vocab padded to a multiple of this × TP")
+    b = sub.add_parser("ds-to-hf", help="sharded directory -> HF directory (from_pretrained-ready)")
+    b.add_argument("src", metavar="IN")
+    b.add_argument("out", metavar="OUT")
+    b.add_argument("--tokenizer", metavar="DIR", help="copy tokenizer files from this directory")
+    for sp in (a, b):
+        sp.add_argument("--no-verify", action="store_true", help="skip the logits comparison")
+        sp.add_argument("--atol", type=float, default=1e-5, help="max |Δlogits| accepted by the verification")
+        sp.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    return p
+
+
+def convert_cli(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ds-mp convert``; returns the exit code (0 ok, 1 error)."""
+    args = build_parser().parse_args(argv)
+    common = {"verify": not args.no_verify, "atol": args.atol, "overwrite": args.force}
+    try:
+        if args.direction == "hf-to-ds":
+            msg = hf_to_ds(args.src, args.out, args.tp, args.pp, args.partition, args.vocab_pad_multiple, **common)
+        else:
+            msg = ds_to_hf(args.src, args.out, args.tokenizer, **common)
+    except (CheckpointError, FileExistsError) as e:
+        print(f"ds-mp convert: error: {e}", file=sys.stderr)
+        return 1
+    print(f"ds-mp convert {args.direction}: {msg}")
+    return 0

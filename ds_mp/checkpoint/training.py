@@ -1,0 +1,198 @@
+"""Layout-free training checkpoints: save at one TP × PP × DP, resume at any other.
+
+``<root>/<tag>/`` is a sharded directory (:mod:`ds_mp.checkpoint.sharded`) with, besides
+the model files,
+
+* ``optim-ppSS-tpRR.safetensors``: each parameter's optimizer state under
+  ``"<HF name>::<key>"`` (SGD ``momentum_buffer``, Adam ``exp_avg``/``exp_avg_sq``/``step``).
+  A state tensor shaped like the parameter shard is cut by the parameter's own TP rule,
+  so it reshards exactly like the weight; other tensors (``step``) are replicated;
+  non-tensor entries go to the file's JSON metadata.
+* ``trainer_state.pt``: optimizer hyper-parameters per group, LR scheduler state, the
+  engine's step/sample counters and the caller's ``client_state`` (from global rank 0;
+  pickled, so load only checkpoints you trust).
+
+Only DP replica 0 writes (replicas are identical); every rank loads and cuts its own
+shard.  The save is atomic: ranks write into ``<tag>.tmp``, rank 0 renames it to ``<tag>``
+after every rank reported success, and only then replaces the ``latest`` pointer.
+
+DeepSpeed's own ``engine.save_checkpoint`` is not used: its pipeline checkpoints keep one
+file per layer per model-parallel rank and the optimizer state per model-parallel rank
+in flat parameter order, and it re-splits only Megatron-named tensors when the degree
+changes, so a GPT-2 checkpoint saved there cannot resume at another TP degree.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ds_mp.checkpoint.atomic import commit_dir, fresh_dir, write_text_atomic
+from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, make_meta, shard_file,
+                                      write_meta)
+from ds_mp.models.gpt2 import hf_param_name, tp_kind
+from ds_mp.tensor_parallel.sharding import shard
+
+TRAINER_STATE = "trainer_state.pt"
+LATEST = "latest"
+
+
+def _optimizer(engine: Any) -> torch.optim.Optimizer | None:
+    opt = engine.optimizer
+    if opt is not None and not isinstance(opt, torch.optim.Optimizer):
+        raise CheckpointError(f"training checkpoints support fp32 training without ZeRO, but the engine's "
+                              f"optimizer is DeepSpeed's {type(opt).__name__} (bf16/fp16 or zero_optimization); "
+                              "turn those off, or export the weights only with ds_mp.save_hf")
+    return opt
+
+
+def _params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """(HF name, parameter) for every parameter of this rank's stage."""
+    return [(hf_param_name(n, engine.module), p) for n, p in engine.module.named_parameters()]
+
+
+def _everywhere(what: str, fn: Callable[[], None]) -> None:
+    """Run ``fn`` on this rank, then raise on every rank if it failed on any (collective)."""
+    try:
+        fn()
+        error = ""
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        error = f"{type(e).__name__}: {e}"
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [""] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if bad:
+        raise CheckpointError(f"{what} failed: {'; '.join(bad)}")
+
+
+def _write_rank_files(engine: Any, opt: torch.optim.Optimizer | None, tmp: str) -> None:
+    from safetensors.torch import save_file
+
+    topo = engine.topology
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    extras: dict[str, dict[str, Any]] = {}
+    for name, p in _params(engine):
+        if name == "transformer.wte.weight" and topo.pp_rank != 0:
+            continue  # the tied copy on the last stage is identical; stored once on stage 0
+        model[name] = p.detach().cpu().contiguous()
+        for key, value in (opt.state.get(p, {}) if opt is not None else {}).items():
+            if torch.is_tensor(value):
+                state[f"{name}::{key}"] = value.detach().cpu().contiguous()
+            else:
+                extras.setdefault(name, {})[key] = value
+    save_file(model, shard_file(tmp, "model", topo.pp_rank, topo.tp_rank), metadata={"format": "pt"})
+    if opt is not None:
+        save_file(state, shard_file(tmp, "optim", topo.pp_rank, topo.tp_rank),
+                  metadata={"format": "pt", "extras": json.dumps(extras)})
+
+
+def _trainer_state(engine: Any, opt: torch.optim.Optimizer | None, client_state: dict) -> dict:
+    topo, sched = engine.topology, engine.lr_scheduler
+    return {"optimizer": type(opt).__name__ if opt is not None else None,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt else [],
+            "lr_scheduler": sched.state_dict() if sched is not None else None,
+            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps, "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp},
+            "client_state": client_state}
+
+
+def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | None = None) -> str:
+    """Collective: write ``<ckpt_root>/<tag>`` and point ``<ckpt_root>/latest`` at it.
+
+    ``client_state`` (data position, RNG states, ...) is taken from global rank 0 and
+    returned by :func:`load_checkpoint`.  Returns the checkpoint directory.
+    """
+    opt, topo = _optimizer(engine), engine.topology
+    final = os.path.join(os.path.abspath(ckpt_root), tag)
+    tmp = final + ".tmp"
+
+    def prepare() -> None:
+        if topo.rank == 0:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            fresh_dir(tmp)
+
+    def write() -> None:
+        if topo.dp_rank == 0:
+            _write_rank_files(engine, opt, tmp)
+        if topo.rank == 0:
+            meta = make_meta(engine.hf_config, topo.tp, list(engine.module.parts),
+                             engine.module.ds_mp_ctx.padded_vocab, has_optimizer=opt is not None)
+            write_meta(tmp, meta)
+            torch.save(_trainer_state(engine, opt, client_state or {}), os.path.join(tmp, TRAINER_STATE))
+
+    def commit() -> None:
+        if topo.rank == 0:
+            commit_dir(tmp, final, overwrite=True)
+            write_text_atomic(os.path.join(os.path.dirname(final), LATEST), tag + "\n")
+
+    _everywhere(f"save_checkpoint({final!r}): preparing", prepare)
+    _everywhere(f"save_checkpoint({final!r}): writing", write)
+    _everywhere(f"save_checkpoint({final!r}): committing", commit)
+    return final
+
+
+def latest_tag(ckpt_root: str) -> str:
+    path = os.path.join(ckpt_root, LATEST)
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        raise CheckpointError(f"{ckpt_root}: no '{LATEST}' file, so no finished checkpoint; pass tag= "
+                              "or check the path") from None
+
+
+def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict:
+    """Load weights, optimizer, scheduler and counters saved at any layout; return client_state.
+
+    Each rank merges the saved TP shards of its own parameters and cuts them for its
+    own (TP rank, padded vocab); optimizer state follows the same rule.
+    """
+    opt, topo = _optimizer(engine), engine.topology
+    path = os.path.join(ckpt_root, tag or latest_tag(ckpt_root))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: checkpoint directory not found; check ckpt_root and tag")
+    reader = ShardedReader(path)
+    if expected_shapes(reader.config) != expected_shapes(engine.hf_config):
+        raise CheckpointError(f"{path}: saved model shape (n_layer={reader.config.n_layer}, n_embd="
+                              f"{reader.config.n_embd}, vocab={reader.config.vocab_size}) differs from the engine's; "
+                              "resume with the same model")
+    if opt is not None and not reader.meta.get("has_optimizer"):
+        raise CheckpointError(f"{path}: holds weights only (no optimizer state); start from it with "
+                              "ds_mp.training.init_from instead of resuming")
+    trainer = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=False)
+    if opt is not None and (trainer["optimizer"] != type(opt).__name__
+                            or len(trainer["param_groups"]) != len(opt.param_groups)):
+        raise CheckpointError(f"{path}: saved with optimizer {trainer['optimizer']} ({len(trainer['param_groups'])} "
+                              f"groups), the engine has {type(opt).__name__} ({len(opt.param_groups)}); "
+                              "resume with the same optimizer config")
+    n_head, padded = engine.hf_config.n_head, engine.module.ds_mp_ctx.padded_vocab
+
+    def cut(full: torch.Tensor, kind: str) -> torch.Tensor:
+        return shard(full, kind, topo.tp_rank, topo.tp, n_head=n_head, padded_vocab=padded).clone()
+
+    with torch.no_grad():
+        for name, p in _params(engine):
+            kind = tp_kind(name)
+            p.copy_(cut(reader.get(name), kind))
+            if opt is None:
+                continue
+            state = {}
+            for key, v in reader.get_state(name).items():
+                full_shaped = torch.is_tensor(v) and tuple(v.shape) == reader.shapes[name]
+                state[key] = cut(v, kind).to(p.device) if full_shaped else v
+            opt.state.pop(p, None)
+            if state:
+                opt.state[p] = state
+    for group, saved in zip(opt.param_groups if opt is not None else [], trainer["param_groups"]):
+        group.update(saved)
+    if engine.lr_scheduler is not None and trainer["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
+    engine.global_steps, engine.global_samples = trainer["global_steps"], trainer["global_samples"]
+    engine.skipped_steps = trainer["skipped_steps"]
+    return trainer["client_state"]

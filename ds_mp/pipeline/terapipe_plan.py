@@ -1,0 +1,229 @@
+"""TeraPipe ``"slices": "auto"``: profile a stage, fit the cost model, run the planner.
+
+The cost model t(i, j) (``slicing.CostModel``: one stage's forward+backward of i tokens after
+j cached tokens, at the micro-batch size B) comes from ``terapipe.profile`` or
+``<training.output_dir>/terapipe_profile.json``; when neither exists the engine profiles its
+own stage (every rank, its real layers and TP), takes for every (i, j) the slowest rank (the
+pipeline runs at its bottleneck stage), fits, and rank 0 saves the file.  A batch-slice of b
+rows costs ``batch_cost(t, b_ref=B, overhead=c0)``.  With ``batch_slices = n`` the micro-batch
+is cut into n equal batch-slices and the joint planner chooses their token slicing:
+``plan_joint(B, L, K, cost, batch_sizes=[B/n])``.  Rank 0 plans and broadcasts the plan.
+
+:func:`plan_from_config` is the same planning for ``ds-mp plan``, on one process.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ds_mp.config import ConfigError, DsMpConfig, load_config, parse_config, read_json
+from ds_mp.pipeline.slicing import (CostModel, batch_cost, fit_cost_model, plan_joint, predicted_time_joint,
+                                    profile_stage, uniform_slices)
+from ds_mp.pipeline.terapipe import KVContext, Plan
+
+PROFILE_NAME = "terapipe_profile.json"
+
+
+def profile_path(cfg: DsMpConfig) -> str:
+    return cfg.terapipe.profile or os.path.join(cfg.training.output_dir, PROFILE_NAME)
+
+
+def profile_grid(L: int, granularity: int) -> tuple[list[int], list[int]]:
+    """Slice lengths g, 2g, 4g, … L and contexts 0, L/4, L/2, 3L/4 (rounded to g) to time."""
+    g = max(1, min(granularity, L))
+    lengths = sorted({min(L, g * 2 ** k) for k in range(int(math.log2(max(1, L // g))) + 1)} | {L})
+    contexts = sorted({g * round(L * q / 4 / g) for q in range(4)})
+    return lengths, contexts
+
+
+def explicit_plan(slices: Sequence[int], micro_batch: int, batch_slices: int) -> Plan:
+    """``batch_slices`` near-equal batch-slices, each cut into the same token ``slices``."""
+    if batch_slices > micro_batch:
+        raise ConfigError(f"ds_mp.terapipe.batch_slices: {batch_slices} exceeds the micro-batch size "
+                          f"{micro_batch}; use at most {micro_batch}")
+    return [(rows, list(slices)) for rows in uniform_slices(micro_batch, batch_slices)]
+
+
+def engine_plan(engine: Any) -> Plan:
+    """The engine's plan: the configured slices, or (collective) the planner's."""
+    tcfg = engine.ds_mp_config.terapipe
+    if isinstance(tcfg.slices, list):
+        return explicit_plan(tcfg.slices, engine.train_micro_batch_size_per_gpu(), tcfg.batch_slices)
+    return auto_plan(engine)
+
+
+def plan_for(cost: CostModel, B: int, L: int, K: int, batch_slices: int, granularity: int) -> Plan:
+    """The planner's slicing of a micro-batch (B, L) on K stages into n equal batch-slices."""
+    if B % batch_slices:
+        raise ConfigError(f"ds_mp.terapipe.batch_slices: {batch_slices} does not divide the micro-batch "
+                          f"size {B}; with slices='auto' use a divisor of {B}")
+    plan = plan_joint(B, L, K, batch_cost(cost, b_ref=B, overhead=cost.c0), granularity=granularity,
+                      batch_sizes=[B // batch_slices])
+    return [(b, list(s)) for b, s in plan]
+
+
+def _slice_timer(forward: Callable[[Any], torch.Tensor], blocks: list, make_input: Callable[[int, int], Any],
+                 batch: int, hs: int, dtype: torch.dtype, device: Any) -> Callable[[int, int], None]:
+    """fn(i, j): forward+backward of i tokens through ``blocks`` after a random j-token context.
+
+    Gradients are returned by ``torch.autograd.grad``, never accumulated into ``.grad``.
+    """
+    def run(i: int, j: int) -> None:
+        context = KVContext()
+        for blk in blocks:
+            shape = (batch, blk.n_head_local, j, hs)
+            context.prefill(blk.index, *(torch.randn(shape, dtype=dtype, device=device).requires_grad_()
+                                         for _ in range(2)))
+            blk.context = context
+        try:
+            x = make_input(i, j)
+            out = forward(x)
+        finally:
+            for blk in blocks:
+                blk.context = None
+        params = forward.parameters() if isinstance(forward, torch.nn.Module) else []
+        wrt = [p for p in params if p.requires_grad] + context.leaves()
+        if torch.is_tensor(x) and x.requires_grad:
+            wrt.append(x)
+        torch.autograd.grad([out], wrt, [torch.ones_like(out)], allow_unused=True)
+    return run
+
+
+def profile_engine_stage(engine: Any, L: int, granularity: int) -> list[tuple[int, int, float]]:
+    """Time this rank's stage (its layers, its TP shard) at the micro-batch size; collective
+    over the stage's TP group only (TP ranks run the same grid in lockstep)."""
+    module, B = engine.module, engine.train_micro_batch_size_per_gpu()
+    ctx, blocks = module.ds_mp_ctx, module.blocks()
+    p = next(module.parameters())
+    hs = ctx.n_embd // ctx.n_head
+
+    def make_input(i: int, j: int) -> Any:
+        if engine.is_first_stage():
+            ids = torch.randint(0, ctx.vocab, (B, i), device=p.device)
+            pos = torch.arange(j, j + i, device=p.device).clamp(max=L - 1)  # same cost, valid index
+            return ids, pos.unsqueeze(0)
+        return torch.randn(B, i, ctx.n_embd, dtype=p.dtype, device=p.device, requires_grad=True)
+
+    lengths, contexts = profile_grid(L, granularity)
+    was_training = module.training
+    module.eval()  # no dropout: profiling draws no random numbers from the training streams
+    try:
+        return profile_stage(_slice_timer(module, blocks, make_input, B, hs, p.dtype, p.device),
+                             lengths, contexts, repeats=3, warmup=1)
+    finally:
+        module.train(was_training)
+
+
+def _bottleneck(per_rank: list[list[tuple[int, int, float]]]) -> list[tuple[int, int, float]]:
+    """Per (i, j), the slowest rank's time."""
+    worst: dict[tuple[int, int], float] = {}
+    for samples in per_rank:
+        for i, j, t in samples:
+            worst[(i, j)] = max(worst.get((i, j), 0.0), t)
+    return [(i, j, t) for (i, j), t in sorted(worst.items())]
+
+
+def auto_plan(engine: Any) -> Plan:
+    """Collective: every rank calls it on its first train_batch; all get rank 0's plan."""
+    cfg = engine.ds_mp_config
+    tcfg, L, K = cfg.terapipe, cfg.data.seq_len, engine.num_stages
+    B, rank = engine.train_micro_batch_size_per_gpu(), dist.get_rank()
+    path = profile_path(cfg)
+    have = [os.path.isfile(path)]
+    dist.broadcast_object_list(have, src=0)
+    samples: list = []
+    if not have[0]:
+        if tcfg.profile:
+            err = f"ds_mp.terapipe.profile: {path!r} not found; run `ds-mp plan --profile` or set it to \"\""
+            raise ConfigError(err)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, profile_engine_stage(engine, L, tcfg.granularity))
+        samples = _bottleneck(gathered)
+    result: list = [None]
+    if rank == 0:
+        try:
+            if samples:
+                cost, _ = fit_cost_model(samples)
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                cost.save(path)
+            else:
+                cost = CostModel.load(path)
+            result[0] = plan_for(cost, B, L, K, tcfg.batch_slices, tcfg.granularity)
+        except (ConfigError, OSError, ValueError, TypeError) as e:
+            result[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(result, src=0)  # the error too, so no rank hangs
+    if isinstance(result[0], str):
+        raise ConfigError(f"ds_mp.terapipe.slices: auto planning failed on rank 0: {result[0]}")
+    return result[0]
+
+
+# ------------------------------------------------------------------ `ds-mp plan`
+
+def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, float]]:
+    """One process, TP = 1: time ⌈n_layer / stages⌉ randomly initialised blocks (a stage's
+    blocks; embedding and head are left out) at the micro-batch size."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from ds_mp.models.gpt2 import Block, Ctx, WeightSource
+    from ds_mp.runtime import hf_config_from
+    from ds_mp.topology import Topology
+
+    hf = hf_config_from(cfg.shape)
+    weights = GPT2Block(hf, layer_idx=0).state_dict()
+    src = WeightSource(lambda name: weights[name.split(".", 3)[3]], hf)  # transformer.h.<i>.<rest>
+    ctx = Ctx(Topology(tp=1, pp=1, dp=1, rank=0), hf, sequence_parallel=False, vocab_pad_multiple=1)
+    blocks = [Block(src, i, ctx).eval() for i in range(math.ceil(hf.n_layer / cfg.pp))]
+    stage = torch.nn.Sequential(*blocks)
+
+    def make_input(i: int, j: int) -> torch.Tensor:
+        return torch.randn(micro_batch, i, hf.n_embd, requires_grad=True)
+
+    lengths, contexts = profile_grid(cfg.data.seq_len, cfg.terapipe.granularity)
+    fn = _slice_timer(stage, blocks, make_input, micro_batch, hf.n_embd // hf.n_head, torch.float32, "cpu")
+    return profile_stage(fn, lengths, contexts, repeats=3, warmup=1)
+
+
+def plan_from_config(config: str | dict, profile: bool = False) -> dict:
+    """Plan TeraPipe slicing for a DeepSpeed JSON; print and return the scheme and predictions.
+
+    ``profile=True`` times a stage's blocks here (:func:`profile_blocks`) and saves the cost
+    model to the profile path first; otherwise the saved cost model is used.  Returns ``plan``
+    ([[rows, token slices], …]), ``predicted_time`` and the same for no slicing and the best
+    uniform slicing, with ``speedup_vs_no_slicing`` / ``speedup_vs_uniform`` (ratios of times).
+    """
+    raw = read_json(config)
+    parsed = parse_config(raw.get("ds_mp", {}))
+    cfg, raw = load_config(raw, world_size=parsed.tp * parsed.pp)  # one replica: DP does not matter
+    B, L, K = raw.get("train_micro_batch_size_per_gpu", 1), cfg.data.seq_len, cfg.pp
+    n, g, path = cfg.terapipe.batch_slices, cfg.terapipe.granularity, profile_path(cfg)
+    if profile:
+        cost, err = fit_cost_model(profile_blocks(cfg, B))
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        cost.save(path)
+        print(f"profiled {path} (fit mean relative error {err:.1%})")
+    elif not os.path.isfile(path):
+        raise ConfigError(f"ds_mp.terapipe.profile: no cost model at {path!r}; run with --profile "
+                          "or set ds_mp.terapipe.profile")
+    else:
+        cost = CostModel.load(path)
+    bc = batch_cost(cost, b_ref=B, overhead=cost.c0)
+    plan = plan_for(cost, B, L, K, n, g)
+    rows = uniform_slices(B, n)
+    uniform = min(([(b, uniform_slices(L, m)) for b in rows] for m in range(1, math.ceil(L / g) + 1)),
+                  key=lambda p: predicted_time_joint(p, K, bc))
+    t, t0, tu = (predicted_time_joint(p, K, bc) for p in (plan, [(b, [L]) for b in rows], uniform))
+    out = {"plan": [[b, s] for b, s in plan], "stages": K, "seq_len": L, "micro_batch": B, "profile": path,
+           "predicted_time": t, "no_slicing_time": t0, "best_uniform": [[b, s] for b, s in uniform],
+           "best_uniform_time": tu, "speedup_vs_no_slicing": t0 / t, "speedup_vs_uniform": tu / t}
+    print(f"terapipe plan for K={K} stages, micro-batch {B} x {L} tokens: {out['plan']}\n"
+          f"  predicted {t * 1e3:.3f} ms/micro-batch; {t0 / t:.2f}x vs no slicing ({t0 * 1e3:.3f} ms), "
+          f"{tu / t:.2f}x vs best uniform {out['best_uniform']} ({tu * 1e3:.3f} ms)")
+    return out
+
+
+__all__ = ["engine_plan", "explicit_plan", "auto_plan", "plan_for", "plan_from_config", "profile_engine_stage", "profile_blocks",
+           "profile_grid", "profile_path", "PROFILE_NAME"]

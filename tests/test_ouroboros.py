@@ -1,0 +1,288 @@
+"""Distributed Ouroboros (K modules on K-1 gloo ranks) against the single-process reference:
+per-iteration losses and final weights for K = 2, 3, 4 with SGD, Adam(+WarmupLR), clipping and
+Lamb; delay=False against plain HF backprop; DP = 2 with gradient accumulation against the
+concatenated batch; checkpoint resume against an uninterrupted run; the registered schedule
+unrolled in pure Python; the config refusals."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from helpers import batches, hf_reference, tiny_gpt2
+
+from ds_mp import SCHEDULES
+from ds_mp.config import ConfigError, load_config
+from ds_mp.pipeline.ouroboros_schedule import (Backward, Forward, OptimizerStep, RecvAct, RecvGrad, SendAct,
+                                               SendGrad, module_owner, ouroboros_timetable)
+
+SEQ, VOCAB, STEPS = 16, 203, 5
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.002, "warmup_max_lr": 0.01, "warmup_num_steps": 3,
+                                         "warmup_type": "linear"}}
+
+
+def ds_cfg(K: int, opt: str = "SGD", lr: float = 0.1, delay: bool = True, micro: int = 2, gas: int = 1,
+           clip: float = 0.0, scheduler: dict | None = None, **opt_params: float) -> dict:
+    # "Adam" as torch.optim.Adam: DeepSpeed's default adam_w_mode would make it AdamW (weight decay 0.01)
+    params = {"lr": lr, **opt_params, **({"torch_adam": True, "adam_w_mode": False} if opt == "Adam" else {})}
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+           "optimizer": {"type": opt, "params": params}, "steps_per_print": 10**9,
+           "ds_mp": {"pipeline": {"stages": K - 1, "schedule": "ouroboros"}, "ouroboros": {"delay": delay},
+                     "data": {"seq_len": SEQ}}}
+    if scheduler:
+        cfg["scheduler"] = scheduler
+    return cfg
+
+
+def shard(data: list, t: int, dp: int, dp_rank: int, gas: int) -> list:
+    """Micro-batches replica dp_rank reads at iteration t (the global batch is data[t*dp*gas : (t+1)*dp*gas])."""
+    start = (t * dp + dp_rank) * gas
+    return data[start:start + gas]
+
+
+def concat(micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([b[0] for b in micro_batches]), torch.cat([b[1] for b in micro_batches])
+
+
+# ----------------------------------------------------------------------------- rank programs
+def train_job(cfg: dict, shards: int = 1, gas: int = 1, micro: int = 2) -> dict:
+    """A fresh engine, STEPS iterations, then an eval batch. DP replica d reads shard d % shards of
+    each global batch (shards=1: every replica reads the same micro-batches)."""
+    import ds_mp
+
+    data = batches(STEPS * shards * gas, micro, SEQ, VOCAB)
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=cfg)
+    d = engine.topology.dp_rank % shards
+    losses = [float(engine.train_batch(iter(shard(data, t, shards, d, gas)))) for t in range(STEPS)]
+    eval_loss = float(engine.eval_batch(iter(shard(data, 0, shards, d, gas))))
+    return {"losses": losses, "eval": eval_loss, "weights": engine.hf_state_dict(),
+            "steps": engine.global_steps, "lr": engine.get_lr()[0]}
+
+
+def resume_job(cfg: dict, ckpt: str, split: int) -> dict:
+    """Uninterrupted STEPS iterations (saving after `split`), then a fresh engine resumed from there."""
+    import ds_mp
+
+    data = batches(STEPS, 2, SEQ, VOCAB)
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=cfg)
+    losses = []
+    for t, b in enumerate(data):
+        if t == split:
+            engine.save_checkpoint(ckpt)
+        losses.append(float(engine.train_batch(iter([b]))))
+    resumed, *_ = ds_mp.initialize(model=tiny_gpt2(), config=cfg)
+    resumed.load_checkpoint(ckpt)
+    tail = [float(resumed.train_batch(iter([b]))) for b in data[split:]]
+    return {"losses": losses, "tail": tail, "weights": engine.hf_state_dict(), "resumed": resumed.hf_state_dict(),
+            "resumed_at": split}
+
+
+def program(rank: int, jobs: dict[str, tuple]) -> dict[str, dict]:
+    """One spawn runs many jobs (process start-up, mostly imports, dominates the cost)."""
+    return {name: (resume_job if kind == "resume" else train_job)(*args) for name, (kind, *args) in jobs.items()}
+
+
+def spawn(n: int, jobs: dict[str, tuple]) -> dict[str, list[dict]]:
+    """job name -> per-rank results; every rank must report the same losses."""
+    per_rank = run_ranks(program, n, jobs, timeout=280)
+    out = {name: [r[name] for r in per_rank] for name in jobs}
+    for name, results in out.items():
+        assert all(r["losses"] == results[0]["losses"] for r in results), name
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """K=3 on 2 ranks; K=2 on 2 DP replicas (same data: the DP mean of equal gradients is exact,
+    so the 1-rank reference applies; own data: the reference on the concatenated batch); a resume."""
+    ckpt = str(tmp_path_factory.mktemp("ouroboros_ckpt"))
+    return spawn(2, {"k3_sgd": ("train", ds_cfg(3)),
+                     "k3_adam": ("train", ds_cfg(3, "Adam", lr=0.01, scheduler=WARMUP)),
+                     "k3_no_delay": ("train", ds_cfg(3, delay=False)),
+                     "k3_clip": ("train", ds_cfg(3, clip=0.5)),
+                     "k2_sgd": ("train", ds_cfg(2)), "k2_adam": ("train", ds_cfg(2, "Adam", lr=0.01)),
+                     "k2_lamb": ("train", ds_cfg(2, "Lamb", lr=0.01)),
+                     "k2_dp2": ("train", ds_cfg(2, momentum=0.9, micro=1, gas=2), 2, 2, 1),
+                     "k3_resume": ("resume", ds_cfg(3, "Adam", lr=0.01, scheduler=WARMUP), ckpt, 3)})
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> dict:
+    """K=4 on 3 ranks."""
+    return spawn(3, {"k4_sgd": ("train", ds_cfg(4)), "k4_adam": ("train", ds_cfg(4, "Adam", lr=0.01)),
+                     "k4_no_delay": ("train", ds_cfg(4, delay=False))})
+
+
+# ----------------------------------------------------------------------------- references
+class ClipSGD(torch.optim.SGD):
+    """SGD that clips the global gradient norm first (what gradient_clipping does)."""
+
+    def __init__(self, params, lr: float, max_norm: float) -> None:
+        super().__init__(params, lr=lr)
+        self.max_norm = max_norm
+
+    def step(self, closure=None):
+        torch.nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"]], self.max_norm)
+        return super().step(closure)
+
+
+def reference(make_opt, K: int, data: list, scheduler: dict | None = None, delay: bool = True):
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    from ds_mp.pipeline.ouroboros import OuroborosReference
+
+    ref = OuroborosReference(tiny_gpt2(), K, make_opt, delay=delay)
+    sched = WarmupLR(ref.optimizer, **scheduler["params"]) if scheduler else None
+    losses, threads = [], torch.get_num_threads()
+    # One thread, as on the ranks: the key bias's gradient is pure rounding noise (softmax ignores
+    # it), which Adam normalises to +-lr steps, so the noise must be the same bits on both sides.
+    torch.set_num_threads(1)
+    try:
+        for ids, labels in data:
+            losses.append(ref.step(ids, labels))
+            if sched:
+                sched.step()
+    finally:
+        torch.set_num_threads(threads)
+    return losses, dict(ref.model.named_parameters())
+
+
+def assert_same(result: dict, losses: list[float], weights: dict) -> None:
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), atol=1e-6, rtol=1e-5)
+    for name, p in weights.items():
+        torch.testing.assert_close(result["weights"][name], p.detach(), atol=1e-6, rtol=1e-5, msg=name)
+
+
+# ----------------------------------------------------------------------------- tests
+DATA = batches(STEPS, 2, SEQ, VOCAB)
+
+
+@pytest.mark.parametrize("K, fixture", [(2, "two_ranks"), (3, "two_ranks"), (4, "three_ranks")])
+def test_distributed_equals_reference(K, fixture, request):
+    """K-1 ranks (K=2: G_0 and G_1 on one rank, local handoffs) reproduce OuroborosReference with
+    SGD and Adam; K=3 also Adam + WarmupLR from the JSON and ring-wide clipping, K=2 CPU Lamb."""
+    from ds_mp.optim import Lamb
+
+    runs = request.getfixturevalue(fixture)
+    warmup = WARMUP if K == 3 else None
+    assert_same(runs[f"k{K}_sgd"][0], *reference(lambda p: torch.optim.SGD(p, lr=0.1), K, DATA))
+    adam = runs[f"k{K}_adam"][0]
+    assert_same(adam, *reference(lambda p: torch.optim.Adam(p, lr=0.01), K, DATA, warmup))
+    assert adam["steps"] == STEPS and adam["lr"] == pytest.approx(0.01)
+    if K == 3:
+        assert_same(runs["k3_clip"][0], *reference(lambda p: ClipSGD(p, lr=0.1, max_norm=0.5), 3, DATA))
+    if K == 2:
+        assert_same(runs["k2_lamb"][0], *reference(lambda p: Lamb(p, lr=0.01), 2, DATA))
+
+
+@pytest.mark.parametrize("K, fixture", [(3, "two_ranks"), (4, "three_ranks")])
+def test_no_delay_is_plain_backprop(K, fixture, request):
+    """delay=False (the same ring, deltas used within the iteration) equals HF GPT-2 + SGD."""
+    hf_losses, hf = hf_reference(tiny_gpt2(), [[b] for b in DATA], lr=0.1)
+    assert_same(request.getfixturevalue(fixture)[f"k{K}_no_delay"][0], hf_losses, dict(hf.named_parameters()))
+
+
+def test_eval_batch_is_the_current_models_loss(two_ranks):
+    result = two_ranks["k3_sgd"][0]
+    model = tiny_gpt2()
+    model.load_state_dict(result["weights"], strict=False)  # lm_head is tied to wte
+    with torch.no_grad():
+        assert result["eval"] == pytest.approx(model(DATA[0][0], labels=DATA[0][1]).loss.item(), abs=1e-6)
+
+
+def test_dp2_with_accumulation_equals_concatenated_batch(two_ranks):
+    """K=2, DP=2 (2 ranks), 2 accumulated micro-batches of 1 row: the same as the reference on the
+    4-row batch of each iteration (equal token counts: the mean of means is the global mean).
+    SGD with momentum: Adam would turn the rounding differences of the DP all-reduce in the key
+    bias's zero gradient into +-lr steps (see reference())."""
+    data = batches(STEPS * 4, 1, SEQ, VOCAB)
+    global_batches = [concat(data[4 * t:4 * t + 4]) for t in range(STEPS)]
+    losses, weights = reference(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 2, global_batches)
+    for result in two_ranks["k2_dp2"]:  # both replicas hold the same weights
+        assert_same(result, losses, weights)
+
+
+def test_resume_equals_uninterrupted(two_ranks):
+    """K=3 on 2 ranks, Adam + WarmupLR: saved after 3 iterations with deltas and stashed inputs in
+    flight, resumed in a fresh engine: the same losses and weights as never stopping."""
+    for r in two_ranks["k3_resume"]:
+        split = r["resumed_at"]
+        assert r["tail"] == r["losses"][split:]
+        for name, p in r["weights"].items():
+            assert torch.equal(r["resumed"][name], p), name
+
+
+@pytest.mark.parametrize("delay", [True, False])
+@pytest.mark.parametrize("K", [2, 3, 4, 5])
+def test_registered_schedule_unroll(K, delay):
+    """SCHEDULES["ouroboros"] per ring rank, run with rendezvous p2p: no deadlock, each (module,
+    sample) forwarded once and backpropagated once at iteration s + d_m, after its delta arrived,
+    each message matched by the same message on the peer; stash never above num_pipe_buffers."""
+    T, R = 2 * K + 1, K - 1
+    scheds = [SCHEDULES["ouroboros"](micro_batches=T, stages=R, stage_id=r, delay=delay) for r in range(R)]
+    progs = [[(t, st) for t, row in enumerate(s) for st in row] for s in scheds]
+    assert [[row for row in s] for s in scheds] == [list(col) for col in zip(*ouroboros_timetable(K, T, delay))]
+    owner, head = module_owner(K), [0] * R
+    fwd, bwd, have = {}, {}, [set() for _ in range(R)]  # have: ("a"|"g", m, s) present on a rank
+    stash = [0] * R
+    while any(head[r] < len(progs[r]) for r in range(R)):
+        moved = False
+        for r in range(R):
+            if head[r] == len(progs[r]):
+                continue
+            t, st = progs[r][head[r]]
+            if isinstance(st, Forward):
+                m, s = st.module, st.sample
+                assert owner[m] == r and s == t and (m, s) not in fwd and (m == 0 or ("a", m - 1, s) in have[r])
+                fwd[(m, s)] = t
+                have[r].add(("a", m, s))
+                stash[r] += m != K - 1
+                assert stash[r] <= scheds[r].num_pipe_buffers()
+            elif isinstance(st, Backward):
+                m, s = st.module, st.sample
+                assert owner[m] == r and (m, s) in fwd and (m, s) not in bwd
+                assert t == s + (K - 1 - m if delay else 0)
+                assert m == K - 1 or ("g", m + 1, s) in have[r]
+                bwd[(m, s)] = t
+                have[r].add(("g", m, s))
+                stash[r] -= m != K - 1
+            elif isinstance(st, OptimizerStep):
+                pass
+            else:
+                if isinstance(st, (RecvAct, RecvGrad)):
+                    continue  # a receive proceeds when its sender sends
+                p = st.peer
+                want = (RecvAct if isinstance(st, SendAct) else RecvGrad)(st.module, st.sample, r)
+                if head[p] == len(progs[p]) or progs[p][head[p]] != (t, want):
+                    continue
+                kind = "a" if isinstance(st, SendAct) else "g"
+                assert (kind, st.module, st.sample) in have[r]
+                have[p].add((kind, st.module, st.sample))
+                head[p] += 1
+            head[r] += 1
+            moved = True
+        assert moved, f"deadlock: {[progs[r][head[r]] for r in range(R) if head[r] < len(progs[r])]}"
+    assert set(fwd) == {(m, s) for m in range(K) for s in range(T)}
+    d = (lambda m: K - 1 - m) if delay else (lambda m: 0)
+    assert set(bwd) == {(m, s) for m in range(K) for s in range(T) if s + d(m) < T}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"ds_mp": {"tensor_parallel": {"size": 2}}}, "tensor_parallel.size"),
+    ({"ds_mp": {"model": {"dropout": 0.1}}}, "dropout"),
+    ({"bf16": {"enabled": True}}, "bf16.enabled"),
+    ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
+    ({"ds_mp": {"ouroboros": {"modules": 4}}}, "pipeline.stages to 3"),
+])
+def test_config_refusals(change, match):
+    raw = copy.deepcopy(ds_cfg(3))
+    raw["ds_mp"]["model"] = {"n_layer": 4, "n_embd": 48, "n_head": 4, "vocab_size": VOCAB}
+    for key, value in change.items():
+        if key == "ds_mp":
+            for sub, v in value.items():
+                raw["ds_mp"].setdefault(sub, {}).update(v)
+        else:
+            raw[key] = value
+    with pytest.raises(ConfigError, match=match):
+        load_config(raw, world_size=4)

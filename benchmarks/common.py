@@ -243,4 +243,4 @@ def bar_chart(path: str, labels: list[str], values: list[float], title: str, yla
 
 
 def command_line() -> str:
-    return "python -m benchmarks.run " + " ".join(sys.argv[1:])
+    return " ".join(["python -m benchmarks.run", *sys.argv[1:]])

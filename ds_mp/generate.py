@@ -15,10 +15,10 @@ def _hf_dir(path: str, tmp: str) -> str:
     if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
             os.path.join(path, "ds_mp_meta.json")):
         return path
-    from ds_mp.checkpoint import export_hf_dir
+    from ds_mp.checkpoint import ds_to_hf
 
     out = os.path.join(tmp, "hf")
-    export_hf_dir(path, out)
+    ds_to_hf(path, out, verify=False)
     return out
 
 

@@ -112,35 +112,38 @@ def evaluate(engine: Any, val_batches: Any) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ds_mp.checkpoint import CheckpointError
+    from ds_mp.data import DataError
+
     args = parse_args(argv)
     try:
         return _run(args)
-    except (ConfigError, NonFiniteLoss) as e:
+    except (ConfigError, DataError, CheckpointError, NonFiniteLoss) as e:
         print(f"ds_mp: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 3
+        return 3 if isinstance(e, NonFiniteLoss) else 2
 
 
 def _run(args: argparse.Namespace) -> int:
     import ds_mp
-    from ds_mp.checkpoint import latest_tag, load_checkpoint, save_checkpoint
-    from ds_mp.data import ChunkSampler, DataError, ValidationBatches
+    from ds_mp.checkpoint import directory_source, load_checkpoint, save_checkpoint
+    from ds_mp.data import ChunkSampler, ValidationBatches
     from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
     raw = _apply_overrides(read_json(args.deepspeed_config), args)
     cfg, raw = load_config(raw, int(os.environ.get("WORLD_SIZE", "1")))  # before any collective
     tcfg = cfg.training
-    try:
-        data_path, train_ds, val_ds = _dataset(cfg)
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    if os.path.isfile(tcfg.output_dir):
+    # Everything that can be checked without communication is checked here, on every rank.
+    data_path, train_ds, val_ds = _dataset(cfg)
+    if os.path.exists(tcfg.output_dir) and not os.path.isdir(tcfg.output_dir):
         raise ConfigError(f"ds_mp.training.output_dir: {tcfg.output_dir!r} is a file; choose a directory")
-    ckpt_root = os.path.join(tcfg.output_dir, "checkpoints")
-    resume_tag = latest_tag(ckpt_root) if args.resume else None
-    if args.resume and resume_tag is None:
-        raise ConfigError(f"--resume: no checkpoint under {ckpt_root}; run without --resume first")
-
     init = tcfg.init_from or (cfg.model if isinstance(cfg.model, str) else None)
+    if init:
+        directory_source(init)  # config, files, keys and shapes: fails before any collective
+    ckpt_root = os.path.join(tcfg.output_dir, "checkpoints")
+    resume_tag = _latest(ckpt_root) if args.resume else None
+    if args.resume and resume_tag is None:
+        raise ConfigError(f"--resume: no finished checkpoint under {ckpt_root}; run without --resume first")
+
     engine, _, _, _ = ds_mp.initialize(model=init, config=raw)
     topo, rank0 = engine.topology, torch.distributed.get_rank() == 0
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -202,14 +205,20 @@ def _run(args: argparse.Namespace) -> int:
     if start_step < tcfg.steps:
         save(tcfg.steps)
     if tcfg.export_hf:
-        from ds_mp.data import TokenDataset  # noqa: F401 - tokenizer path comes from the dataset metadata
-
         ds_mp.save_hf(engine, os.path.join(tcfg.output_dir, "hf"), tokenizer_dir=train_ds.info.tokenizer_dir)
     if rank0:
         bar.close()
         print(f"ds_mp: done: {tcfg.steps} steps; checkpoints in {ckpt_root}; HF model in "
               f"{os.path.join(tcfg.output_dir, 'hf')}; log {os.path.join(tcfg.output_dir, 'log.csv')}")
     return 0
+
+
+def _latest(ckpt_root: str) -> str | None:
+    try:
+        with open(os.path.join(ckpt_root, "latest")) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def _layout(topo: Any) -> list[int]:

@@ -146,6 +146,20 @@ def test_cli_errors_and_atomic_writes(hf_dir, tmp_path, capsys):
     assert os.path.isfile(os.path.join(out, "tokenizer.json"))
 
 
+def test_training_checkpoint_refusals(tmp_path):
+    from types import SimpleNamespace
+
+    from ds_mp.checkpoint import load_checkpoint, save_checkpoint
+
+    class BF16_Optimizer:  # stands in for DeepSpeed's wrapper (not a torch optimizer)
+        pass
+
+    with pytest.raises(CheckpointError, match="fp32 training without ZeRO.*BF16_Optimizer"):
+        save_checkpoint(SimpleNamespace(optimizer=BF16_Optimizer(), topology=None), str(tmp_path), "t")
+    with pytest.raises(CheckpointError, match="no 'latest' file"):
+        load_checkpoint(SimpleNamespace(optimizer=None, topology=None), str(tmp_path))
+
+
 # ----------------------------------------------------------------------------- engines
 def steps_of(n_steps: int, gas: int = 2, seed: int = 1) -> list[list]:
     mbs = batches(n_steps * gas, 2, 16, VOCAB, seed=seed)
@@ -182,12 +196,14 @@ def test_initialize_from_dir_tp2_and_save_hf(hf_dir, tmp_path):
     assert gen.shape == (1, 9)
 
 
-def _run_phase(rank: int, tp: int, pp: int, hf: str, root: str, steps: list, resume: bool, export: str) -> dict:
+def _run_phase(rank: int, tp: int, pp: int, model: str, root: str, steps: list, resume: bool, export: str) -> dict:
     import ds_mp
     from ds_mp.checkpoint import load_checkpoint, save_checkpoint
 
-    engine, *_ = ds_mp.initialize(model=hf, config=adam_config(tp, pp))
+    engine, *_ = ds_mp.initialize(model=model, config=adam_config(tp, pp))
+    before = [p.detach().clone() for p in engine.module.parameters()]
     client = load_checkpoint(engine, root) if resume else None
+    moved = max(float((a - p).abs().max()) for a, p in zip(before, engine.module.parameters()))
     losses = []
     for i, s in enumerate(steps):
         losses.append(float(engine.train_batch(iter(s))))
@@ -195,7 +211,7 @@ def _run_phase(rank: int, tp: int, pp: int, hf: str, root: str, steps: list, res
             save_checkpoint(engine, root, "step2", {"sampler": 4, "rng": torch.get_rng_state()})
     if export:
         ds_mp.save_hf(engine, export)
-    return {"losses": losses, "client": client and client["sampler"], "steps": engine.global_steps}
+    return {"losses": losses, "client": client and client["sampler"], "steps": engine.global_steps, "moved": moved}
 
 
 def test_resharded_resume_equals_uninterrupted(hf_dir, tmp_path):
@@ -212,7 +228,8 @@ def test_resharded_resume_equals_uninterrupted(hf_dir, tmp_path):
     with torch.no_grad():  # save_hf at TP 2 × PP 2 after 4 Adam steps (Adam amplifies fp32 noise)
         got = GPT2LMHeadModel.from_pretrained(export).eval()(input_ids=ids).logits
         assert (got - ref.eval()(input_ids=ids).logits).abs().max() < 10 * TOL
-    for tp, pp, n in ((1, 1, 1), (1, 4, 4)):
-        res = run_ranks(_run_phase, n, tp, pp, hf_dir, root, steps[2:], True, "", timeout=240)[-1]
-        assert res["client"] == 4 and res["steps"] == 4
+    ckpt = os.path.join(root, "step2")  # 1×4 also initialises from the 2×2 shards (merged on the fly)
+    for tp, pp, n, init in ((1, 1, 1, hf_dir), (1, 4, 4, ckpt)):
+        res = run_ranks(_run_phase, n, tp, pp, init, root, steps[2:], True, "", timeout=240)[-1]
+        assert res["client"] == 4 and res["steps"] == 4 and (res["moved"] > 0) == (init == hf_dir)
         assert max(abs(a - b) for a, b in zip(res["losses"], uninterrupted[2:])) < TOL, (tp, pp, res)

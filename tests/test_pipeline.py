@@ -94,7 +94,8 @@ def cases(world: int) -> list[dict]:
     return [_case("tp2_pp2_dp1", tp=2, pp=2, schedule="1f1b", clip=1.0),
             _case("tp1_pp2_dp2", pp=2, dp=2, gas=2, schedule="gpipe", clip=1.0),
             _case("tp2_pp1_dp2", tp=2, pp=1, dp=2, gas=2, clip=1.0),
-            _case("tp2_pp2_sp", tp=2, pp=2, schedule="gpipe", clip=1.0, tensor_parallel={"sequence_parallel": True})]
+            _case("tp2_pp2_sp", tp=2, pp=2, schedule="gpipe", clip=1.0, seqs=(16, 24),
+                  tensor_parallel={"sequence_parallel": True})]
 
 
 def _pipe_rank(rank: int, world: int) -> dict:
@@ -154,8 +155,12 @@ def test_pipeline_equals_hf(world: int) -> None:
 
 
 def test_partitions_differ() -> None:
-    """The partition cases above really place blocks differently."""
+    """The explicit partitions above really move blocks; "parameters" moves blocks off the
+    stages that carry the embedding/head once the vocabulary is heavy."""
     from ds_mp.models.gpt2 import stage_parts
+
+    assert stage_parts(6, 3, "parameters", 48, 50000) == [0, 3, 7, 10]  # blocks [1, 4, 1]
+    assert stage_parts(6, 3, "uniform", 48, 50000) == [0, 4, 6, 10]  # blocks [2, 2, 2]
 
     uniform = stage_parts(4, 3, "uniform", 48, VOCAB)
     assert uniform == [0, 3, 5, 8] and stage_parts(4, 3, [2, 1, 1], 48, VOCAB) == [0, 4, 5, 8]

@@ -45,7 +45,8 @@ def read_hf_config(path: str) -> Any:
         with open(cfg_path) as f:
             raw = json.load(f)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no config.json; not an HF model directory (save_pretrained writes one)") from None
+        raise CheckpointError(f"{path}: no config.json; not an HF model directory "
+                              "(save_pretrained writes one)") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({e}); fix or re-export the config") from None
     if raw.get("model_type") != "gpt2":
@@ -232,6 +233,7 @@ def save_hf(engine: Any, out_dir: str, tokenizer_dir: str | None = None) -> None
     TP shards are gathered to TP rank 0 of each stage of DP replica 0, whose stage
     dicts are gathered over the pipeline group to global rank 0.  A write error on rank
     0 is re-raised on every rank.  ``out_dir`` is replaced atomically if it exists.
+    Weights are written in fp32 (a bf16 engine's module weights, upcast exactly).
     """
     topo = engine.topology
     tensors: dict[str, torch.Tensor] = {}

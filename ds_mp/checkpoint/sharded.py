@@ -3,6 +3,7 @@
     DIR/
       ds_mp_meta.json               format + version, tp, pp, stage parts, true and padded
                                     vocab, the HF config dict
+      config.json                   the same HF config (for tools that read only that)
       model-pp00-tp00.safetensors   stage 0 / TP rank 0's shards, keyed by HF name
       ...
       optim-pp00-tp00.safetensors   training checkpoints only: optimizer state tensors,
@@ -88,8 +89,11 @@ def make_meta(cfg: Any, tp: int, parts: list[int], padded_vocab: int, has_optimi
 
 
 def write_meta(path: str, meta: dict) -> None:
+    """``ds_mp_meta.json`` plus the HF ``config.json`` (so ``ds_mp.model`` can name the dir)."""
     with open(os.path.join(path, META), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(meta["hf_config"], f, indent=2, sort_keys=True)
 
 
 def write_sharded(get: Any, cfg: Any, out: str, tp: int, parts: list[int], padded_vocab: int) -> None:

@@ -106,8 +106,13 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
     """Collective: write ``<ckpt_root>/<tag>`` and point ``<ckpt_root>/latest`` at it.
 
     ``client_state`` (data position, RNG states, ...) is taken from global rank 0 and
-    returned by :func:`load_checkpoint`.  Returns the checkpoint directory.
+    returned by :func:`load_checkpoint`.  ``ckpt_root`` must be a filesystem every
+    writing rank sees (rank 0 creates and renames the directory the others write into).
+    Returns the checkpoint directory.
     """
+    if not tag or "/" in tag or os.sep in tag or tag == LATEST or tag.endswith(".tmp"):
+        raise CheckpointError(f"save_checkpoint: tag {tag!r} must be a plain name (no '/', not "
+                              f"'{LATEST}', not ending in '.tmp'), e.g. 'step100'")
     opt, topo = _optimizer(engine), engine.topology
     final = os.path.join(os.path.abspath(ckpt_root), tag)
     tmp = final + ".tmp"
@@ -165,7 +170,7 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict
     if opt is not None and not reader.meta.get("has_optimizer"):
         raise CheckpointError(f"{path}: holds weights only (no optimizer state); start from it with "
                               "ds_mp.training.init_from instead of resuming")
-    trainer = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=False)
+    trainer = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=True)
     if opt is not None and (trainer["optimizer"] != type(opt).__name__
                             or len(trainer["param_groups"]) != len(opt.param_groups)):
         raise CheckpointError(f"{path}: saved with optimizer {trainer['optimizer']} ({len(trainer['param_groups'])} "

@@ -35,7 +35,9 @@ Adam's step counter advances, so G_m's first real update is bias-corrected with 
 Weight decay (SGD weight_decay, AdamW) does move weights on zero gradients.
 
 Memory: G_m keeps d_m + 1 = K - m stashed inputs (paper: K-k+1) and the last delta it received.
-Replay needs deterministic modules: dropout must be 0 (a replay would draw a new mask).
+Dropout: a replay must apply the masks its forward drew, so the RNG state is captured before
+each locked forward and restored (in a forked stream) for its replay: module_backward(rng=...).
+The reference refuses dropout unless replay_dropout=True (the distributed engine always replays).
 
 Where the rest lives: the split, ring layout and per-rank timetable in ouroboros_schedule (light,
 registers the "ouroboros" schedule); the distributed engine on K-1 ranks in ouroboros_engine.
@@ -44,7 +46,8 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from typing import Callable, Iterable, Literal
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Literal, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +61,8 @@ from ds_mp.pipeline.ouroboros_schedule import (Backward, Forward, OptimizerStep,
 
 __all__ = ["split_modules", "ring_layout", "Forward", "Backward", "SendAct", "RecvAct", "SendGrad", "RecvGrad",
            "OptimizerStep", "Step", "rank_steps", "ouroboros_timetable", "format_timetable", "OuroborosModule",
-           "build_modules", "lm_loss", "module_forward", "module_backward", "loss_backward", "OuroborosReference"]
+           "build_modules", "lm_loss", "RngState", "capture_rng", "replay_rng", "module_forward", "module_backward",
+           "loss_backward", "OuroborosReference"]
 
 
 # ----------------------------------------------------------------------------- module maths
@@ -105,6 +109,29 @@ def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
+RngState = Tuple[Tensor, Optional[Tensor]]  # (CPU generator state, CUDA state of the device or None)
+
+
+def capture_rng(device: torch.device) -> RngState:
+    """The RNG state a forward on `device` is about to draw its dropout masks from."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextmanager
+def replay_rng(state: RngState | None, device: torch.device) -> Iterator[None]:
+    """Run the body on `state` (the same masks as the captured forward); the ambient stream is
+    left as it was. state=None: run on the ambient stream."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type="cuda"):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
 def module_forward(module: OuroborosModule, x: Tensor) -> Tensor:
     """Locked forward of step 1, no graph kept: h_{m+1} = G_m(h_m; current weights)."""
     with torch.no_grad():
@@ -122,11 +149,13 @@ def _leaf(x: Tensor) -> Tensor:
     return x.detach().requires_grad_(x.is_floating_point())
 
 
-def module_backward(module: OuroborosModule, x_saved: Tensor, delta: Tensor) -> tuple[Tensor | None, list[Tensor]]:
-    """Replay backward of step 3 with the module's current weights w:
+def module_backward(module: OuroborosModule, x_saved: Tensor, delta: Tensor,
+                    rng: RngState | None = None) -> tuple[Tensor | None, list[Tensor]]:
+    """Replay backward of step 3 with the module's current weights w (and, given `rng` from
+    capture_rng before the forward, that forward's dropout masks):
     returns (dG(x; w)/dx)^T delta (None for G_0, whose input is ids) and
     [(dG(x; w)/dp)^T delta for p in module.parameters()]."""
-    with torch.enable_grad():
+    with torch.enable_grad(), replay_rng(rng, x_saved.device):
         x = _leaf(x_saved)
         return _grads(module, module(x), x, delta)
 
@@ -151,18 +180,19 @@ class OuroborosReference:
 
     def __init__(self, model: GPT2LMHeadModel, K: int,
                  make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                 delay: bool = True, tied_rule: Literal["mean", "sum"] | None = None) -> None:
+                 delay: bool = True, tied_rule: Literal["mean", "sum"] | None = None,
+                 replay_dropout: bool = False) -> None:
         cfg = model.config
-        if max(cfg.embd_pdrop, cfg.resid_pdrop, cfg.attn_pdrop) > 0:
+        if max(cfg.embd_pdrop, cfg.resid_pdrop, cfg.attn_pdrop) > 0 and not replay_dropout:
             raise ValueError("OuroborosReference needs embd_pdrop = resid_pdrop = attn_pdrop = 0 "
-                             "(the replay would draw a new dropout mask)")
+                             "(the replay would draw a new dropout mask), or replay_dropout=True")
         self.model = copy.deepcopy(model)
         self.K, self.delay, self.t = K, delay, 0
         self.tie_scale = 0.5 if (tied_rule or ("mean" if delay else "sum")) == "mean" else 1.0
         self.parts = build_modules(self.model, K)
         self.optimizer = make_optimizer(self.model.parameters())
         self.delays = [K - 1 - m if delay else 0 for m in range(K)]
-        self._stash: list[deque[tuple[int, Tensor]]] = [deque() for _ in range(K)]
+        self._stash: list[deque[tuple[int, Tensor, RngState]]] = [deque() for _ in range(K)]
         self._inbox: dict[int, tuple[int, Tensor]] = {}  # m -> (s, delta_m^s) received last iteration
         self.backward_samples: list[int | None] = [None] * K
 
@@ -171,7 +201,7 @@ class OuroborosReference:
         K, t = self.K, self.t
         h = input_ids
         for m in range(K - 1):  # 1. locked forward with w^t
-            self._stash[m].append((t, h))
+            self._stash[m].append((t, h, capture_rng(h.device)))
             assert len(self._stash[m]) <= self.delays[m] + 1
             h = module_forward(self.parts[m], h)
         loss, delta, grads_last = loss_backward(self.parts[K - 1], h, labels)  # 2.
@@ -184,9 +214,9 @@ class OuroborosReference:
                 grads[m] = [torch.zeros_like(p) for p in self.parts[m].parameters()]
                 continue
             s, delta_m = received
-            s_stash, x = self._stash[m].popleft()
+            s_stash, x, rng = self._stash[m].popleft()
             assert s_stash == s == t - self.delays[m], (m, s_stash, s, t)
-            grad_x, grads[m] = module_backward(self.parts[m], x, delta_m)
+            grad_x, grads[m] = module_backward(self.parts[m], x, delta_m, rng)
             self.backward_samples[m] = s
             if m > 0:
                 outbox[m - 1] = (s, grad_x)

@@ -3,8 +3,8 @@
 Placement (ring_layout): ring rank 0 holds G_0 and G_{K-1}, which share the tied embedding V,
 ring rank r holds G_r. With DP > 1 the ring is replicated: ranks are DeepSpeed's pipe × data ×
 model grid with pipe = ring rank (TP must be 1), and every rank talks only to the ranks of its own
-replica. Each rank runs ``rank_steps(K, t, rank, delay)`` at iteration t = global_steps, so the
-update is exactly OuroborosReference.step (the contract in ds_mp.pipeline.ouroboros):
+replica. Each rank runs ``rank_steps(K, t, rank, delay)`` at iteration t (``engine.iteration``), so
+the update is exactly OuroborosReference.step (the contract in ds_mp.pipeline.ouroboros):
 
     forward with w^t, send h; replay G_m on the stashed input of sample t - d_m with the CURRENT
     weights w^t (module_backward re-runs the forward under autograd: a deliberate recompute, so no
@@ -16,7 +16,8 @@ update is exactly OuroborosReference.step (the contract in ds_mp.pipeline.ourobo
 DeepSpeed stays in charge of the optimizer and LR scheduler (built from the JSON ``optimizer`` and
 ``scheduler`` blocks by ``DeepSpeedEngine``; on CPU a ``"Lamb"`` block becomes ds_mp.optim.Lamb,
 DeepSpeed's being CUDA-only), of DP gradient averaging, and of checkpoint files. Gradient clipping
-is ds_mp's: the global norm over the whole ring (V counted once), then DeepSpeed steps.
+is ds_mp's: the global norm over the whole ring (V counted once; DeepSpeed's default
+``gradient_clipping`` of 1.0 applies when the key is absent), then DeepSpeed steps.
 
 One train_batch = one Ouroboros iteration = one optimizer step. Ring rank 0 reads
 ``gradient_accumulation_steps`` micro-batches from ``data_iter`` and concatenates them along the
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
-import os
+import time
 from collections import deque
 from typing import Any, Iterator
 
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 
 from ds_mp.config import ConfigError, DsMpConfig
 from ds_mp.pipeline.ouroboros import build_modules, lm_loss, loss_backward, module_backward, module_forward
+from ds_mp.pipeline.ouroboros_checkpoint import OuroborosCheckpointing
 from ds_mp.pipeline.ouroboros_schedule import (Backward, Forward, OptimizerStep, OuroborosSchedule, RecvAct,
                                                RecvGrad, SendAct, SendGrad, module_owner, ring_layout,
                                                split_modules)
@@ -70,25 +72,35 @@ class RingStage(nn.Module):
                 p.copy_(src.get(name))
 
 
-class OuroborosEngine(DeepSpeedEngine):
+class OuroborosEngine(OuroborosCheckpointing, DeepSpeedEngine):
     """``DeepSpeedEngine`` over a RingStage that runs the Ouroboros timetable (see module docstring).
 
-    Loop interface as DsMpPipelineEngine: ``train_batch(it)``, ``eval_batch(it)`` (both return the
-    loss averaged over DP, on every rank), ``global_steps``, ``get_lr()``, ``topology``,
-    ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` (with the in-flight stash and deltas).
+    Loop interface as DsMpPipelineEngine: ``train_batch(it)`` / ``eval_batch(it)`` (the loss averaged
+    over DP, on every rank), ``global_steps``, ``get_lr()``, ``topology``, ``micro_batches``,
+    ``last_grad_norm``, ``last_step_nonfinite`` / ``nonfinite_steps`` (an update with a NaN/Inf
+    gradient anywhere is skipped; the iteration still advances), ``trace`` / ``instruction_times()``
+    (DeepSpeed's instruction names), ``save_checkpoint`` / ``load_checkpoint`` / ``save_hf``.
+    ``iteration`` is t of the timetable (= global_steps unless updates were skipped).
     """
 
-    _HANDLERS = {Forward: "_forward", Backward: "_backward", SendAct: "_send_act", RecvAct: "_recv_act",
-                 SendGrad: "_send_grad", RecvGrad: "_recv_grad", OptimizerStep: "_optimizer_step"}
+    _HANDLERS = {Forward: ("_forward", "ForwardPass"), Backward: ("_backward", "BackwardPass"),
+                 SendAct: ("_send_act", "SendActivation"), RecvAct: ("_recv_act", "RecvActivation"),
+                 SendGrad: ("_send_grad", "SendGrad"), RecvGrad: ("_recv_grad", "RecvGrad"),
+                 OptimizerStep: ("_optimizer_step", "OptimizerStep")}
 
     def __init__(self, *args: Any, ds_mp_config: DsMpConfig, topology: Topology, max_grad_norm: float = 0.0,
                  **kwargs: Any) -> None:
         self.ds_mp_config, self.topology, self.max_grad_norm = ds_mp_config, topology, max_grad_norm
         self.schedule_name, self.K, self.delay = "ouroboros", topology.pp + 1, ds_mp_config.ouroboros.delay
         self.tie_scale = 0.5 if self.delay else 1.0  # g_V = tie_scale (dV_o + dV_i)
+        self.iteration = 0
         self.last_grad_norm: float | None = None
+        self.last_step_nonfinite, self.nonfinite_steps = False, 0
+        self.trace: list[tuple[str, int, float, float]] = []  # (instruction, sample, start, end)
+        self.trace_enabled = False
         super().__init__(*args, **kwargs)
         self.set_gradient_accumulation_boundary(True)  # every step() is an iteration's update
+        self.micro_batches = self.gradient_accumulation_steps()  # read per train_batch, concatenated
         self.parts, self._owner = self.module.parts, module_owner(self.K)
         self._dtype = next(self.module.parameters()).dtype
         self._stash: dict[int, deque[tuple[int, Tensor]]] = {m: deque() for m in self.parts}  # inputs of G_m
@@ -117,21 +129,34 @@ class OuroborosEngine(DeepSpeedEngine):
 
     # --- public loop API --------------------------------------------------------------
     def train_batch(self, data_iter: Iterator | None = None) -> Tensor:
-        """One Ouroboros iteration; returns f_t, averaged over DP, on every rank."""
-        batch = self._batch(data_iter, self.gradient_accumulation_steps()) if self.ring_rank == 0 else None
+        """One Ouroboros iteration (one update); returns f_t, averaged over DP, on every rank."""
+        batch = self._batch(data_iter, self.micro_batches) if self.ring_rank == 0 else None
         self.module.train()
         for row in OuroborosSchedule.from_engine(self):
             for step in row:
-                getattr(self, self._HANDLERS[type(step)])(step, batch)
+                method, name = self._HANDLERS[type(step)]
+                start = time.perf_counter()
+                getattr(self, method)(step, batch)
+                if self.trace_enabled:
+                    self.trace.append((name, getattr(step, "sample", -1), start, time.perf_counter()))
+        self.iteration += 1
         return self._share_loss(self._loss)
+
+    def instruction_times(self) -> dict[str, float]:
+        """Seconds spent per instruction name since the trace was last cleared."""
+        out: dict[str, float] = {}
+        for name, _, start, end in self.trace:
+            out[name] = out.get(name, 0.0) + end - start
+        return out
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator | None = None, num_micro_batches: int | None = None) -> Tensor:
         """Mean loss of ``num_micro_batches`` (default: gradient_accumulation_steps) micro-batches
         through the ring with the current weights; leaves the in-flight training state untouched."""
         K, r, total = self.K, self.ring_rank, torch.zeros((), device=self.device)
+        n = num_micro_batches or self.micro_batches
         self.module.eval()
-        for _ in range(num_micro_batches or self.gradient_accumulation_steps()):
+        for _ in range(n):
             if r == 0:
                 ids, labels = self._batch(data_iter, 1)
                 h = self.parts[0](ids)
@@ -141,16 +166,7 @@ class OuroborosEngine(DeepSpeedEngine):
                 total += lm_loss(self.parts[K - 1](h), labels)
             else:
                 self._send(self.parts[r](self._recv(r - 1)), self._owner[r + 1], header=True)
-        return self._share_loss(total / (num_micro_batches or self.gradient_accumulation_steps()))
-
-    def hf_state_dict(self) -> dict[str, Tensor]:
-        """Collective over the ring: every ring rank gets all weights by HF name, on CPU."""
-        local = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
-        if self.ring_size == 1:
-            return local
-        gathered: list[Any] = [None] * self.ring_size
-        dist.all_gather_object(gathered, local, group=self.topology.pp_group)
-        return {k: v for part in gathered for k, v in part.items()}
+        return self._share_loss(total / n)
 
     # --- timetable steps --------------------------------------------------------------
     def _forward(self, st: Forward, batch: tuple[Tensor, Tensor] | None) -> None:
@@ -200,17 +216,23 @@ class OuroborosEngine(DeepSpeedEngine):
             p.grad = total[id(p)] * (self.tie_scale if count[id(p)] == 2 else 1.0)
         self.allreduce_gradients()  # DeepSpeed: mean over this module's DP replicas
         self._clip_gradients()
+        self.last_step_nonfinite = not math.isfinite(self.last_grad_norm)  # same verdict on every rank
+        if self.last_step_nonfinite:
+            self.nonfinite_steps += 1
+            self.zero_grad()
+            return
         self.step()
 
     # --- helpers ----------------------------------------------------------------------
     def _clip_gradients(self) -> None:
-        """‖g‖₂ over the whole ring (each parameter once); scale by max/(‖g‖+1e-6) when below 1."""
+        """‖g‖₂ over the whole ring (each parameter once; replicas agree after the DP mean); scale by
+        max/(‖g‖+1e-6) when below 1."""
         sq = sum(p.grad.detach().double().pow(2).sum() for p in self.module.parameters())
         if self.ring_size > 1:
             dist.all_reduce(sq, group=self.topology.pp_group)
         self.last_grad_norm = norm = math.sqrt(float(sq))
         coef = self.max_grad_norm / (norm + 1e-6)
-        if self.max_grad_norm > 0 and coef < 1.0:
+        if self.max_grad_norm > 0 and coef < 1.0:  # False for a NaN norm
             for p in self.module.parameters():
                 p.grad.mul_(coef)
 
@@ -252,43 +274,6 @@ class OuroborosEngine(DeepSpeedEngine):
         if self.ring_size > 1:
             dist.broadcast(out, src=self._peer(0), group=self.topology.pp_group)
         return out
-
-    # --- checkpoints: DeepSpeed's files + this rank's in-flight state -----------------
-    def _inflight_path(self, directory: str) -> str:
-        topo = self.topology
-        return os.path.join(directory, f"ouroboros_inflight_pp{topo.pp_rank:02d}_dp{topo.dp_rank:02d}.pt")
-
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                        save_latest: bool = True, **kwargs: Any) -> bool:
-        """DeepSpeed's checkpoint (weights, optimizer, scheduler, global_steps) plus, per rank, the
-        stash and the deltas in flight, so resuming continues the very same iteration sequence."""
-        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
-        done = super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {},
-                                       save_latest=save_latest, **kwargs)
-        os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
-        state = {"K": self.K, "delay": self.delay, "iteration": self.global_steps,
-                 "stash": {m: [(s, x.cpu()) for s, x in q] for m, q in self._stash.items()},
-                 "deltas": {key: d.cpu() for key, d in self._deltas.items()}}
-        torch.save(state, self._inflight_path(os.path.join(save_dir, tag)))
-        dist.barrier()
-        return done
-
-    def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> tuple[str | None, dict | None]:
-        path, client_state = super().load_checkpoint(load_dir, tag=tag, **kwargs)
-        if path is None:
-            return path, client_state
-        file = self._inflight_path(os.path.dirname(path))
-        if not os.path.isfile(file):
-            raise ConfigError(f"checkpoint {os.path.dirname(path)} has no {os.path.basename(file)}; resume "
-                              "Ouroboros with the ring size and DP degree it was saved with")
-        state = torch.load(file, map_location=self.device)
-        if (state["K"], state["delay"], state["iteration"]) != (self.K, self.delay, self.global_steps):
-            raise ConfigError(f"checkpoint {file} holds K={state['K']}, delay={state['delay']}, iteration "
-                              f"{state['iteration']}; this engine has K={self.K}, delay={self.delay}, step "
-                              f"{self.global_steps}: load it with the same ds_mp.ouroboros settings")
-        self._stash = {m: deque(state["stash"][m]) for m in self.parts}
-        self._deltas = dict(state["deltas"])
-        return path, client_state
 
 
 def _client_lamb(ds_dict: dict, stage: nn.Module) -> Any:

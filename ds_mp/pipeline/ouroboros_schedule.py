@@ -169,7 +169,7 @@ class OuroborosSchedule(PipeSchedule):
     ``stages`` = K-1 ring ranks, ``stage_id`` = ring rank, ``micro_batches`` = iterations; step i
     yields ``rank_steps(K, start + i, stage_id, delay)`` (Step value objects, executed by
     ``OuroborosEngine``, not by DeepSpeed's PipelineEngine). The engine builds a new one-iteration
-    schedule per ``train_batch`` with ``start`` = its global step, as DeepSpeed does.
+    schedule per ``train_batch`` with ``start`` = its iteration t, as DeepSpeed does.
     """
 
     def __init__(self, micro_batches: int, stages: int, stage_id: int, start: int = 0, delay: bool = True) -> None:
@@ -179,7 +179,7 @@ class OuroborosSchedule(PipeSchedule):
     @classmethod
     def from_engine(cls, engine) -> "OuroborosSchedule":
         return cls(micro_batches=1, stages=engine.ring_size, stage_id=engine.ring_rank,
-                   start=engine.global_steps, delay=engine.delay)
+                   start=engine.iteration, delay=engine.delay)
 
     def steps(self) -> Iterator[list[Step]]:
         for t in range(self.start, self.start + self.micro_batches):

@@ -233,7 +233,8 @@ def bar_chart(path: str, labels: list[str], values: list[float], title: str, yla
         ax.axhline(reference, color="grey", linestyle="--", linewidth=1)
     if target is not None:
         ax.axhline(target, color="#C44E52", linestyle=":", linewidth=1.5, label=f"target {target:g}")
-        ax.legend()
+        ax.legend(loc="upper right")
+    ax.set_ylim(0, max([*values, target or 0.0, reference or 0.0]) * 1.15)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     fig.tight_layout()

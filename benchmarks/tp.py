@@ -124,11 +124,15 @@ def run(quick: bool, out_dir: str) -> dict:
                      fmt_ratio(r["state_bytes_ratio"]), f"{max(m['max_rss_mib'] for m in mem[c.name]):.0f}"])
     speed = ratios["ds_mp_tp2_vs_1x1"]
     memr = res["ds_mp_tp2"]["state_bytes_ratio"]
+    vs_autotp = res["ds_mp_tp2"]["tokens_per_s"] / res["autotp_tp2"]["tokens_per_s"]
+    cpu = {n: res[n]["cpu_s"] / res["hf_1x1"]["cpu_s"] for n in ("ds_mp_tp2", "autotp_tp2")}
     verdict = [f"ds_mp TP=2 speed-up over 1 × 1: {speed:.2f}× (target ≥ {SPEEDUP_TARGET}×: "
                f"{'met' if speed >= SPEEDUP_TARGET else 'NOT met'})",
                f"ds_mp TP=2 per-rank param+grad+optimizer bytes: {memr:.2f}× of one process (target ≤ "
                f"{MEMORY_TARGET}×: {'met' if memr <= MEMORY_TARGET else 'NOT met'})",
-               f"ds_mp TP=2 vs DeepSpeed AutoTP=2: {res['ds_mp_tp2']['tokens_per_s'] / res['autotp_tp2']['tokens_per_s']:.2f}×"]
+               f"ds_mp TP=2 tokens/s vs DeepSpeed AutoTP=2: {vs_autotp:.2f}×",
+               f"CPU seconds per step (all ranks) vs 1 × 1: ds_mp TP=2 {cpu['ds_mp_tp2']:.2f}×, AutoTP "
+               f"{cpu['autotp_tp2']:.2f}× (on 2 cores the speed-up is at most 2 / this)"]
     for line in verdict:
         print("  " + line)
     labels = [c.name for c in cfgs]

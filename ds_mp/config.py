@@ -256,9 +256,6 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
         if tp.size > 1:
             raise ConfigError(f"ds_mp.tensor_parallel.size: {tp.size}, but the ouroboros schedule runs whole "
                               "modules per rank (no TP inside modules); set tensor_parallel.size to 1")
-        if shape.dropout > 0:
-            raise ConfigError(f"ds_mp.model.dropout: {shape.dropout}, but Ouroboros replays each forward "
-                              "(a replay would draw a new mask); set the model's dropout to 0")
     elif pp.stages > shape.n_layer:
         raise ConfigError(f"ds_mp.pipeline.stages: {pp.stages} stages but the model has "
                           f"{shape.n_layer} blocks; use at most {shape.n_layer} stages")

@@ -1,8 +1,9 @@
 """Distributed Ouroboros (K modules on K-1 gloo ranks) against the single-process reference:
 per-iteration losses and final weights for K = 2, 3, 4 with SGD, Adam(+WarmupLR), clipping and
 Lamb; delay=False against plain HF backprop; DP = 2 with gradient accumulation against the
-concatenated batch; checkpoint resume against an uninterrupted run; the registered schedule
-unrolled in pure Python; the config refusals."""
+concatenated batch; dropout with replayed masks; checkpoint resume against an uninterrupted run;
+skipped non-finite updates; the registered schedule unrolled in pure Python; the config refusals.
+Two spawns (2 and 3 ranks, module fixtures) run every distributed case."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +18,7 @@ from ds_mp.config import ConfigError, load_config
 from ds_mp.pipeline.ouroboros_schedule import (Backward, Forward, OptimizerStep, RecvAct, RecvGrad, SendAct,
                                                SendGrad, module_owner, ouroboros_timetable)
 
-SEQ, VOCAB, STEPS = 16, 203, 5
+SEQ, VOCAB, STEPS, SEED = 16, 203, 5, 7
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.002, "warmup_max_lr": 0.01, "warmup_num_steps": 3,
                                          "warmup_type": "linear"}}
 
@@ -46,14 +47,15 @@ def concat(micro_batches: list) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- rank programs
-def train_job(cfg: dict, shards: int = 1, gas: int = 1, micro: int = 2) -> dict:
+def train_job(cfg: dict, shards: int = 1, gas: int = 1, micro: int = 2, dropout: float = 0.0) -> dict:
     """A fresh engine, STEPS iterations, then an eval batch. DP replica d reads shard d % shards of
-    each global batch (shards=1: every replica reads the same micro-batches)."""
+    each global batch (shards=1: every replica reads the same micro-batches). Seeded like reference()."""
     import ds_mp
 
     data = batches(STEPS * shards * gas, micro, SEQ, VOCAB)
-    engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=cfg)
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(dropout=dropout), config=cfg)
     engine.trace_enabled = True
+    torch.manual_seed(SEED)
     d = engine.topology.dp_rank % shards
     losses = [float(engine.train_batch(iter(shard(data, t, shards, d, gas)))) for t in range(STEPS)]
     eval_loss = float(engine.eval_batch(iter(shard(data, 0, shards, d, gas))))
@@ -107,6 +109,7 @@ def two_ranks(tmp_path_factory) -> dict:
                      "k2_sgd": ("train", ds_cfg(2)), "k2_adam": ("train", ds_cfg(2, "Adam", lr=0.01)),
                      "k2_lamb": ("train", ds_cfg(2, "Lamb", lr=0.01)),
                      "k2_dp2": ("train", ds_cfg(2, momentum=0.9, micro=1, gas=2), 2, 2, 1),
+                     "k2_dropout": ("train", ds_cfg(2), 1, 1, 2, 0.1),
                      "k3_resume": ("resume", ds_cfg(3, "Adam", lr=0.01, scheduler=WARMUP), ckpt, 3)})
 
 
@@ -130,12 +133,13 @@ class ClipSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def reference(make_opt, K: int, data: list, scheduler: dict | None = None, delay: bool = True):
+def reference(make_opt, K: int, data: list, scheduler: dict | None = None, dropout: float = 0.0):
     from deepspeed.runtime.lr_schedules import WarmupLR
 
     from ds_mp.pipeline.ouroboros import OuroborosReference
 
-    ref = OuroborosReference(tiny_gpt2(), K, make_opt, delay=delay)
+    ref = OuroborosReference(tiny_gpt2(dropout=dropout).train(), K, make_opt, replay_dropout=dropout > 0)
+    torch.manual_seed(SEED)
     sched = WarmupLR(ref.optimizer, **scheduler["params"]) if scheduler else None
     losses, threads = [], torch.get_num_threads()
     # One thread, as on the ranks: the key bias's gradient is pure rounding noise (softmax ignores
@@ -184,6 +188,30 @@ def test_no_delay_is_plain_backprop(K, fixture, request):
     """delay=False (the same ring, deltas used within the iteration) equals HF GPT-2 + SGD."""
     hf_losses, hf = hf_reference(tiny_gpt2(), [[b] for b in DATA], lr=0.1)
     assert_same(request.getfixturevalue(fixture)[f"k{K}_no_delay"][0], hf_losses, dict(hf.named_parameters()))
+
+
+def test_replay_reuses_the_forwards_dropout_masks():
+    """module_backward(rng=capture_rng(...) before the forward) = autograd through that forward,
+    whatever was drawn in between; without it the replay draws new masks."""
+    from ds_mp.pipeline.ouroboros import build_modules, capture_rng, module_backward
+
+    g0 = build_modules(tiny_gpt2(dropout=0.3).train(), 2)[0]
+    ids, _ = DATA[0]
+    rng = capture_rng(ids.device)
+    out = g0(ids)
+    delta = torch.randn_like(out)
+    want = torch.autograd.grad(out, list(g0.parameters()), delta)
+    torch.rand(100)  # the ambient stream moves on
+    _, got = module_backward(g0, ids, delta, rng)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    _, fresh = module_backward(g0, ids, delta)
+    assert not torch.allclose(fresh[-1], want[-1])
+
+
+def test_dropout_equals_reference_with_replayed_masks(two_ranks):
+    """K=2, dropout 0.1 (replicas with the same seed and data): the reference with replay_dropout."""
+    assert_same(two_ranks["k2_dropout"][0], *reference(lambda p: torch.optim.SGD(p, lr=0.1), 2, DATA, dropout=0.1))
 
 
 def test_nonfinite_updates_are_skipped(two_ranks):
@@ -282,7 +310,6 @@ def test_registered_schedule_unroll(K, delay):
 
 @pytest.mark.parametrize("change, match", [
     ({"ds_mp": {"tensor_parallel": {"size": 2}}}, "tensor_parallel.size"),
-    ({"ds_mp": {"model": {"dropout": 0.1}}}, "dropout"),
     ({"bf16": {"enabled": True}}, "bf16.enabled"),
     ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
     ({"ds_mp": {"ouroboros": {"modules": 4}}}, "pipeline.stages to 3"),

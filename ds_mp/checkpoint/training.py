@@ -10,21 +10,24 @@ the model files,
   non-tensor entries go to the file's JSON metadata.
 * ``trainer_state.pt``: optimizer hyper-parameters per group, LR scheduler state, the
   engine's step/sample counters and the caller's ``client_state`` (from global rank 0;
-  pickled, so load only checkpoints you trust).
+  tensors and plain values only: loaded with ``weights_only=True``).
 
 Only DP replica 0 writes (replicas are identical); every rank loads and cuts its own
 shard.  The save is atomic: ranks write into ``<tag>.tmp``, rank 0 renames it to ``<tag>``
 after every rank reported success, and only then replaces the ``latest`` pointer.
 
-DeepSpeed's own ``engine.save_checkpoint`` is not used: its pipeline checkpoints keep one
-file per layer per model-parallel rank and the optimizer state per model-parallel rank
-in flat parameter order, and it re-splits only Megatron-named tensors when the degree
-changes, so a GPT-2 checkpoint saved there cannot resume at another TP degree.
+DeepSpeed's own ``engine.save_checkpoint`` is not used for fp32: its pipeline checkpoints
+keep one file per layer per model-parallel rank and the optimizer state per model-parallel
+rank in flat parameter order, and it re-splits only Megatron-named tensors when the degree
+changes, so a GPT-2 checkpoint saved there cannot resume at another TP degree.  With bf16
+or ZeRO (DeepSpeed's flat-buffer optimizers) it *is* used, written atomically the same
+way, and such a checkpoint resumes at the same TP × PP × DP only (checked on load).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any, Callable
 
 import torch
@@ -40,13 +43,50 @@ TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest"
 
 
+NATIVE = "ds_mp_native.json"  # marks a DeepSpeed-format (same-layout) checkpoint
+
+
 def _optimizer(engine: Any) -> torch.optim.Optimizer | None:
-    opt = engine.optimizer
-    if opt is not None and not isinstance(opt, torch.optim.Optimizer):
-        raise CheckpointError(f"training checkpoints support fp32 training without ZeRO, but the engine's "
-                              f"optimizer is DeepSpeed's {type(opt).__name__} (bf16/fp16 or zero_optimization); "
-                              "turn those off, or export the weights only with ds_mp.save_hf")
-    return opt
+    return engine.optimizer
+
+
+def _is_native(engine: Any) -> bool:
+    """bf16/fp16/ZeRO wrap the optimizer in DeepSpeed's flat-buffer classes."""
+    return engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer)
+
+
+def _layout(engine: Any) -> dict:
+    t = engine.topology
+    return {"tp": t.tp, "pp": t.pp, "dp": t.dp}
+
+
+def _save_native(engine: Any, final: str, tag: str, client_state: dict) -> None:
+    """DeepSpeed's own checkpoint of ``engine``, written into ``<final>.tmp`` then renamed."""
+    tmp_root = final + ".tmp"
+    rank0 = engine.topology.rank == 0
+    _everywhere(f"save_checkpoint({final!r}): preparing", lambda: fresh_dir(tmp_root) if rank0 else None)
+    engine.save_checkpoint(tmp_root, tag=tag, client_state={"ds_mp": client_state}, save_latest=False)
+
+    def commit() -> None:
+        if rank0:
+            write_text_atomic(os.path.join(tmp_root, tag, NATIVE), json.dumps(_layout(engine)))
+            commit_dir(os.path.join(tmp_root, tag), final, overwrite=True)
+            shutil.rmtree(tmp_root)  # DeepSpeed may leave bookkeeping files beside the tag
+            write_text_atomic(os.path.join(os.path.dirname(final), LATEST), tag + "\n")
+
+    _everywhere(f"save_checkpoint({final!r}): committing", commit)
+
+
+def _load_native(engine: Any, ckpt_root: str, tag: str) -> dict:
+    path = os.path.join(ckpt_root, tag)
+    with open(os.path.join(path, NATIVE)) as f:
+        saved = json.load(f)
+    if saved != _layout(engine):
+        raise CheckpointError(f"{path}: a bf16/ZeRO (DeepSpeed-format) checkpoint saved at tp×pp×dp = "
+                              f"{saved['tp']}×{saved['pp']}×{saved['dp']} resumes only at that layout; relaunch "
+                              "with it, or convert the weights with ds-mp convert and start with init_from")
+    _, client = engine.load_checkpoint(ckpt_root, tag=tag)
+    return (client or {}).get("ds_mp", {})
 
 
 def _params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
@@ -116,6 +156,9 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
     opt, topo = _optimizer(engine), engine.topology
     final = os.path.join(os.path.abspath(ckpt_root), tag)
     tmp = final + ".tmp"
+    if _is_native(engine):
+        _save_native(engine, final, tag, client_state or {})
+        return final
 
     def prepare() -> None:
         if topo.rank == 0:
@@ -159,9 +202,15 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict
     own (TP rank, padded vocab); optimizer state follows the same rule.
     """
     opt, topo = _optimizer(engine), engine.topology
-    path = os.path.join(ckpt_root, tag or latest_tag(ckpt_root))
+    tag = tag or latest_tag(ckpt_root)
+    path = os.path.join(ckpt_root, tag)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: checkpoint directory not found; check ckpt_root and tag")
+    if os.path.exists(os.path.join(path, NATIVE)) or _is_native(engine):
+        if not os.path.exists(os.path.join(path, NATIVE)):
+            raise CheckpointError(f"{path}: an fp32 checkpoint cannot be resumed by a bf16/ZeRO engine; start "
+                                  "from its weights with ds_mp.training.init_from instead")
+        return _load_native(engine, ckpt_root, tag)
     reader = ShardedReader(path)
     if expected_shapes(reader.config) != expected_shapes(engine.hf_config):
         raise CheckpointError(f"{path}: saved model shape (n_layer={reader.config.n_layer}, n_embd="

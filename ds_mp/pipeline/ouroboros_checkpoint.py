@@ -3,7 +3,7 @@
 A checkpoint is DeepSpeed's own (``<dir>/<tag>/mp_rank_XX_model_states.pt`` per ring rank, written
 by DP replica 0: weights under HF names, optimizer, LR scheduler, counters, ``<dir>/latest``) plus,
 per ring rank and DP replica, ``ouroboros_inflight_ppRR_dpDD.pt``: the iteration t, the stashed
-inputs and the deltas not yet backpropagated. Resuming therefore continues the very same sequence
+inputs (with the RNG state of their forward) and the deltas not yet backpropagated. Resuming therefore continues the very same sequence
 of updates as an uninterrupted run (nothing is drained). The in-flight state is tied to the ring
 (K) and the DP degree it was saved with; weights alone can be exported with ``save_hf``.
 """
@@ -35,7 +35,7 @@ class OuroborosCheckpointing:
                                        save_latest=save_latest, **kwargs)
         os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
         state = {"K": self.K, "delay": self.delay, "iteration": self.iteration,
-                 "stash": {m: [(s, x.cpu()) for s, x in q] for m, q in self._stash.items()},
+                 "stash": {m: [(s, x.cpu(), rng) for s, x, rng in q] for m, q in self._stash.items()},
                  "deltas": {key: d.cpu() for key, d in self._deltas.items()}}
         torch.save(state, self._inflight_path(os.path.join(save_dir, tag)))
         dist.barrier()
@@ -51,13 +51,13 @@ class OuroborosCheckpointing:
         if not os.path.isfile(file):
             raise ConfigError(f"checkpoint {os.path.dirname(path)} has no {os.path.basename(file)}; resume "
                               "Ouroboros with the ring size and DP degree it was saved with")
-        state = torch.load(file, map_location=self.device)
+        state = torch.load(file, map_location="cpu")  # RNG states stay CPU tensors
         if (state["K"], state["delay"]) != (self.K, self.delay):
             raise ConfigError(f"checkpoint {file} holds K={state['K']}, delay={state['delay']}; this engine has "
                               f"K={self.K}, delay={self.delay}: load it with the same ds_mp.ouroboros settings")
         self.iteration = state["iteration"]
-        self._stash = {m: deque(state["stash"][m]) for m in self.parts}
-        self._deltas = dict(state["deltas"])
+        self._stash = {m: deque((s, x.to(self.device), rng) for s, x, rng in state["stash"][m]) for m in self.parts}
+        self._deltas = {key: d.to(self.device) for key, d in state["deltas"].items()}
         return path, client_state
 
     def hf_state_dict(self) -> dict[str, Tensor]:

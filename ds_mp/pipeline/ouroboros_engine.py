@@ -39,7 +39,8 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from torch import Tensor, nn
 
 from ds_mp.config import ConfigError, DsMpConfig
-from ds_mp.pipeline.ouroboros import build_modules, lm_loss, loss_backward, module_backward, module_forward
+from ds_mp.pipeline.ouroboros import (RngState, build_modules, capture_rng, lm_loss, loss_backward, module_backward,
+                                      module_forward)
 from ds_mp.pipeline.ouroboros_checkpoint import OuroborosCheckpointing
 from ds_mp.pipeline.ouroboros_schedule import (Backward, Forward, OptimizerStep, OuroborosSchedule, RecvAct,
                                                RecvGrad, SendAct, SendGrad, module_owner, ring_layout,
@@ -62,7 +63,7 @@ class RingStage(nn.Module):
         mine, blocks = ring_layout(K)[ring_rank], split_modules(hf.n_layer, K)
         self.parts = {p.index: p for p in build_modules(full, K) if p.index in mine}
         self.transformer = nn.Module()
-        for name, needed in (("wte", {0, K - 1}), ("wpe", {0}), ("ln_f", {K - 1})):
+        for name, needed in (("wte", {0, K - 1}), ("wpe", {0}), ("drop", {0}), ("ln_f", {K - 1})):
             if needed & set(mine):
                 setattr(self.transformer, name, getattr(full.transformer, name))
         self.transformer.h = nn.ModuleDict({str(i): full.transformer.h[i] for m in mine for i in blocks[m]})
@@ -103,7 +104,7 @@ class OuroborosEngine(OuroborosCheckpointing, DeepSpeedEngine):
         self.micro_batches = self.gradient_accumulation_steps()  # read per train_batch, concatenated
         self.parts, self._owner = self.module.parts, module_owner(self.K)
         self._dtype = next(self.module.parameters()).dtype
-        self._stash: dict[int, deque[tuple[int, Tensor]]] = {m: deque() for m in self.parts}  # inputs of G_m
+        self._stash: dict[int, deque[tuple[int, Tensor, RngState]]] = {m: deque() for m in self.parts}  # G_m's inputs
         self._acts: dict[tuple[int, int], Tensor] = {}    # (m, s) -> input of G_m for sample s
         self._deltas: dict[tuple[int, int], Tensor] = {}  # (m, s) -> delta_m^s, G_m backprops it
         self._grads: dict[int, list[Tensor]] = {}
@@ -118,14 +119,6 @@ class OuroborosEngine(OuroborosCheckpointing, DeepSpeedEngine):
     @property
     def ring_size(self) -> int:
         return self.topology.pp
-
-    def is_first_stage(self) -> bool:
-        """Ring rank 0 holds G_0 (reads the inputs) ..."""
-        return self.ring_rank == 0
-
-    def is_last_stage(self) -> bool:
-        """... and G_{K-1} (reads the labels, computes the loss)."""
-        return self.ring_rank == 0
 
     # --- public loop API --------------------------------------------------------------
     def train_batch(self, data_iter: Iterator | None = None) -> Tensor:
@@ -172,18 +165,18 @@ class OuroborosEngine(OuroborosCheckpointing, DeepSpeedEngine):
     def _forward(self, st: Forward, batch: tuple[Tensor, Tensor] | None) -> None:
         m, s = st.module, st.sample
         x = batch[0] if m == 0 else self._acts.pop((m, s))
-        self._stash[m].append((s, x))
+        self._stash[m].append((s, x, capture_rng(x.device)))  # the replay reuses this forward's masks
         if m < self.K - 1:  # G_{K-1} runs forward and backward as one graph in _backward
             self._acts[(m + 1, s)] = module_forward(self.parts[m], x)
 
     def _backward(self, st: Backward, batch: tuple[Tensor, Tensor] | None) -> None:
         m, s = st.module, st.sample
-        stashed, x = self._stash[m].popleft()
+        stashed, x, rng = self._stash[m].popleft()
         assert stashed == s, f"G_{m} replays sample {s} but its oldest stash is sample {stashed}"
-        if m == self.K - 1:
+        if m == self.K - 1:  # forward and backward as one graph, on the ambient RNG stream
             self._loss, grad_x, self._grads[m] = loss_backward(self.parts[m], x, batch[1])
         else:
-            grad_x, self._grads[m] = module_backward(self.parts[m], x, self._deltas.pop((m, s)))
+            grad_x, self._grads[m] = module_backward(self.parts[m], x, self._deltas.pop((m, s)), rng)
         if m > 0:
             self._deltas[(m - 1, s)] = grad_x
 
@@ -198,7 +191,7 @@ class OuroborosEngine(OuroborosCheckpointing, DeepSpeedEngine):
 
     def _recv_grad(self, st: RecvGrad, batch: Any) -> None:
         m = st.module - 1  # delta_m^s has the shape of G_m's output for sample s: (B, T, C)
-        x = next(x for s, x in self._stash[m] if s == st.sample)
+        x = next(x for s, x, _ in self._stash[m] if s == st.sample)
         self._deltas[(m, st.sample)] = self._recv(st.peer, (*x.shape[:2], self.parts[m].config.n_embd))
 
     def _optimizer_step(self, st: OptimizerStep, batch: Any) -> None:
@@ -300,10 +293,6 @@ def build_ouroboros_engine(src: Any, cfg: DsMpConfig, raw: dict, topology: Topol
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
 
-    pdrop = {k: getattr(src.config, k, 0.0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
-    if any(pdrop.values()):
-        raise ConfigError(f"model dropout {pdrop}: Ouroboros replays each forward, which needs dropout 0; "
-                          "set ds_mp.model.dropout (or the HF config's *_pdrop) to 0")
     build_grid(topology)
     stage = RingStage(src, topology.pp + 1, topology.pp_rank)
     ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}

@@ -88,7 +88,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class DeepSpeedPipeBench(Bench):
     """Plain DeepSpeed: ``PipelineModule`` of LayerSpecs + ``deepspeed.initialize``."""
 
-    def __init__(self, rank: int, world: int, shape: dict) -> None:
+    def __init__(self, rank: int, world: int, shape: dict, rows: int = ROWS,
+                 micro_batches: int = MICRO_BATCHES) -> None:
         import deepspeed
         import deepspeed.ops
         from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -104,19 +105,19 @@ class DeepSpeedPipeBench(Bench):
         want = [0, 2 + n // 2, n + 4]
         if net.parts != want:
             raise RuntimeError(f"DeepSpeed split the layers as {net.parts}, ds_mp as {want}; fix the partition")
-        cfg = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": MICRO_BATCHES,
+        cfg = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": micro_batches,
                "optimizer": {"type": "SGD", "params": {"lr": LR}}, "gradient_clipping": 0.0,
                "steps_per_print": 10**9}
         self.engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
-        ids, labels = batch(shape, ROWS * MICRO_BATCHES)
-        self.micro = [(ids[i:i + ROWS], labels[i:i + ROWS]) for i in range(0, ROWS * MICRO_BATCHES, ROWS)]
+        ids, labels = batch(shape, rows * micro_batches)
+        self.micro = [(ids[i:i + rows], labels[i:i + rows]) for i in range(0, rows * micro_batches, rows)]
 
     def step(self) -> float:
         return float(self.engine.train_batch(iter(self.micro)))
 
 
-def setup_deepspeed_pipe(rank: int, world: int, shape: dict) -> DeepSpeedPipeBench:
-    return DeepSpeedPipeBench(rank, world, shape)
+def setup_deepspeed_pipe(rank: int, world: int, shape: dict, **kwargs: Any) -> DeepSpeedPipeBench:
+    return DeepSpeedPipeBench(rank, world, shape, **kwargs)
 
 
 # ------------------------------------------------------------------ ds_mp with measurements

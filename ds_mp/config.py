@@ -238,6 +238,9 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
     if shape.n_head % tp.size:
         raise ConfigError(f"ds_mp.tensor_parallel.size: {tp.size} does not divide n_head="
                           f"{shape.n_head}; use a divisor of {shape.n_head}")
+    if tp.sequence_parallel and tp.size > 1 and cfg.data.seq_len % tp.size:
+        raise ConfigError(f"ds_mp.tensor_parallel.sequence_parallel: data.seq_len={cfg.data.seq_len} is not "
+                          f"divisible by tensor_parallel.size={tp.size}; pick a multiple of {tp.size}")
     if cfg.data.seq_len > shape.n_positions:
         raise ConfigError(f"ds_mp.data.seq_len: {cfg.data.seq_len} exceeds the model's "
                           f"n_positions={shape.n_positions}; lower seq_len")

@@ -93,10 +93,8 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     net = build_gpt2_pipeline(src, topology, partition=cfg.pipeline.partition,
                               sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                               vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,
-                              activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval)
-    if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1 and cfg.data.seq_len % cfg.tp:
-        raise ConfigError(f"ds_mp.tensor_parallel.sequence_parallel: data.seq_len={cfg.data.seq_len} "
-                          f"must be divisible by tensor_parallel.size={cfg.tp}")
+                              activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
+                              dynamic_shape=cfg.pipeline.schedule == "terapipe")
     ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
     ds_dict.setdefault("train_micro_batch_size_per_gpu", 1)
     ds_dict.setdefault("gradient_accumulation_steps", 1)

@@ -213,6 +213,10 @@ class LMLoss:
 
     def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token loss ``(B, T)`` against already-shifted ``targets``."""
+        if self.ctx.tp == 1:  # one rank holds every logit: the plain (faster) kernel, padding cut off
+            flat = F.cross_entropy(logits[..., :self.ctx.vocab].reshape(-1, self.ctx.vocab).float(),
+                                   targets.reshape(-1), ignore_index=-100, reduction="none")
+            return flat.view(targets.shape)
         start = self.ctx.tp_rank * (self.ctx.padded_vocab // self.ctx.tp)
         flat = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                             vocab_start=start, true_vocab=self.ctx.vocab, group=self.ctx.group)
@@ -308,8 +312,12 @@ class GPT2Pipeline(PipelineModule):
 
 def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str | list = "uniform",
                         sequence_parallel: bool = False, vocab_pad_multiple: int = 128,
-                        activation_checkpoint_interval: int = 0) -> GPT2Pipeline:
-    """Build this rank's stage of GPT-2 (reading only its weights from ``src``)."""
+                        activation_checkpoint_interval: int = 0, dynamic_shape: bool = False) -> GPT2Pipeline:
+    """Build this rank's stage of GPT-2 (reading only its weights from ``src``).
+
+    ``dynamic_shape`` makes DeepSpeed announce activation shapes on every send (TeraPipe's
+    uneven slices); otherwise the engine re-announces only when the sequence length changes.
+    """
     cfg = src.config
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         if getattr(cfg, flag, False):
@@ -328,7 +336,7 @@ def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str
     parts = stage_parts(L, topology.pp, partition, cfg.n_embd, cfg.vocab_size)
     return GPT2Pipeline(layers, parts, topology, ctx,
                         activation_checkpoint_interval=activation_checkpoint_interval,
-                        dynamic_shape=True)
+                        dynamic_shape=dynamic_shape)
 
 
 def hf_param_name(module_name: str, pipe: GPT2Pipeline) -> str:

@@ -5,6 +5,7 @@ Everything else (p2p, optimizer, ZeRO, bf16, checkpoints) is DeepSpeed's own.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Any, Callable
@@ -79,6 +80,37 @@ class DsMpPipelineEngine(PipelineEngine):
                     self.trace.append((type(cmd).__name__, cmd.kwargs.get("buffer_id", -1), start,
                                        time.perf_counter()))
 
+    # --- activation shapes: re-announced only when they change ------------------------
+    def _announce_shape(self, data_iter: Any) -> Any:
+        """Keep DeepSpeed's cached activation shapes valid when the sequence length changes.
+
+        With ``dynamic_shape`` off (everything but TeraPipe), DeepSpeed sends tensor
+        metadata once.  Once per batch, stage 0 peeks at its first micro-batch and
+        broadcasts the input shape along the pipeline; on a change every stage calls
+        ``reset_activation_shape()`` so the next sends re-announce (DeepSpeed#4777).
+        """
+        if self.num_stages == 1 or self.module.dynamic_shape:
+            return data_iter
+        shape = torch.zeros(2, dtype=torch.long)
+        it = data_iter if data_iter is not None else self.data_iterator
+        if self.is_first_stage():
+            first = next(it)
+            ids = first[0][0] if isinstance(first[0], (tuple, list)) else first[0]
+            shape[:] = torch.tensor(ids.shape[:2])
+            it = itertools.chain([first], it)
+        dist.broadcast(shape, src=self.topology.pp_ranks()[0], group=self.topology.pp_group)
+        new = tuple(shape.tolist())
+        if getattr(self, "_announced_shape", None) not in (None, new):
+            self.reset_activation_shape()
+        self._announced_shape = new
+        return it
+
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
+        return super().train_batch(self._announce_shape(data_iter))
+
+    def eval_batch(self, data_iter: Any, *args: Any, **kwargs: Any) -> Any:
+        return super().eval_batch(self._announce_shape(data_iter), *args, **kwargs)
+
     # --- labels travel with their micro-batch -----------------------------------------
     def _exec_load_micro_batch(self, buffer_id: int) -> None:
         super()._exec_load_micro_batch(buffer_id)
@@ -121,11 +153,10 @@ class DsMpPipelineEngine(PipelineEngine):
         fp16 runs keep DeepSpeed's own loss-scaler overflow handling instead.
         """
         if not self.fp16_enabled():
-            bad = torch.zeros(1)
-            for p in self.module.parameters():
-                if p.grad is not None and not torch.isfinite(p.grad).all():
-                    bad.fill_(1.0)
-                    break
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            # one fused norm per dtype/device instead of a check per tensor (NaN/Inf propagate)
+            total = torch.stack(torch._foreach_norm(grads)).sum() if grads else torch.zeros(())
+            bad = torch.zeros(1) + (0.0 if torch.isfinite(total).item() else 1.0)
             if torch.distributed.get_world_size() > 1:
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             self.last_step_nonfinite = bool(bad.item())

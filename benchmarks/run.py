@@ -27,6 +27,8 @@ from benchmarks.common import command_line, machine
 BENCHMARKS: dict[str, str] = {
     "tp": "benchmarks.tp",
     "pipeline": "benchmarks.pipeline",
+    "terapipe": "benchmarks.terapipe",
+    "simulator": "benchmarks.simulator",
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -188,6 +188,10 @@ def _model_shape(cfg: DsMpConfig) -> InlineModel:
     if hf.get("model_type") not in ("gpt2", None):
         raise ConfigError(f"ds_mp.model: {cfg.model!r} is a {hf.get('model_type')!r} model; "
                           "ds_mp supports GPT-2 checkpoints")
+    missing = [k for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions") if k not in hf]
+    if missing:
+        raise ConfigError(f"ds_mp.model: {path} lacks {', '.join(missing)}; it is not a GPT-2 config.json "
+                          "(give a directory written by GPT2LMHeadModel.save_pretrained)")
     drop = hf.get("resid_pdrop", 0.1)
     return InlineModel(n_layer=hf["n_layer"], n_embd=hf["n_embd"], n_head=hf["n_head"],
                        vocab_size=hf["vocab_size"], n_positions=hf["n_positions"], dropout=drop)

@@ -235,6 +235,9 @@ def save_hf(engine: Any, out_dir: str, tokenizer_dir: str | None = None) -> None
     0 is re-raised on every rank.  ``out_dir`` is replaced atomically if it exists.
     Weights are written in fp32 (a bf16 engine's module weights, upcast exactly).
     """
+    if hasattr(engine, "save_hf"):  # engines with their own layout (Ouroboros) export themselves
+        engine.save_hf(out_dir, tokenizer_dir)
+        return
     topo = engine.topology
     tensors: dict[str, torch.Tensor] = {}
     if topo.dp_rank == 0:

@@ -51,7 +51,10 @@ def _optimizer(engine: Any) -> torch.optim.Optimizer | None:
 
 
 def _is_native(engine: Any) -> bool:
-    """bf16/fp16/ZeRO wrap the optimizer in DeepSpeed's flat-buffer classes."""
+    """bf16/fp16/ZeRO wrap the optimizer in DeepSpeed's flat-buffer classes; the Ouroboros
+    engine (not a pipeline of layers) keeps its in-flight state in DeepSpeed's format too."""
+    if getattr(engine, "schedule_name", "") == "ouroboros":
+        return True
     return engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer)
 
 

@@ -2,20 +2,22 @@
 
 Measured (GPT-2 6 × 256, vocab 4096, seq 256; M = 4 micro-batches × 2 rows; PP = 2 and 3,
 one thread per rank, so PP = 3 oversubscribes the 2 cores): 1F1B, GPipe, and TeraPipe with
-the fixed slicing ``SLICES`` of every micro-batch.  One group of processes per PP degree
-runs the three schedules (``ScheduleBench.use``), interleaved round-robin with the other
-group's; a configuration's time is its median step.
+the fixed slicing ``SLICE_SHARES`` of every micro-batch.  One group of processes per PP degree
+runs the three schedules (``ScheduleBench.use``), interleaved round-robin.  Every timed step
+is traced (:class:`TracedVariant`): a configuration's measured time is the median traced
+makespan, and the same steps give the op costs.
 
-Two predictions per configuration, both from ``simulate`` on the configuration's timetable
-(1F1B: ``one_f_one_b_timetable``; GPipe: forwards then backwards in the engine's order;
-TeraPipe: ``terapipe_timetable``):
+Three predictions per configuration, each ``simulate`` on a timetable with per-op costs:
 
-* **trace**: per-op costs = mean traced forward / backward seconds per (stage, op kind,
-  token slice) over ``TRACED`` recorded steps of that configuration, the p2p latency =
-  the shortest traced receive, plus the traced epilogue (tied-gradient all-reduce, gradient
-  reduction, optimizer step: the slowest stage's local work);
-* **profile**: a-priori, from each stage's fitted cost model t_s(l, c) (``profile_engine_stage``
-  at the micro-batch size), forward = 1/3 of it, no latency, no epilogue.
+* **blocking p2p, trace costs** (the validation): the engine's own instruction streams
+  (:func:`engine_timetable`: F/B, loads, sends/receives that rendezvous as gloo's do, the
+  tied-gradient all-reduce, reduce + optimizer step), each op costing its mean traced time
+  (a transfer: min of the send and its matching receive);
+* **asynchronous p2p, trace costs** (the planner's view): ``one_f_one_b_timetable`` /
+  GPipe / ``terapipe_timetable`` with ``pipeline_deps`` and the same F/B costs, plus the
+  traced epilogue (tied all-reduce + slowest stage's reduce and optimizer step);
+* **profile, a priori**: blocking timetable, F/B from each stage's fitted cost model
+  t_s(l, c) (``profile_engine_stage`` at the micro-batch size, forward = 1/3), nothing else.
 
 The projection applies ``project_gpt3`` to a measured stage cost model (the ``terapipe``
 benchmark's saved 8 × 512 profile when present in the same results folder, else this
@@ -61,21 +63,23 @@ def planner_timetable(schedule: str, K: int, slices: list[int]) -> list:
 
 
 def engine_timetable(schedule: str, K: int, slices: list[int]) -> tuple[list, Any]:
-    """The engine's instruction streams unrolled into ops, with blocking (rendezvous) p2p.
+    """The engine's instruction streams unrolled into simulator ops, with blocking p2p.
 
-    Per stage, in schedule order: F/B ops (``Op(kind, micro, slice)``) and one op per
-    p2p instruction, ``Op("S" | "R", step, peer)``.  A send at step t from s to n and the
-    matching receive on n both end when both sides have reached them (gloo send blocks
-    until the receive is posted):  S(s→n, t) waits for the op before R(n←s, t) on n and
-    vice versa, plus the latency; F/B keep ``pipeline_deps``.
+    Per stage, in schedule order: ``Op("F"|"B", micro, slice)``, loads ``Op("L", step)``,
+    p2p ``Op("S"|"R", step, peer)``, the tied-embedding all-reduce ``Op("T", step, peer)``
+    (first and last stage) and the local reduce + optimizer step ``Op("O", step)``.  A send at
+    step t from s to n and the matching receive on n both end at max(both sides ready) +
+    transfer (gloo sends block until the receive is posted): S(s→n, t) depends on the op
+    before R(n←s, t) on n and vice versa; T likewise.  F/B keep ``pipeline_deps``.
     """
     from deepspeed.runtime.pipe import schedule as ds
 
-    from ds_mp.pipeline.instructions import BackwardSlice, ForwardSlice
+    from ds_mp.pipeline.instructions import BackwardSlice, ForwardSlice, LoadSlice
     from ds_mp.pipeline.schedules import SCHEDULES
     from ds_mp.pipeline.simulate import Op, pipeline_deps
     from ds_mp.pipeline.terapipe import TeraPipeSchedule
 
+    p2p = (ds.SendActivation, ds.SendGrad, ds.RecvActivation, ds.RecvGrad)
     table, before = [], {}
     for s in range(K):
         sch = (TeraPipeSchedule(MICRO_BATCHES, K, s, [(ROWS, slices)]) if schedule == "terapipe"
@@ -88,68 +92,93 @@ def engine_timetable(schedule: str, K: int, slices: list[int]) -> tuple[list, An
                 elif isinstance(c, (ds.ForwardPass, ds.BackwardPass)):
                     kind = "F" if isinstance(c, ds.ForwardPass) else "B"
                     op, count[kind] = Op(kind, count[kind]), count[kind] + 1  # micro-batches in order
-                elif isinstance(c, (ds.SendActivation, ds.SendGrad, ds.RecvActivation, ds.RecvGrad)):
+                elif isinstance(c, p2p):
                     up = isinstance(c, (ds.SendActivation, ds.RecvGrad))
                     op = Op("S" if type(c).__name__.startswith("Send") else "R", t, s + 1 if up else s - 1)
+                elif isinstance(c, (ds.LoadMicroBatch, LoadSlice)):
+                    op = Op("L", t)
+                elif isinstance(c, ds.ReduceTiedGrads) and s in (0, K - 1):
+                    op = Op("T", t, K - 1 - s)
+                elif isinstance(c, ds.OptimizerStep):
+                    op = Op("O", t)
                 else:
                     continue
                 before[s, op] = (s, ops[-1]) if ops else None
                 ops.append(op)
         table.append(ops)
+    mates = {"S": "R", "R": "S", "T": "T"}
 
     def deps(stage: int, op: Any, K: int) -> list:
         if op.kind in "FB":
             return pipeline_deps(stage, op, K)
-        mate = (op.slice, Op("R" if op.kind == "S" else "S", op.micro, stage))
+        if op.kind not in mates:
+            return []
+        mate = (op.slice, Op(mates[op.kind], op.micro, stage))
         if mate not in before:
-            raise ValueError(f"{schedule}: stage {stage} {op} has no matching p2p on stage {mate[0]}")
+            raise ValueError(f"{schedule}: stage {stage} {op} has no matching partner on stage {mate[0]}")
         return [before[mate]] if before[mate] else []
     return table, deps
 
 
-def trace_costs(traces: list[dict], n_slices: int) -> tuple[dict, float, float]:
-    """(mean seconds per (stage, kind, slice), p2p latency, epilogue) from traced steps."""
+def trace_costs(traces: list[dict], n_slices: int) -> dict:
+    """Mean traced seconds per simulator cost key (see :func:`op_cost`) over the traced steps.
+
+    A p2p transfer's cost is min(send, matching receive) duration (the side that came later
+    waited only for the transfer); the k-th send of s to n matches the k-th receive of n from s.
+    """
     from ds_mp.viz import instruction_kind
 
-    ops: dict[tuple, list[float]] = {}
-    recv, tail = [], []
+    acc: dict[tuple, list[float]] = {}
     for tr in traces:
+        K = len(tr)
         for s, events in tr.items():
             for name, buf, a, b in events:
                 kind = instruction_kind(name)
                 if kind in ("forward", "backward"):
-                    sl = buf % n_slices if "Slice" in name else 0
-                    ops.setdefault((s, kind[0].upper(), sl), []).append(b - a)
-                elif name.startswith("Recv"):
-                    recv.append(b - a)
-        tied = [sum(b - a for n, _, a, b in ev if n == "ReduceTiedGrads") for ev in tr.values()]
-        local = [sum(b - a for n, _, a, b in ev if n in ("ReduceGrads", "OptimizerStep")) for ev in tr.values()]
-        tail.append(max(local) + min(t for t in tied if t > 0))
-    return {k: statistics.mean(v) for k, v in ops.items()}, min(recv), statistics.mean(tail)
+                    acc.setdefault((s, kind[0].upper(), buf % n_slices if "Slice" in name else 0), []).append(b - a)
+                elif name.startswith("Load"):
+                    acc.setdefault((s, "L", 0), []).append(b - a)
+            local = [b - a for n, _, a, b in events if n in ("ReduceGrads", "OptimizerStep")
+                     or (n == "ReduceTiedGrads" and s not in (0, K - 1))]
+            acc.setdefault((s, "O", 0), []).append(sum(local))
+        durations = {(s, n): [b - a for m, _, a, b in ev if m == n] for s, ev in tr.items()
+                     for n in ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "ReduceTiedGrads")}
+        for s in range(K - 1):  # link s <-> s+1: activations ("A") go up, gradients ("G") down
+            for key, snd, rcv in (("A", (s, "SendActivation"), (s + 1, "RecvActivation")),
+                                  ("G", (s + 1, "SendGrad"), (s, "RecvGrad"))):
+                acc.setdefault((s, key, 0), []).extend(map(min, zip(durations[snd], durations[rcv])))
+        tied = durations[0, "ReduceTiedGrads"] + durations[K - 1, "ReduceTiedGrads"]
+        acc.setdefault((0, "T", 0), []).append(min(tied))
+    return {k: statistics.mean(v) for k, v in acc.items() if v}
+
+
+def op_cost(cost: dict, s: int, op: Any) -> float:
+    """Cost of ``op`` on stage ``s`` from a :func:`trace_costs` table (missing keys cost 0)."""
+    if op.kind in "SR":
+        up = (op.kind == "S") == (op.slice > s)  # sending up or receiving from below: activations
+        return cost.get((min(s, op.slice), "A" if up else "G", 0), 0.0)
+    if op.kind == "T":
+        return cost.get((0, "T", 0), 0.0)
+    return cost.get((s, op.kind, op.slice if op.kind in "FB" else 0), 0.0)
 
 
 def predictions(schedule: str, K: int, slices: list[int], traces: list[dict], stage_costs: list) -> dict:
-    """Iteration time from trace op costs (asynchronous and blocking p2p) and from the profile."""
+    """Iteration time from trace op costs (engine instruction streams with blocking p2p, and the
+    planner's F/B timetable with asynchronous p2p + the traced epilogue) and from the profile."""
     from ds_mp.pipeline.simulate import simulate
     from ds_mp.pipeline.slicing import slice_costs
 
     sl = slices if schedule == "terapipe" else [sum(slices)]
-    cost, lat, tail = trace_costs(traces, len(sl))
+    cost = trace_costs(traces, len(sl))
     t = [slice_costs(sl, c) for c in stage_costs]
-
-    def traced(s: int, op: Any) -> float:
-        return cost[s, op.kind, op.slice] if op.kind in "FB" else 0.0
-
-    def profiled(s: int, op: Any) -> float:
-        return t[s][op.slice] * {"F": 1 / 3, "B": 2 / 3}.get(op.kind, 0.0)
-
     table, deps = engine_timetable(schedule, K, slices)
-    async_ = simulate(planner_timetable(schedule, K, slices), traced, latency=lat)
-    blocking = simulate(table, traced, latency=lat, deps=deps)
-    prof = simulate(table, profiled, deps=deps)
-    return {"async_s": async_.iteration_time + tail, "blocking_s": blocking.iteration_time + tail,
-            "blocking_makespan_s": blocking.iteration_time, "latency_s": lat, "epilogue_s": tail,
-            "profile_s": prof.iteration_time}
+    blocking = simulate(table, lambda s, op: op_cost(cost, s, op), deps=deps)
+    tail = max(cost[s, "O", 0] for s in range(K)) + cost[0, "T", 0]
+    async_ = simulate(planner_timetable(schedule, K, slices), lambda s, op: op_cost(cost, s, op))
+    share = {"F": 1 / 3, "B": 2 / 3}
+    prof = simulate(table, lambda s, op: t[s][op.slice] * share[op.kind] if op.kind in share else 0.0, deps=deps)
+    return {"async_s": async_.iteration_time + tail, "blocking_s": blocking.iteration_time, "epilogue_s": tail,
+            "blocking_bubble": blocking.bubble_fraction, "profile_s": prof.iteration_time}
 
 
 def projection(out_dir: str, own: tuple) -> tuple[dict, str]:
@@ -179,22 +208,41 @@ def projection(out_dir: str, own: tuple) -> tuple[dict, str]:
     return out, f"{source}, fit error {err:.1%}"
 
 
+class TracedVariant(Variant):
+    """A :class:`Variant` whose every step is traced: its time is the traced makespan (first
+    instruction start to last end, all ranks), and the traces (warm-up dropped) give the op
+    costs, so costs and measured times come from the same steps."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.traces: list[dict] = []
+        self.warm = False
+
+    def steps(self, k: int) -> list[tuple[float, float]]:
+        self.group.call("use", self.schedule, self.plan)
+        out = []
+        for _ in range(k):
+            tr = self.group.call("trace")[0]
+            out.append((max(e for ev in tr.values() for *_, e in ev) - min(ev[0][2] for ev in tr.values()), 0.0))
+            if self.warm:
+                self.traces.append(tr)
+        self.warm = True
+        return out
+
+
 def run(quick: bool, out_dir: str) -> dict:
     s = QUICK if quick else FULL
     shape, L = asdict(s), s.seq
     slices = fixed_slices(L)
-    repeats, steps, traced = (2, 1, 1) if quick else (4, 2, 2)
+    repeats, steps = (2, 1) if quick else (4, 2)
     kw = {"shape": shape, "micro": ROWS, "gas": MICRO_BATCHES, "slices": slices}
     configs = [Config(f"pp{K}", "benchmarks.terapipe:setup_schedule_bench", K, 1, kw) for K in DEGREES]
-    traces: dict[str, list] = {}
     with started(configs) as groups:
         per_stage = {K: groups[f"pp{K}"].call("profile", GRANULARITY) for K in DEGREES}
-        runs = [Variant(groups[f"pp{K}"], f"pp{K}_{sch}", sch, [(ROWS, slices)] if sch == "terapipe" else None)
+        runs = [TracedVariant(groups[f"pp{K}"], f"pp{K}_{sch}", sch, [(ROWS, slices)] if sch == "terapipe" else None)
                 for sch in SCHEDULES for K in DEGREES]
         times = interleave(runs, repeats, steps)
-        for v in runs:
-            v.group.call("use", v.schedule, v.plan)
-            traces[v.cfg.name] = [v.group.call("trace")[0] for _ in range(traced)]
+    traces = {v.cfg.name: v.traces for v in runs}
     res = summarize(times, {v.cfg.name: ROWS * MICRO_BATCHES * L for v in runs})
     rows, errors = [], {}
     for v in runs:
@@ -228,7 +276,7 @@ def run(quick: bool, out_dir: str) -> dict:
             "ratios": {f"{n}_predicted_vs_measured": 1 + e for n, e in errors.items()}, "plots": [],
             "tables": [table("simulated vs measured iteration time (seconds)", [
                 "config", "measured (median)", "IQR", "sim: trace costs, async p2p", "error",
-                "sim: trace costs, blocking p2p", "error", "of which epilogue", "sim: profile, blocking, a priori",
+                "sim: trace costs, blocking p2p", "error", "epilogue (traced)", "sim: profile, blocking, a priori",
                 "error"], rows),
                 table("PROJECTION (not measured): TeraPipe on GPT-3 shapes, one layer per stage, 1 × 2048 tokens",
                       ["model", "stages", "DP slices", "projected s/iteration", "no slicing", "speed-up"], prow)]}

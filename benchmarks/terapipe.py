@@ -135,13 +135,15 @@ def load_or_profile(group: Group, path: str, meta: dict, passes: int = 2) -> lis
     if os.path.isfile(path) and os.path.isfile(samples_path):
         with open(samples_path) as f:
             saved = json.load(f)
-        print(f"  reusing the cost-model profile {samples_path} (taken {saved['date']}, load {saved['load_avg_1m']})")
+        print(f"  reusing the cost-model profile {samples_path} (taken {saved['date']}, "
+              f"load {saved['load_avg_1m']})")
         return saved["per_rank"]
     load, t0 = round(os.getloadavg()[0], 2), time.perf_counter()
     runs = [group.call("profile", GRANULARITY) for _ in range(passes)]
     per_rank = [[[i, j, min(run[r][k][2] for run in runs)] for k, (i, j, _) in enumerate(runs[0][r])]
                 for r in range(len(runs[0]))]
-    print(f"  profiled every stage ({passes} passes) in {time.perf_counter() - t0:.0f}s (1-min load {load})", flush=True)
+    print(f"  profiled every stage ({passes} passes) in {time.perf_counter() - t0:.0f}s (1-min load {load})",
+          flush=True)
     _, bottleneck, _, _ = fit_stages(per_rank)
     bottleneck.save(path)
     with open(samples_path, "w") as f:
@@ -156,7 +158,8 @@ def predict(timetable: list, slices: Sequence[int], stage_costs: list, fwd: list
     from ds_mp.pipeline.slicing import slice_costs
 
     t = [slice_costs(slices, c) for c in stage_costs]
-    return simulate(timetable, lambda s, op: t[s][op.slice] * (fwd[s] if op.kind == "F" else 1 - fwd[s])).iteration_time
+    return simulate(timetable, lambda s, op: t[s][op.slice] * (fwd[s] if op.kind == "F" else 1 - fwd[s])
+                    ).iteration_time
 
 
 def forward_fraction(traces: dict[int, list]) -> list[float]:
@@ -244,7 +247,8 @@ def run(quick: bool, out_dir: str) -> dict:
     rows = [[n, f"{len(slicings[n])}" if n in slicings else "1", f"{med[n]:.3f}", f"{pred[n]:.3f}",
              f"{pred[n] / med[n] - 1:+.0%}", fmt_ratio(med["deepspeed_1f1b"] / med[n]),
              fmt_ratio(ratios[f"{n}_tokens_per_s_vs_1x1"]), f"±{res[n]['iqr_rel']:.0%}"] for n in med]
-    plot = sweep_plot(os.path.join(out_dir, "terapipe.png"), {int(n.split("_")[1]): (med[n], pred[n]) for n in uniform},
+    plot = sweep_plot(os.path.join(out_dir, "terapipe.png"),
+                      {int(n.split("_")[1]): (med[n], pred[n]) for n in uniform},
                       (len(dp), med["terapipe_dp"], pred["terapipe_dp"]), med["deepspeed_1f1b"], L)
     for n in med:
         res[n].update(predicted_s=pred[n], slices=slicings.get(n, [L]))
@@ -252,7 +256,8 @@ def run(quick: bool, out_dir: str) -> dict:
             "configs": res, "ratios": ratios, "summary": summary, "repeats": repeats, "steps_per_repeat": steps,
             "dp_slices": dp, "cost_model": cost.to_dict(), "fit_error": err, "stage_fit_errors": stage_err,
             "forward_fraction": fwd, "trace": tl, "traced_vs_profiled_compute": inflation,
-            "planner_dp_vs_uniform_by_stages_and_length": {f"K{k}_L{n}": g for (k, n), g in regime.items()}, "plots": [os.path.basename(plot), "timeline_terapipe.png"],
+            "planner_dp_vs_uniform_by_stages_and_length": {f"K{k}_L{n}": g for (k, n), g in regime.items()},
+            "plots": [os.path.basename(plot), "timeline_terapipe.png"],
             "tables": [table("iteration time: measured (median) vs simulated", [
                 "config", "slices", "measured s", "simulated s", "sim error", "speed-up vs DeepSpeed 1F1B",
                 "tokens/s vs 1×1", "step-time IQR"], rows)]}

@@ -83,6 +83,7 @@ class TrainingConfig:
     on_nan: str = "stop"  # "stop" (save diagnostics, exit) or "skip" the step
     init_from: str = ""  # HF dir or ds_mp checkpoint to initialise weights from
     export_hf: bool = True  # write an HF directory at the end of training
+    noise_scale_interval: int = 0  # steps between gradient-noise-scale measurements (0 = off; needs DP > 1)
 
 
 @dataclass
@@ -220,6 +221,7 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
     for key, v in (("training.eval_interval", cfg.training.eval_interval),
                    ("training.checkpoint_interval", cfg.training.checkpoint_interval),
                    ("training.eval_batches", cfg.training.eval_batches),
+                   ("training.noise_scale_interval", cfg.training.noise_scale_interval),
                    ("pipeline.activation_checkpoint_interval", pp.activation_checkpoint_interval)):
         if v < 0:
             raise ConfigError(f"ds_mp.{key}: must be >= 0, got {v}")

@@ -15,6 +15,11 @@ Metrics (per log interval):
                F = 72 B s l h² (1 + s/(6h) + V/(12 l h))
   bubble     = 1 − (forward + backward time) / step time on this rank (pipeline idle share)
   peak_mem   = peak resident memory of this rank (CPU) or peak allocated (GPU), MiB
+  val_ppl    = exp(val_loss), per BPE token of the validation split
+  noise_scale = EMA-smoothed gradient noise scale B_simple in samples (ds_mp.noise_scale),
+               when training.noise_scale_interval > 0 and DP > 1
+  skipped    = optimizer steps skipped so far: non-finite gradients (fp32/bf16, ds_mp) plus
+               DeepSpeed's fp16 loss-scale overflows (engine.skipped_steps)
 """
 from __future__ import annotations
 
@@ -88,8 +93,8 @@ def _dataset(cfg: DsMpConfig) -> tuple[str, Any, Any]:
 
 
 class CsvLog:
-    FIELDS = ["step", "loss", "val_loss", "lr", "tokens_per_s", "tflops", "bubble", "grad_norm",
-              "peak_mem_mib", "skipped", "elapsed_s"]
+    FIELDS = ["step", "loss", "val_loss", "val_ppl", "lr", "tokens_per_s", "tflops", "bubble", "grad_norm",
+              "noise_scale", "peak_mem_mib", "skipped", "elapsed_s"]
 
     def __init__(self, path: str, resume: bool) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -192,13 +197,17 @@ def _run(args: argparse.Namespace) -> int:
             times = engine.instruction_times()
             busy = times.get("ForwardPass", 0.0) + times.get("BackwardPass", 0.0)
             if log is not None:
+                probe = getattr(engine, "noise_scale", None)  # the Ouroboros engine has none
+                noise = None if probe is None else probe.value
                 log.row(step=step, loss=f"{loss:.6f}", val_loss="" if val_loss is None else f"{val_loss:.6f}",
+                        val_ppl="" if val_loss is None else f"{_ppl(val_loss):.4f}",
                         lr=engine.get_lr()[0], tokens_per_s=f"{tokens_per_step / mean_dt:.1f}",
                         tflops=f"{flops_per_step / mean_dt / 1e12:.4f}", bubble=f"{max(0.0, 1 - busy / dt):.3f}",
                         grad_norm="" if engine.last_grad_norm is None else f"{engine.last_grad_norm:.4f}",
+                        noise_scale="" if noise is None else f"{noise:.2f}",
                         peak_mem_mib=f"{peak_memory_mib():.0f}", skipped=engine.nonfinite_steps + engine.skipped_steps,
                         elapsed_s=f"{time.time() - t_start:.1f}")
-                msg = f"step {step} loss {loss:.4f}" + (f" val {val_loss:.4f}" if val_loss is not None else "")
+                msg = f"step {step} loss {loss:.4f}" + (f" val {val_loss:.4f} (ppl {_ppl(val_loss):.2f})" if val_loss is not None else "")
                 bar.write(msg + f" | {tokens_per_step / mean_dt:,.0f} tok/s")
             window.clear()
         if tcfg.checkpoint_interval and step % tcfg.checkpoint_interval == 0 and step != tcfg.steps:
@@ -212,6 +221,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ds_mp: done: {tcfg.steps} steps; checkpoints in {ckpt_root}; HF model in "
               f"{os.path.join(tcfg.output_dir, 'hf')}; log {os.path.join(tcfg.output_dir, 'log.csv')}")
     return 0
+
+
+def _ppl(loss: float) -> float:
+    """exp(loss), inf instead of an OverflowError for a diverged loss."""
+    return math.inf if loss > 700 else math.exp(loss)
 
 
 def _latest(ckpt_root: str) -> str | None:

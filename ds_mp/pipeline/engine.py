@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ds_mp.noise_scale import NoiseScaleProbe
 from ds_mp.pipeline.schedules import SCHEDULES
 
 
@@ -37,6 +38,7 @@ class DsMpPipelineEngine(PipelineEngine):
         self.trace: list[tuple[str, int, float, float]] = []  # (instruction, buffer, start, end)
         self.trace_enabled = False
         self.last_grad_norm: float | None = None
+        self.noise_scale = NoiseScaleProbe.from_config(ds_mp_config, topology)  # None unless DP > 1 and on
         self.nonfinite_steps = 0  # optimizer steps skipped because a gradient was NaN/Inf
         self.last_step_nonfinite = False
         self._buffer_loss: dict[int, torch.Tensor] = {}
@@ -145,7 +147,14 @@ class DsMpPipelineEngine(PipelineEngine):
             for p in self.module.parameters():
                 if p.grad is not None and getattr(p, "tp_kind", "") == "replicated":
                     dist.all_reduce(p.grad, group=ctx.group)
+        probe = self.noise_scale
+        measure = probe is not None and probe.due(self.global_steps + 1)
+        if measure:  # |G_small|² of this replica before the DP all-reduce, |G_big|² after
+            probe.before(self.global_grad_norm() ** 2, self.device)
         super()._exec_reduce_grads()
+        if measure:
+            probe.after(self.global_grad_norm() ** 2,
+                        self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps())
 
     def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
         """Skip the update (weights stay finite) when any gradient is NaN/Inf anywhere.

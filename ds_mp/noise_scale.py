@@ -1,0 +1,135 @@
+"""Gradient noise scale (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training").
+
+The simple noise scale B_simple = tr(Σ) / |G|² (Σ: per-sample gradient covariance, G:
+true gradient) predicts the critical batch size.  A mean gradient G_B over B samples has
+
+    E|G_B|² = |G|² + tr(Σ) / B,
+
+so two measured batch sizes B_small < B_big give unbiased estimates (paper, App. A.1):
+
+    |G|²  ≈ (B_big·|G_big|² − B_small·|G_small|²) / (B_big − B_small)
+    tr(Σ) ≈ (|G_small|² − |G_big|²) / (1/B_small − 1/B_big)
+
+Each single-step estimate is very noisy (|G|² may even come out negative), so, as the
+paper does, both are smoothed with exponential moving averages before dividing.
+
+Under data parallelism both sizes come for free: B_small = micro × accumulation (one
+replica's samples per step, |G_small|² = its local gradient's norm² before the DP
+all-reduce, averaged over replicas) and B_big = B_small × DP (the all-reduced gradient).
+Batch sizes are in samples (sequences of ``data.seq_len`` tokens); multiply by seq_len for
+tokens.  A loss scale s multiplies both estimates by s², so fp16 leaves the ratio intact.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["gradient_sq_estimate", "trace_estimate", "NoiseScaleEstimator", "NoiseScaleProbe"]
+
+
+def _check_sizes(b_small: float, b_big: float) -> None:
+    if not 0 < b_small < b_big:
+        raise ValueError(f"noise scale: need 0 < b_small < b_big, got b_small={b_small}, b_big={b_big}; "
+                         "it needs two different batch sizes (data parallelism > 1)")
+
+
+def gradient_sq_estimate(small_sq: float, big_sq: float, b_small: float, b_big: float) -> float:
+    """Unbiased |G|² = (B_big·|G_big|² − B_small·|G_small|²) / (B_big − B_small)."""
+    _check_sizes(b_small, b_big)
+    return (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+
+
+def trace_estimate(small_sq: float, big_sq: float, b_small: float, b_big: float) -> float:
+    """Unbiased tr(Σ) = (|G_small|² − |G_big|²) / (1/B_small − 1/B_big)."""
+    _check_sizes(b_small, b_big)
+    return (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
+
+
+class NoiseScaleEstimator:
+    """EMA-smoothed B_simple = EMA[tr(Σ)] / EMA[|G|²].
+
+    ``ema ← beta·ema + (1 − beta)·x``, bias-corrected by 1 − beta^n after n updates (so
+    the first value is the first estimate itself; the correction cancels in the ratio).
+    """
+
+    def __init__(self, beta: float = 0.95) -> None:
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"noise scale: beta must be in [0, 1), got {beta}")
+        self.beta = beta
+        self.updates = 0
+        self._g2 = self._trace = 0.0
+
+    @property
+    def gradient_sq(self) -> float | None:
+        """Smoothed |G|² (None before the first update)."""
+        return self._g2 / (1 - self.beta ** self.updates) if self.updates else None
+
+    @property
+    def trace(self) -> float | None:
+        """Smoothed tr(Σ) (None before the first update)."""
+        return self._trace / (1 - self.beta ** self.updates) if self.updates else None
+
+    @property
+    def value(self) -> float | None:
+        """B_simple in samples; None until both smoothed estimates are positive."""
+        if not self.updates or self._g2 <= 0 or self._trace <= 0:
+            return None
+        return self._trace / self._g2
+
+    def update(self, small_sq: float, big_sq: float, b_small: float, b_big: float) -> float | None:
+        """Fold in one measurement; returns :attr:`value`.
+
+        A non-finite measurement (an fp16 overflow step) is ignored.
+        """
+        g2 = gradient_sq_estimate(small_sq, big_sq, b_small, b_big)
+        tr = trace_estimate(small_sq, big_sq, b_small, b_big)
+        if math.isfinite(g2) and math.isfinite(tr):
+            self._g2 = self.beta * self._g2 + (1 - self.beta) * g2
+            self._trace = self.beta * self._trace + (1 - self.beta) * tr
+            self.updates += 1
+        return self.value
+
+
+class NoiseScaleProbe:
+    """Engine hook around the DP gradient all-reduce, active every ``interval`` steps.
+
+    The engine calls ``before(local_sq)`` with this replica's model-wide gradient norm²
+    (each TP shard / tied tensor once, all stages) just before the DP all-reduce and
+    ``after(reduced_sq, b_small)`` with the same norm² just after it.  ``before`` averages
+    the local norm² over the DP replicas (a collective on the DP group).
+    """
+
+    def __init__(self, interval: int, topology: Any, beta: float = 0.95) -> None:
+        self.interval, self.topology = interval, topology
+        self.estimator = NoiseScaleEstimator(beta)
+        self.small_sq: float | None = None  # last measurement, DP-averaged |G_small|²
+        self.big_sq: float | None = None  # last measurement, |G_big|²
+
+    @classmethod
+    def from_config(cls, cfg: Any, topology: Any) -> "NoiseScaleProbe | None":
+        """A probe when ``training.noise_scale_interval`` > 0 and DP > 1, else None."""
+        interval = cfg.training.noise_scale_interval if cfg is not None else 0
+        if interval <= 0 or topology is None or topology.dp < 2:
+            return None
+        return cls(interval, topology)
+
+    @property
+    def value(self) -> float | None:
+        """Current smoothed B_simple in samples (None until defined)."""
+        return self.estimator.value
+
+    def due(self, step: int) -> bool:
+        """Measure during optimizer step ``step`` (1-based)?"""
+        return step % self.interval == 0
+
+    def before(self, local_sq: float, device: torch.device) -> None:
+        t = torch.tensor([local_sq], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=self.topology.dp_group)
+        self.small_sq = float(t) / self.topology.dp
+
+    def after(self, reduced_sq: float, b_small: int) -> float | None:
+        self.big_sq = reduced_sq
+        return self.estimator.update(self.small_sq, reduced_sq, b_small, b_small * self.topology.dp)

@@ -160,8 +160,10 @@ def _load_tokens(path: Path, tokenizer: Any, token_dtype: str) -> torch.Tensor:
 def eval_cli(argv: Sequence[str] | None = None) -> int:
     """``ds-mp eval``: perplexity of a token/text file and/or cloze accuracy; prints JSON."""
     p = argparse.ArgumentParser(prog="ds-mp eval", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="HF model directory (from_pretrained)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--model", required=True, help="HF model directory, ds_mp sharded directory, or training "
+                   "checkpoint (<output_dir>/checkpoints[/<tag>]; exported to a temporary HF dir)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's, or a training "
+                   "checkpoint's dataset tokenizer)")
     p.add_argument("--data", default=None, help="text file, or token file (.npy / raw .bin)")
     p.add_argument("--token-dtype", default="uint16", help="dtype of a raw .bin token file")
     p.add_argument("--window", type=int, default=None, help="tokens per forward (default: n_positions)")
@@ -177,14 +179,30 @@ def eval_cli(argv: Sequence[str] | None = None) -> int:
         print("ds-mp eval: nothing to do; pass --data and/or --cloze", file=sys.stderr)
         return 2
 
+    import tempfile
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(args.model).to(args.device)
-    logits_fn = hf_logits_fn(model)
-    max_len = args.window or getattr(model.config, "n_positions", None) or 1024
+    from ds_mp.checkpoint import CheckpointError
+    from ds_mp.generate import default_tokenizer_dir, hf_model_dir
+
     needs_tok = args.cloze is not None or (
         args.data is not None and Path(args.data).suffix not in (".npy", ".bin"))
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model) if needs_tok else None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            model_dir = hf_model_dir(args.model, tmp)
+        except CheckpointError as e:
+            print(f"ds-mp eval: {e}", file=sys.stderr)
+            return 2
+        model = AutoModelForCausalLM.from_pretrained(model_dir).to(args.device)
+        tok_dir = args.tokenizer or default_tokenizer_dir(args.model, model_dir) or args.model
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tok_dir) if needs_tok else None
+        except (OSError, ValueError) as e:
+            print(f"ds-mp eval: no tokenizer in {tok_dir!r} ({e}); pass --tokenizer DIR", file=sys.stderr)
+            return 2
+    logits_fn = hf_logits_fn(model)
+    max_len = args.window or getattr(model.config, "n_positions", None) or 1024
     out: dict[str, Any] = {"model": args.model}
 
     if args.data is not None:

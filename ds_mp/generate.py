@@ -1,7 +1,10 @@
 """``ds-mp generate``: sample text from an HF directory or a ds_mp checkpoint.
 
-A ds_mp (sharded or training) checkpoint is first exported to a temporary HF directory,
-so generation always runs through Hugging Face's own ``generate()``.
+A ds_mp checkpoint (a sharded directory from ``ds-mp convert hf-to-ds``, a training
+checkpoint ``<output_dir>/checkpoints/<tag>``, or ``<output_dir>/checkpoints`` itself,
+which means its ``latest``) is first exported to a temporary HF directory, so generation
+always runs through Hugging Face's own ``generate()``.  :func:`hf_model_dir` and
+:func:`default_tokenizer_dir` are shared with ``ds-mp eval``.
 """
 from __future__ import annotations
 
@@ -11,21 +14,57 @@ import sys
 import tempfile
 
 
-def _hf_dir(path: str, tmp: str) -> str:
-    if os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
-            os.path.join(path, "ds_mp_meta.json")):
-        return path
-    from ds_mp.checkpoint import ds_to_hf
+def hf_model_dir(path: str, tmp: str) -> str:
+    """An HF GPT-2 directory holding the model at ``path``: ``path`` itself if it is one,
+    else an export (``ds_to_hf``) of the ds_mp checkpoint into ``tmp``."""
+    from ds_mp.checkpoint import CheckpointError, ds_to_hf
+    from ds_mp.checkpoint.sharded import is_sharded_dir
+    from ds_mp.checkpoint.training import LATEST, NATIVE
 
-    out = os.path.join(tmp, "hf")
-    ds_to_hf(path, out, verify=False)
-    return out
+    if os.path.isfile(os.path.join(path, LATEST)):  # a checkpoint root: follow its pointer
+        with open(os.path.join(path, LATEST)) as f:
+            path = os.path.join(path, f.read().strip())
+    if os.path.isfile(os.path.join(path, NATIVE)):
+        raise CheckpointError(f"{path}: a bf16/ZeRO checkpoint in DeepSpeed's own format cannot be exported "
+                              "offline; use the HF directory training wrote to <output_dir>/hf")
+    if is_sharded_dir(path):
+        out = os.path.join(tmp, "hf")
+        ds_to_hf(path, out, verify=False)
+        return out
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    raise CheckpointError(f"{path}: neither an HF directory (config.json) nor a ds_mp checkpoint "
+                          "(ds_mp_meta.json or a 'latest' file); pass one of those")
+
+
+def default_tokenizer_dir(path: str, hf_dir: str) -> str | None:
+    """Where the tokenizer of the model at ``path`` lives: the HF directory if it holds one,
+    else (training checkpoints) the tokenizer of the dataset it was trained on."""
+    import torch
+
+    from ds_mp.checkpoint.training import LATEST, TRAINER_STATE
+    from ds_mp.data import DataError, DatasetInfo
+
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")) or os.path.isfile(os.path.join(hf_dir, "vocab.json")):
+        return hf_dir
+    if os.path.isfile(os.path.join(path, LATEST)):
+        with open(os.path.join(path, LATEST)) as f:
+            path = os.path.join(path, f.read().strip())
+    state = os.path.join(path, TRAINER_STATE)
+    if not os.path.isfile(state):
+        return None
+    data = torch.load(state, map_location="cpu", weights_only=True).get("client_state", {}).get("data")
+    try:
+        return DatasetInfo.load(data).tokenizer_dir if data else None
+    except DataError:
+        return None
 
 
 def generate_cli(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ds-mp generate", description=__doc__)
+    p = argparse.ArgumentParser(prog="ds-mp generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF GPT-2 dir, ds_mp sharded dir or training checkpoint")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer dir (default: the model dir, or a training checkpoint's dataset tokenizer)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=50)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -38,10 +77,15 @@ def generate_cli(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
+    from ds_mp.checkpoint import CheckpointError
+
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _hf_dir(args.model, tmp)
-        tok_dir = args.tokenizer or (model_dir if os.path.exists(os.path.join(model_dir, "tokenizer.json"))
-                                     else args.model)
+        try:
+            model_dir = hf_model_dir(args.model, tmp)
+        except CheckpointError as e:
+            print(f"ds-mp generate: {e}", file=sys.stderr)
+            return 2
+        tok_dir = args.tokenizer or default_tokenizer_dir(args.model, model_dir) or args.model
         try:
             tok = AutoTokenizer.from_pretrained(tok_dir)
         except (OSError, ValueError) as e:

@@ -56,8 +56,13 @@ def weight_source(model: Any, cfg: DsMpConfig, seed: int) -> WeightSource:
         return directory_source(path)
     from transformers import GPT2LMHeadModel
 
-    torch.manual_seed(seed)  # identical fresh weights on every rank; each keeps its shard
-    return WeightSource.from_model(GPT2LMHeadModel(hf_config_from(cfg.shape)))
+    from ds_mp.optim import init_gpt2_weights
+
+    # Identical fresh weights on every rank (each keeps its shard): N(0, 0.02), residual
+    # output projections N(0, 0.02/sqrt(2 n_layer)), biases 0, LayerNorm 1/0.
+    model = GPT2LMHeadModel(hf_config_from(cfg.shape))
+    init_gpt2_weights(model, cfg.shape.n_layer, generator=torch.Generator().manual_seed(seed))
+    return WeightSource.from_model(model)
 
 
 def build_engine(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None):

@@ -33,6 +33,25 @@ def test_train_pp2_checkpoint_resume_export(tmp_path, data):
     assert [int(r["step"]) for r in read_log(run)] == [1, 2, 3, 4, 5, 6]
 
 
+def test_exact_resume_equals_uninterrupted(tmp_path, data):
+    """Stop after 2 steps, resume to 4: steps 3-4 have the uninterrupted run's losses."""
+    full = os.path.join(str(tmp_path), "full")
+    os.makedirs(full)
+    cfg = train_config(full, data, steps=4, training={"export_hf": False, "eval_interval": 0})
+    proc = launch(full, cfg)
+    assert proc.returncode == 0, explain(proc)
+    want = [r["loss"] for r in read_log(os.path.join(full, "run"))]
+    part = os.path.join(str(tmp_path), "part")
+    os.makedirs(part)
+    cfg = train_config(part, data, steps=2, training={"export_hf": False, "eval_interval": 0})
+    assert launch(part, cfg).returncode == 0
+    cfg["ds_mp"]["training"]["steps"] = 4
+    proc = launch(part, cfg, args=("--resume",))
+    assert proc.returncode == 0, explain(proc)
+    got = [r["loss"] for r in read_log(os.path.join(part, "run"))]
+    assert got == want  # printed with 6 decimals: equal to fp32 print precision
+
+
 @pytest.mark.parametrize("schedule,tp,pp", [("gpipe", 1, 2), ("1f1b", 2, 1)])
 def test_schedules_and_tp_through_launcher(tmp_path, data, schedule, tp, pp):
     cfg = train_config(str(tmp_path), data, tp=tp, pp=pp, schedule=schedule, steps=2,

@@ -61,7 +61,7 @@ def lr_find_cli(argv: list[str] | None = None) -> int:
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     res = lr_find(step, args.lr_min, args.lr_max, args.steps)
     out = args.out or cfg.training.output_dir

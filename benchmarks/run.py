@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "pipeline": "benchmarks.pipeline",
     "terapipe": "benchmarks.terapipe",
     "simulator": "benchmarks.simulator",
+    "ouroboros": "benchmarks.ouroboros",
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

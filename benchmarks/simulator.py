@@ -9,10 +9,12 @@ makespan, and the same steps give the op costs.
 
 Three predictions per configuration, each ``simulate`` on a timetable with per-op costs:
 
-* **blocking p2p, trace costs** (the validation): the engine's own instruction streams
-  (:func:`engine_timetable`: F/B, loads, sends/receives that rendezvous as gloo's do, the
-  tied-gradient all-reduce, reduce + optimizer step), each op costing its mean traced time
-  (a transfer: min of the send and its matching receive);
+* **blocking p2p, trace costs** (the validation): every traced step replayed through the
+  engine's own instruction streams (:func:`engine_timetable`: F/B, loads, sends/receives
+  that rendezvous as gloo's do, the tied-gradient all-reduce, reduce + optimizer step), each
+  op costing its traced time in that step (mean over micro-batches per (stage, kind, slice);
+  a transfer: min of the send and its matching receive); the median over steps is compared
+  with the median measured;
 * **asynchronous p2p, trace costs** (the planner's view): ``one_f_one_b_timetable`` /
   GPipe / ``terapipe_timetable`` with ``pipeline_deps`` and the same F/B costs, plus the
   traced epilogue (tied all-reduce + slowest stage's reduce and optimizer step);
@@ -162,23 +164,33 @@ def op_cost(cost: dict, s: int, op: Any) -> float:
     return cost.get((s, op.kind, op.slice if op.kind in "FB" else 0), 0.0)
 
 
+def makespan(trace: dict) -> float:
+    return max(e for ev in trace.values() for *_, e in ev) - min(ev[0][2] for ev in trace.values())
+
+
 def predictions(schedule: str, K: int, slices: list[int], traces: list[dict], stage_costs: list) -> dict:
-    """Iteration time from trace op costs (engine instruction streams with blocking p2p, and the
-    planner's F/B timetable with asynchronous p2p + the traced epilogue) and from the profile."""
+    """Per traced step, its iteration time simulated from that step's op costs (engine
+    instruction streams with blocking p2p; the planner's F/B timetable with asynchronous p2p +
+    the traced epilogue); medians over steps, the median per-step |error| of the blocking
+    model, and the a-priori prediction from the profile."""
     from ds_mp.pipeline.simulate import simulate
     from ds_mp.pipeline.slicing import slice_costs
 
     sl = slices if schedule == "terapipe" else [sum(slices)]
-    cost = trace_costs(traces, len(sl))
-    t = [slice_costs(sl, c) for c in stage_costs]
     table, deps = engine_timetable(schedule, K, slices)
-    blocking = simulate(table, lambda s, op: op_cost(cost, s, op), deps=deps)
-    tail = max(cost[s, "O", 0] for s in range(K)) + cost[0, "T", 0]
-    async_ = simulate(planner_timetable(schedule, K, slices), lambda s, op: op_cost(cost, s, op))
-    share = {"F": 1 / 3, "B": 2 / 3}
+    planner = planner_timetable(schedule, K, slices)
+    blocking, async_, tails = [], [], []
+    for tr in traces:
+        cost = trace_costs([tr], len(sl))
+        blocking.append(simulate(table, lambda s, op: op_cost(cost, s, op), deps=deps).iteration_time)
+        tails.append(max(cost[s, "O", 0] for s in range(K)) + cost[0, "T", 0])
+        async_.append(simulate(planner, lambda s, op: op_cost(cost, s, op)).iteration_time + tails[-1])
+    t, share = [slice_costs(sl, c) for c in stage_costs], {"F": 1 / 3, "B": 2 / 3}
     prof = simulate(table, lambda s, op: t[s][op.slice] * share[op.kind] if op.kind in share else 0.0, deps=deps)
-    return {"async_s": async_.iteration_time + tail, "blocking_s": blocking.iteration_time, "epilogue_s": tail,
-            "blocking_bubble": blocking.bubble_fraction, "profile_s": prof.iteration_time}
+    med = statistics.median
+    return {"async_s": med(async_), "blocking_s": med(blocking), "epilogue_s": med(tails),
+            "step_error": med(abs(p / makespan(tr) - 1) for p, tr in zip(blocking, traces)),
+            "profile_s": prof.iteration_time}
 
 
 def projection(out_dir: str, own: tuple) -> tuple[dict, str]:
@@ -223,7 +235,7 @@ class TracedVariant(Variant):
         out = []
         for _ in range(k):
             tr = self.group.call("trace")[0]
-            out.append((max(e for ev in tr.values() for *_, e in ev) - min(ev[0][2] for ev in tr.values()), 0.0))
+            out.append((makespan(tr), 0.0))
             if self.warm:
                 self.traces.append(tr)
         self.warm = True
@@ -254,6 +266,7 @@ def run(quick: bool, out_dir: str) -> dict:
         res[v.cfg.name].update(p)
         rows.append([v.cfg.name, f"{m:.3f}", f"±{res[v.cfg.name]['iqr_rel']:.0%}", f"{p['async_s']:.3f}",
                      f"{p['async_s'] / m - 1:+.1%}", f"{p['blocking_s']:.3f}", f"{errors[v.cfg.name]:+.1%}",
+                     f"{p['step_error']:.1%}",
                      f"{p['epilogue_s']:.3f}", f"{p['profile_s']:.3f}", f"{p['profile_s'] / m - 1:+.1%}"])
     worst = max(errors, key=lambda n: abs(errors[n]))
     proj, source = projection(out_dir, (per_stage[2][0], (s.n_layer, s.n_embd, L)))
@@ -276,7 +289,7 @@ def run(quick: bool, out_dir: str) -> dict:
             "ratios": {f"{n}_predicted_vs_measured": 1 + e for n, e in errors.items()}, "plots": [],
             "tables": [table("simulated vs measured iteration time (seconds)", [
                 "config", "measured (median)", "IQR", "sim: trace costs, async p2p", "error",
-                "sim: trace costs, blocking p2p", "error", "epilogue (traced)", "sim: profile, blocking, a priori",
+                "sim: trace costs, blocking p2p", "error", "per-step |error| (median)", "epilogue (traced)", "sim: profile, blocking, a priori",
                 "error"], rows),
                 table("PROJECTION (not measured): TeraPipe on GPT-3 shapes, one layer per stage, 1 × 2048 tokens",
                       ["model", "stages", "DP slices", "projected s/iteration", "no slicing", "speed-up"], prow)]}

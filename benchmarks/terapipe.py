@@ -35,6 +35,7 @@ from benchmarks.workloads import DsMpBench, Shape, batch, ds_mp_config, hf_model
 DESCRIPTION = "TeraPipe PP=2, batch 1 × 1024 tokens: DP slicing vs DeepSpeed 1F1B (M=1), GPipe, uniform slicings"
 TARGET_VS_1F1B, TARGET_VS_UNIFORM = 1.5, 1.05
 STAGES, GRANULARITY, SWEEP = 2, 16, (1, 2, 4, 8, 16)
+FIT_WARNING = 0.15  # mean relative fit error above which the profile is called unreliable
 FULL = Shape(n_layer=8, n_embd=512, n_head=8, vocab=8192, seq=1024, n_positions=1024)
 QUICK = Shape(n_layer=4, n_embd=256, n_head=8, vocab=4096, seq=256, n_positions=256)
 
@@ -127,17 +128,18 @@ def fit_stages(per_rank: list[list]) -> tuple[list, Any, list[float], float]:
     return [m for m, _ in fits], bottleneck, [e for _, e in fits], err
 
 
-def load_or_profile(group: Group, path: str, meta: dict, passes: int = 2) -> list[list]:
+def load_or_profile(group: Group, path: str, meta: dict, passes: int = 2) -> tuple[list[list], float]:
     """Per-rank profile samples: from ``<path>`` (+ ``_samples.json``) if saved, else measured
     now on ``group`` (``passes`` times, the fastest per (i, j): load spikes from other processes
-    only ever add time) and saved, with the bottleneck cost model at ``path``."""
+    only ever add time) and saved, with the bottleneck cost model at ``path``.  Also returns the
+    1-min load average when the profile was taken."""
     samples_path = path.replace(".json", "_samples.json")
     if os.path.isfile(path) and os.path.isfile(samples_path):
         with open(samples_path) as f:
             saved = json.load(f)
         print(f"  reusing the cost-model profile {samples_path} (taken {saved['date']}, "
               f"load {saved['load_avg_1m']})")
-        return saved["per_rank"]
+        return saved["per_rank"], saved["load_avg_1m"]
     load, t0 = round(os.getloadavg()[0], 2), time.perf_counter()
     runs = [group.call("profile", GRANULARITY) for _ in range(passes)]
     per_rank = [[[i, j, min(run[r][k][2] for run in runs)] for k, (i, j, _) in enumerate(runs[0][r])]
@@ -149,7 +151,7 @@ def load_or_profile(group: Group, path: str, meta: dict, passes: int = 2) -> lis
     with open(samples_path, "w") as f:
         json.dump({**meta, "per_rank": per_rank, "granularity": GRANULARITY, "passes": passes, "load_avg_1m": load,
                    "date": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
-    return per_rank
+    return per_rank, load
 
 
 def predict(timetable: list, slices: Sequence[int], stage_costs: list, fwd: list[float]) -> float:
@@ -162,16 +164,11 @@ def predict(timetable: list, slices: Sequence[int], stage_costs: list, fwd: list
                     ).iteration_time
 
 
-def forward_fraction(traces: dict[int, list]) -> list[float]:
-    """Per rank: Σ forward / Σ (forward + backward) seconds in a trace."""
+def compute_s(events: list, kinds: tuple = ("forward", "backward")) -> float:
+    """Seconds of a rank's traced events of the given instruction kinds."""
     from ds_mp.viz import instruction_kind
 
-    out = []
-    for r in sorted(traces):
-        f = sum(e - s for n, _, s, e in traces[r] if instruction_kind(n) == "forward")
-        b = sum(e - s for n, _, s, e in traces[r] if instruction_kind(n) == "backward")
-        out.append(f / (f + b))
-    return out
+    return sum(e - s for n, _, s, e in events if instruction_kind(n) in kinds)
 
 
 # ------------------------------------------------------------------ the benchmark
@@ -191,7 +188,7 @@ def run(quick: bool, out_dir: str) -> dict:
                       {"shape": shape, "rows": 1, "micro_batches": 1}),
                Config("ds_mp", "benchmarks.terapipe:setup_schedule_bench", K, 1, {"shape": shape, "micro": 1})]
     with started(configs) as groups:
-        per_rank = load_or_profile(groups["ds_mp"], os.path.join(out_dir, f"terapipe_profile_{tag}.json"),
+        per_rank, profile_load = load_or_profile(groups["ds_mp"], os.path.join(out_dir, f"terapipe_profile_{tag}.json"),
                                    {"shape": shape, "stages": K, "micro_batch": 1})
         stage_costs, cost, stage_err, err = fit_stages(per_rank)
         dp = plan_for(cost, 1, L, K, 1, GRANULARITY)[0][1]
@@ -209,8 +206,8 @@ def run(quick: bool, out_dir: str) -> dict:
     write_chrome_trace(traces, os.path.join(out_dir, "timeline_terapipe.json"))
     tl = timeline_png(traces, os.path.join(out_dir, "timeline_terapipe.png"),
                       f"ds_mp TeraPipe, PP={K}, 1 × {L} tokens, DP slices {dp}")
-    fwd = forward_fraction(traces)
-    inflation = [traced_compute(traces[r]) / sum(slice_costs(dp, c)) for r, c in enumerate(stage_costs)]
+    fwd = [compute_s(traces[r], ("forward",)) / compute_s(traces[r]) for r in sorted(traces)]
+    inflation = [compute_s(traces[r]) / sum(slice_costs(dp, c)) for r, c in enumerate(stage_costs)]
     regime = planner_regime(cost, L)
 
     res = summarize(times, {r.cfg.name: L for r in runs})
@@ -242,6 +239,9 @@ def run(quick: bool, out_dir: str) -> dict:
                f"{', '.join(f'{x:.2f}×' for x in inflation)} the profile's per stage (the simulator's gap)",
                "planner's predicted DP gain over the best uniform slicing, same stage cost model (not measured): "
                + ", ".join(f"K={k} L={n}: {g:.3f}×" for (k, n), g in regime.items())]
+    if err > FIT_WARNING:
+        summary.append(f"WARNING: cost-model fit error {err:.0%} (profile taken at 1-min load {profile_load}): "
+                       "the plan is unreliable; delete results/terapipe_profile_* and rerun on a quiet machine")
     for line in summary:
         print("  " + line)
     rows = [[n, f"{len(slicings[n])}" if n in slicings else "1", f"{med[n]:.3f}", f"{pred[n]:.3f}",
@@ -261,12 +261,6 @@ def run(quick: bool, out_dir: str) -> dict:
             "tables": [table("iteration time: measured (median) vs simulated", [
                 "config", "slices", "measured s", "simulated s", "sim error", "speed-up vs DeepSpeed 1F1B",
                 "tokens/s vs 1×1", "step-time IQR"], rows)]}
-
-
-def traced_compute(events: list) -> float:
-    from ds_mp.viz import COMPUTE_KINDS, instruction_kind
-
-    return sum(e - s for n, _, s, e in events if instruction_kind(n) in COMPUTE_KINDS)
 
 
 def planner_regime(cost: Any, L: int) -> dict[tuple[int, int], float]:

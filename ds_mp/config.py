@@ -336,4 +336,9 @@ def load_config(config: str | dict, world_size: int) -> tuple[DsMpConfig, dict]:
                 raise ConfigError(f"{key}.enabled: the ouroboros schedule trains in fp32; remove the {key} block")
         if (raw.get("zero_optimization") or {}).get("stage", 0):
             raise ConfigError("zero_optimization.stage: the ouroboros schedule supports ZeRO stage 0; set it to 0")
+    if cfg.training.noise_scale_interval:  # measured on p.grad: fp32, ZeRO 0, DeepSpeed's pipeline engine only
+        mixed = any((raw.get(k) or {}).get("enabled") for k in ("fp16", "bf16"))
+        if mixed or (raw.get("zero_optimization") or {}).get("stage", 0) or cfg.pipeline.schedule == "ouroboros":
+            raise ConfigError("ds_mp.training.noise_scale_interval: the noise scale is measured on fp32 ZeRO-0 "
+                              "gradients of the pipeline engine (not ouroboros); set it to 0 or train in fp32")
     return cfg, raw

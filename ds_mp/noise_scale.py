@@ -17,7 +17,9 @@ Under data parallelism both sizes come for free: B_small = micro × accumulation
 replica's samples per step, |G_small|² = its local gradient's norm² before the DP
 all-reduce, averaged over replicas) and B_big = B_small × DP (the all-reduced gradient).
 Batch sizes are in samples (sequences of ``data.seq_len`` tokens); multiply by seq_len for
-tokens.  A loss scale s multiplies both estimates by s², so fp16 leaves the ratio intact.
+tokens.  The norms are read from ``p.grad``, which holds the whole local / reduced gradient
+only in fp32 without ZeRO (DeepSpeed's bf16 and ZeRO optimizers move or partition it), so
+``load_config`` refuses the measurement in the other modes.
 """
 from __future__ import annotations
 

@@ -97,15 +97,20 @@ class CsvLog:
               "noise_scale", "peak_mem_mib", "skipped", "elapsed_s"]
 
     def __init__(self, path: str, resume: bool) -> None:
+        """A new log, or (``resume``) rows appended under the existing file's own header."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        new = not (resume and os.path.exists(path))
+        new = not (resume and os.path.exists(path) and os.path.getsize(path) > 0)
+        self.fields = self.FIELDS
+        if not new:
+            with open(path, newline="") as f:
+                self.fields = next(csv.reader(f))
         self.f = open(path, "w" if new else "a", newline="")
-        self.w = csv.DictWriter(self.f, fieldnames=self.FIELDS)
+        self.w = csv.DictWriter(self.f, fieldnames=self.fields)
         if new:
             self.w.writeheader()
 
     def row(self, **kw: Any) -> None:
-        self.w.writerow({k: kw.get(k, "") for k in self.FIELDS})
+        self.w.writerow({k: kw.get(k, "") for k in self.fields})
         self.f.flush()
 
 
@@ -207,7 +212,9 @@ def _run(args: argparse.Namespace) -> int:
                         noise_scale="" if noise is None else f"{noise:.2f}",
                         peak_mem_mib=f"{peak_memory_mib():.0f}", skipped=engine.nonfinite_steps + engine.skipped_steps,
                         elapsed_s=f"{time.time() - t_start:.1f}")
-                msg = f"step {step} loss {loss:.4f}" + (f" val {val_loss:.4f} (ppl {_ppl(val_loss):.2f})" if val_loss is not None else "")
+                msg = f"step {step} loss {loss:.4f}"
+                if val_loss is not None:
+                    msg += f" val {val_loss:.4f} (ppl {_ppl(val_loss):.2f})"
                 bar.write(msg + f" | {tokens_per_step / mean_dt:,.0f} tok/s")
             window.clear()
         if tcfg.checkpoint_interval and step % tcfg.checkpoint_interval == 0 and step != tcfg.steps:

@@ -1,0 +1,235 @@
+"""Ouroboros (K=3 modules on 2 ranks) vs synchronous model parallelism on the same 2 ranks.
+
+Configurations (same GPT-2 init, same batches in the same order, same AdamW + warm-up LR
+and gradient clipping, so the same token budget; 2 ranks × 1 thread each):
+
+    sync_m1      ds_mp 1F1B, PP=2, one micro-batch of R rows per step: plain synchronous model
+                 parallelism, the ranks take turns                          (the baseline)
+    sync_m4      ds_mp 1F1B, PP=2, 4 micro-batches of R/4 rows per step (same R rows, pipelined;
+                 the same update as sync_m1 up to fp32 rounding)
+    ouroboros    ds_mp Ouroboros, K=3 (rank 0: G_0 + G_2 with the tied embedding, rank 1: G_1),
+                 R rows per step: delayed gradients, the ranks backprop in parallel
+
+Every step is a real training step on the embedded stdlib corpus
+(``ds_mp.data.ensure_default_dataset``); the groups take turns round-robin, so a step's
+time and the loss curve come from the same run.  After every round each group computes
+the validation loss on the same held-out sequences (not timed).  Reported: tokens/s ratios
+(median step time), training loss vs tokens for all three in one plot, the final validation
+loss ratio, and where the time goes per rank (the engines' instruction traces).
+Issue targets: Ouroboros ≥ 1.6× the tokens/s of ``sync_m1``; final validation loss within
+3% of synchronous backprop.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from benchmarks.common import Config, Group, fmt_ratio, summarize, table
+from benchmarks.workloads import Bench, Shape, hf_model
+
+DESCRIPTION = "Ouroboros K=3 on 2 ranks vs synchronous PP=2 (1 and 4 micro-batches): tokens/s, loss vs tokens"
+SPEEDUP_TARGET, LOSS_TARGET = 1.6, 1.03  # tokens/s vs sync_m1; final val loss vs sync_m1
+LR, WARMUP, CLIP, MICRO_BATCHES = 1e-3, 10, 1.0, 4
+FULL = {"shape": Shape(n_layer=6, n_embd=256, n_head=8, vocab=8192, seq=128, n_positions=128),
+        "rows": 8, "rounds": 6, "steps": 12, "val_batches": 4}
+QUICK = {"shape": Shape(n_layer=4, n_embd=128, n_head=4, vocab=8192, seq=64, n_positions=64),
+         "rows": 8, "rounds": 2, "steps": 6, "val_batches": 2}
+
+
+def dataset_path() -> str:
+    from ds_mp.data import ensure_default_dataset
+
+    return ensure_default_dataset()  # built once under ~/.cache/ds_mp, vocab 8192
+
+
+def engine_config(shape: Shape, rows: int, schedule: str, micro_batches: int) -> dict:
+    """DeepSpeed JSON for one configuration: AdamW (torch), linear warm-up, clipping 1.0, fp32."""
+    block: dict[str, Any] = {"pipeline": {"stages": 2, "schedule": schedule}, "data": {"seq_len": shape.seq}}
+    if schedule == "ouroboros":
+        block["ouroboros"] = {"modules": 3}
+    return {"train_micro_batch_size_per_gpu": rows // micro_batches, "gradient_accumulation_steps": micro_batches,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
+                                                         "warmup_num_steps": WARMUP, "warmup_type": "linear"}},
+            "gradient_clipping": CLIP, "steps_per_print": 10**9, "wall_clock_breakdown": False, "ds_mp": block}
+
+
+class TrainBench(Bench):
+    """One rank of a configuration; ``step()`` trains on the next R rows of the corpus (the same
+    rows for every configuration: one sampler stream of R-row steps, cut into micro-batches)."""
+
+    def __init__(self, rank: int, world: int, shape: dict, rows: int, schedule: str, micro_batches: int,
+                 data: str, val_batches: int) -> None:
+        import ds_mp
+        from ds_mp.data import ChunkSampler, TokenDataset, ValidationBatches
+
+        s = Shape(**shape)
+        self.engine, _, _, _ = ds_mp.initialize(model=hf_model(shape),
+                                                config=engine_config(s, rows, schedule, micro_batches))
+        self.engine.trace_enabled = True  # a few perf_counter calls per instruction
+        self.ouroboros = schedule == "ouroboros"
+        self.micro_batches = micro_batches
+        self.sampler = ChunkSampler(TokenDataset(data, "train"), s.seq, rows, seed=0)
+        self.val = ValidationBatches(TokenDataset(data, "val"), s.seq, rows, val_batches)
+        self.losses: list[float] = []
+
+    def _split(self, batch: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.ouroboros:  # ring rank 0 concatenates gradient_accumulation_steps (= 1) micro-batches
+            return [batch]
+        return list(zip(*(t.chunk(self.micro_batches) for t in batch)))
+
+    def step(self) -> float:
+        (batch,) = self.sampler.next_step()
+        loss = float(self.engine.train_batch(iter(self._split(batch))))
+        self.losses.append(loss)
+        return loss
+
+    def validate(self) -> float:
+        """Mean loss over the validation batches with the current weights (every rank)."""
+        losses, n = [], {"num_micro_batches": 1} if self.ouroboros else {}
+        self.engine.trace_enabled = False  # the breakdown is of training steps only
+        for batch in self.val:
+            losses.append(float(self.engine.eval_batch(iter(self._split(batch)), **n)))
+        self.engine.trace_enabled = True
+        return sum(losses) / len(losses)
+
+    def history(self) -> dict:
+        """Training losses so far and this rank's seconds per instruction (whole run)."""
+        return {"losses": self.losses, "instruction_s": self.engine.instruction_times()}
+
+
+def setup_train(rank: int, world: int, **kwargs: Any) -> TrainBench:
+    return TrainBench(rank, world, **kwargs)
+
+
+def configs(quick: bool, data: str) -> list[Config]:
+    p = QUICK if quick else FULL
+    common = {"shape": asdict(p["shape"]), "rows": p["rows"], "data": data, "val_batches": p["val_batches"]}
+    setup = "benchmarks.ouroboros:setup_train"
+    return [Config("sync_m1", setup, 2, 1, {**common, "schedule": "1f1b", "micro_batches": 1}),
+            Config(f"sync_m{MICRO_BATCHES}", setup, 2, 1, {**common, "schedule": "1f1b",
+                                                           "micro_batches": MICRO_BATCHES}),
+            Config("ouroboros", setup, 2, 1, {**common, "schedule": "ouroboros", "micro_batches": 1})]
+
+
+def train_side_by_side(cfgs: list[Config], rounds: int, steps: int) -> tuple[dict, dict, dict]:
+    """Round-robin training (order rotates per round); validation after every round.
+    Returns (step times per config, validation losses per config, histories per config)."""
+    groups: list[Group] = []
+    try:
+        groups = [Group(c) for c in cfgs]
+        for g in groups:
+            g.wait_ready()
+        times: dict[str, list] = {g.cfg.name: [] for g in groups}
+        val: dict[str, list] = {g.cfg.name: [] for g in groups}
+        for r in range(rounds):
+            for g in groups[r % len(groups):] + groups[:r % len(groups)]:
+                times[g.cfg.name] += g.steps(steps)
+                val[g.cfg.name].append(g.call("validate")[0])
+            print(f"  round {r + 1}/{rounds}: " + "  ".join(
+                f"{n} {statistics.median(w for w, _ in t):.2f}s/step val {val[n][-1]:.3f}"
+                for n, t in times.items()), flush=True)
+        hist = {g.cfg.name: g.call("history") for g in groups}
+    finally:
+        for g in groups:
+            g.close()
+    return times, val, hist
+
+
+def loss_plot(path: str, tokens_per_step: int, steps_per_round: int, hist: dict, val: dict,
+              speed: dict[str, float]) -> str:
+    """Left: training loss (and validation points) vs tokens; right: tokens/s vs sync_m1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    colors = {"sync_m1": "#4C72B0", f"sync_m{MICRO_BATCHES}": "#55A868", "ouroboros": "#C44E52"}
+    for name, h in hist.items():
+        losses = h[0]["losses"]
+        x = [(i + 1) * tokens_per_step for i in range(len(losses))]
+        ax.plot(x, losses, color=colors[name], alpha=0.35, linewidth=0.8,
+                linestyle="--" if name.startswith("sync_m") and name != "sync_m1" else "-")
+        ax.plot([(r + 1) * steps_per_round * tokens_per_step for r in range(len(val[name]))], val[name], "o-",
+                color=colors[name], label=f"{name} (validation)", markersize=4)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("loss (faint: training, dots: validation)")
+    ax.set_title("loss vs tokens (same batches, same budget)")
+    ax.legend()
+    names = list(speed)
+    bars = bx.bar(range(len(names)), [speed[n] for n in names], color=[colors[n] for n in names])
+    bx.bar_label(bars, labels=[f"{speed[n]:.2f}" for n in names], padding=2)
+    bx.axhline(SPEEDUP_TARGET, color="#C44E52", linestyle=":", label=f"target {SPEEDUP_TARGET:g}")
+    bx.set_xticks(range(len(names)))
+    bx.set_xticklabels(names, fontsize=8)
+    bx.set_ylim(0, max([*speed.values(), SPEEDUP_TARGET]) * 1.2)
+    bx.set_title("tokens/s vs sync_m1")
+    bx.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def breakdown_rows(hist: dict, total_steps: int) -> list[list[str]]:
+    """Per config and rank: milliseconds per step in forward, backward, p2p and optimizer."""
+    kinds = {"forward": ("ForwardPass",), "backward": ("BackwardPass",),
+             "p2p (incl. waiting)": ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad"),
+             "optimizer": ("OptimizerStep",)}
+    rows = []
+    for name, per_rank in hist.items():
+        for rank, h in enumerate(per_rank):
+            t = h["instruction_s"]
+            rows.append([name, str(rank)] + [f"{1e3 * sum(t.get(k, 0.0) for k in ks) / total_steps:.0f}"
+                                            for ks in kinds.values()])
+    return rows
+
+
+def run(quick: bool, out_dir: str) -> dict:
+    p = QUICK if quick else FULL
+    shape, rows, rounds, steps = p["shape"], p["rows"], p["rounds"], p["steps"]
+    cfgs = configs(quick, dataset_path())
+    tokens = rows * shape.seq
+    times, val, hist = train_side_by_side(cfgs, rounds, steps)
+    res = summarize(times, {c.name: tokens for c in cfgs})
+    m4 = f"sync_m{MICRO_BATCHES}"
+    speed = {n: res["sync_m1"]["median_s"] / r["median_s"] for n, r in res.items()}
+    final = {n: v[-1] for n, v in val.items()}
+    ratios = {"ouroboros_tokens_per_s_vs_sync_m1": speed["ouroboros"],
+              f"ouroboros_tokens_per_s_vs_{m4}": res[m4]["median_s"] / res["ouroboros"]["median_s"],
+              f"{m4}_tokens_per_s_vs_sync_m1": speed[m4],
+              "ouroboros_final_val_loss_vs_sync_m1": final["ouroboros"] / final["sync_m1"],
+              f"{m4}_final_val_loss_vs_sync_m1": final[m4] / final["sync_m1"]}
+    sp, lr_ = ratios["ouroboros_tokens_per_s_vs_sync_m1"], ratios["ouroboros_final_val_loss_vs_sync_m1"]
+    summary = [f"Ouroboros tokens/s vs synchronous PP=2, 1 micro-batch: {sp:.2f}× (target ≥ {SPEEDUP_TARGET}×: "
+               f"{'met' if sp >= SPEEDUP_TARGET else 'NOT met'})",
+               f"Ouroboros tokens/s vs synchronous PP=2, {MICRO_BATCHES} micro-batches (1F1B): "
+               f"{ratios[f'ouroboros_tokens_per_s_vs_{m4}']:.2f}×",
+               f"final validation loss, Ouroboros / synchronous: {lr_:.3f} ({final['ouroboros']:.3f} vs "
+               f"{final['sync_m1']:.3f}; target ≤ {LOSS_TARGET}: {'met' if lr_ <= LOSS_TARGET else 'NOT met'}); "
+               f"{m4} / sync_m1: {ratios[f'{m4}_final_val_loss_vs_sync_m1']:.4f} (same maths, fp32 rounding)"]
+    for line in summary:
+        print("  " + line)
+    plot = loss_plot(os.path.join(out_dir, "ouroboros.png"), tokens, steps, hist, val, speed)
+    total_steps = rounds * steps
+    throughput = [[c.name, fmt_ratio(speed[c.name]), f"±{res[c.name]['iqr_rel']:.0%}",
+                   fmt_ratio(res[c.name]["cpu_s"] / res["sync_m1"]["cpu_s"]), f"{final[c.name]:.4f}",
+                   fmt_ratio(final[c.name] / final["sync_m1"])] for c in cfgs]
+    for c in cfgs:
+        res[c.name].update(val_losses=val[c.name], train_losses=hist[c.name][0]["losses"],
+                           instruction_s=[h["instruction_s"] for h in hist[c.name]])
+    return {"workload": shape.describe().replace("SGD", "AdamW") + f", {rows} rows × {shape.seq} tokens per step, "
+            f"{total_steps} steps ({total_steps * tokens:,} tokens) per configuration, embedded stdlib corpus",
+            "configs": res, "ratios": ratios, "summary": summary, "repeats": rounds, "steps_per_repeat": steps,
+            "plots": [os.path.basename(plot)],
+            "tables": [table("throughput and final validation loss (same tokens)",
+                             ["config", "tokens/s vs sync_m1", "step-time IQR", "CPU s/step vs sync_m1",
+                              "final val loss", "val loss vs sync_m1"], throughput),
+                       table("where the time goes (ms per step, per rank; p2p includes waiting for the peer)",
+                             ["config", "rank", "forward", "backward", "p2p (incl. waiting)", "optimizer"],
+                             breakdown_rows(hist, total_steps))]}

@@ -289,7 +289,7 @@ def run(quick: bool, out_dir: str) -> dict:
             "ratios": {f"{n}_predicted_vs_measured": 1 + e for n, e in errors.items()}, "plots": [],
             "tables": [table("simulated vs measured iteration time (seconds)", [
                 "config", "measured (median)", "IQR", "sim: trace costs, async p2p", "error",
-                "sim: trace costs, blocking p2p", "error", "per-step |error| (median)", "epilogue (traced)", "sim: profile, blocking, a priori",
-                "error"], rows),
+                "sim: trace costs, blocking p2p", "error", "per-step |error| (median)", "epilogue (traced)",
+                "sim: profile, blocking, a priori", "error"], rows),
                 table("PROJECTION (not measured): TeraPipe on GPT-3 shapes, one layer per stage, 1 × 2048 tokens",
                       ["model", "stages", "DP slices", "projected s/iteration", "no slicing", "speed-up"], prow)]}

@@ -3,7 +3,9 @@ fix, before any collective (so no rank can hang), and leaves no half-written out
 
 Every case runs ``ds_mp.train.main`` (or a ``ds-mp`` subcommand) in-process with the
 environment of rank 0 of a 2-rank launch; a handful also run through the real launcher
-on 2 ranks, where the whole job must be gone within 30 s.
+on 2 ranks, where the whole job must be gone quickly: about 15-25 s here, almost all of
+it process start-up and imports; the test allows 45 s so a loaded CI machine does not
+flake, which still separates a fast failure from a hang (collective timeout 60 s).
 """
 from __future__ import annotations
 
@@ -208,7 +210,7 @@ def test_bad_input_on_two_ranks_exits_fast(case, tmp_path, data, hf_dir):
     t0 = time.time()
     proc = launch(str(tmp_path), cfg, timeout=60)
     assert proc.returncode != 0
-    assert time.time() - t0 < 30
+    assert time.time() - t0 < 45
     lines = [line for line in proc.stderr.splitlines() if line.startswith("ds_mp: error:")]
     assert lines and all(w in lines[0] for w in words), proc.stderr[-2000:]
     assert not os.path.exists(os.path.join(str(tmp_path), "run"))

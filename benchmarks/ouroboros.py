@@ -149,14 +149,14 @@ def loss_plot(path: str, tokens_per_step: int, steps_per_round: int, hist: dict,
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
-    colors = {"sync_m1": "#4C72B0", f"sync_m{MICRO_BATCHES}": "#55A868", "ouroboros": "#C44E52"}
-    for name, h in hist.items():
-        losses = h[0]["losses"]
+    m4 = f"sync_m{MICRO_BATCHES}"
+    colors = {"sync_m1": "#4C72B0", m4: "#55A868", "ouroboros": "#C44E52"}
+    for name, h in hist.items():  # sync_m1 wide and sync_m4 dashed on top: the two coincide
+        losses, wide, style = h[0]["losses"], 3.0 if name == "sync_m1" else 1.2, "-" if name != m4 else "--"
         x = [(i + 1) * tokens_per_step for i in range(len(losses))]
-        ax.plot(x, losses, color=colors[name], alpha=0.35, linewidth=0.8,
-                linestyle="--" if name.startswith("sync_m") and name != "sync_m1" else "-")
-        ax.plot([(r + 1) * steps_per_round * tokens_per_step for r in range(len(val[name]))], val[name], "o-",
-                color=colors[name], label=f"{name} (validation)", markersize=4)
+        ax.plot(x, losses, color=colors[name], alpha=0.3, linewidth=wide / 2, linestyle=style)
+        ax.plot([(r + 1) * steps_per_round * tokens_per_step for r in range(len(val[name]))], val[name], "o",
+                color=colors[name], label=f"{name} (validation)", markersize=5, linewidth=wide, linestyle=style)
     ax.set_xlabel("training tokens")
     ax.set_ylabel("loss (faint: training, dots: validation)")
     ax.set_title("loss vs tokens (same batches, same budget)")
@@ -176,18 +176,15 @@ def loss_plot(path: str, tokens_per_step: int, steps_per_round: int, hist: dict,
     return path
 
 
-def breakdown_rows(hist: dict, total_steps: int) -> list[list[str]]:
-    """Per config and rank: milliseconds per step in forward, backward, p2p and optimizer."""
-    kinds = {"forward": ("ForwardPass",), "backward": ("BackwardPass",),
-             "p2p (incl. waiting)": ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad"),
-             "optimizer": ("OptimizerStep",)}
-    rows = []
-    for name, per_rank in hist.items():
-        for rank, h in enumerate(per_rank):
-            t = h["instruction_s"]
-            rows.append([name, str(rank)] + [f"{1e3 * sum(t.get(k, 0.0) for k in ks) / total_steps:.0f}"
-                                            for ks in kinds.values()])
-    return rows
+KINDS = {"forward": ("ForwardPass",), "backward": ("BackwardPass",),
+         "p2p (incl. waiting)": ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad"),
+         "optimizer": ("OptimizerStep",)}
+
+
+def breakdown(hist: dict, total_steps: int) -> dict[str, list[dict[str, float]]]:
+    """Per config, per rank: milliseconds per training step spent in each of KINDS."""
+    return {name: [{kind: 1e3 * sum(h["instruction_s"].get(k, 0.0) for k in ks) / total_steps
+                    for kind, ks in KINDS.items()} for h in per_rank] for name, per_rank in hist.items()}
 
 
 def run(quick: bool, out_dir: str) -> dict:
@@ -213,6 +210,11 @@ def run(quick: bool, out_dir: str) -> dict:
                f"final validation loss, Ouroboros / synchronous: {lr_:.3f} ({final['ouroboros']:.3f} vs "
                f"{final['sync_m1']:.3f}; target ≤ {LOSS_TARGET}: {'met' if lr_ <= LOSS_TARGET else 'NOT met'}); "
                f"{m4} / sync_m1: {ratios[f'{m4}_final_val_loss_vs_sync_m1']:.4f} (same maths, fp32 rounding)"]
+    busy = breakdown(hist, rounds * steps)
+    compute = [ms["forward"] + ms["backward"] + ms["optimizer"] for ms in busy["ouroboros"]]
+    summary.append(f"Ouroboros compute per step: rank 0 (embedding, G_0, G_2, LM head) {compute[0]:.0f} ms, rank 1 "
+                   f"(G_1) {compute[1]:.0f} ms, step {1e3 * res['ouroboros']['median_s']:.0f} ms; delayed modules "
+                   "replay their forward (features replay), synchronous backprop does not")
     for line in summary:
         print("  " + line)
     plot = loss_plot(os.path.join(out_dir, "ouroboros.png"), tokens, steps, hist, val, speed)
@@ -231,5 +233,5 @@ def run(quick: bool, out_dir: str) -> dict:
                              ["config", "tokens/s vs sync_m1", "step-time IQR", "CPU s/step vs sync_m1",
                               "final val loss", "val loss vs sync_m1"], throughput),
                        table("where the time goes (ms per step, per rank; p2p includes waiting for the peer)",
-                             ["config", "rank", "forward", "backward", "p2p (incl. waiting)", "optimizer"],
-                             breakdown_rows(hist, total_steps))]}
+                             ["config", "rank", *KINDS], [[n, str(r), *(f"{v:.0f}" for v in ms.values())]
+                                                          for n, ranks in busy.items() for r, ms in enumerate(ranks)])]}

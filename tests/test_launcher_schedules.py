@@ -1,7 +1,8 @@
 """Ouroboros and TeraPipe end to end through the real ``deepspeed`` launcher (CPU, gloo).
 
 Ouroboros, K modules on K-1 ranks: train, checkpoint (weights + in-flight state), ``--resume``
-to more steps, export an HF directory that ``GPT2LMHeadModel.from_pretrained`` loads.
+to more steps, export an HF directory that ``GPT2LMHeadModel.from_pretrained`` loads and whose
+loss on the validation batch is the one the run logged (the trained weights, all ranks' parts).
 TeraPipe ``"slices": "auto"``: the engine profiles its stages, plans, trains and rank 0 writes
 the fitted cost model to ``<output_dir>/terapipe_profile.json``.
 """

@@ -9,5 +9,9 @@ HOSTFILE=${HOSTFILE:-launch/hostfile.localhost}
 NUM_NODES=${NUM_NODES:-1}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
-exec deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --master_addr "$MASTER_ADDR" \
+SSH_CHECK=()
+if [ "$NUM_NODES" = 1 ]; then
+    SSH_CHECK=(--no_ssh_check)  # one node: no passwordless ssh needed
+fi
+exec deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" "${SSH_CHECK[@]}" --master_addr "$MASTER_ADDR" \
     --master_port "$MASTER_PORT" launch/train.py --deepspeed_config "$CONFIG" "$@"

@@ -147,6 +147,8 @@ def test_cli_errors_and_atomic_writes(hf_dir, tmp_path, capsys):
 
 
 def test_training_checkpoint_refusals(tmp_path):
+    """bf16/ZeRO checkpoints are DeepSpeed-format and resume only at their own layout."""
+    import json
     from types import SimpleNamespace
 
     from ds_mp.checkpoint import load_checkpoint, save_checkpoint
@@ -154,10 +156,19 @@ def test_training_checkpoint_refusals(tmp_path):
     class BF16_Optimizer:  # stands in for DeepSpeed's wrapper (not a torch optimizer)
         pass
 
-    with pytest.raises(CheckpointError, match="fp32 training without ZeRO.*BF16_Optimizer"):
-        save_checkpoint(SimpleNamespace(optimizer=BF16_Optimizer(), topology=None), str(tmp_path), "t")
+    bf16_engine = SimpleNamespace(optimizer=BF16_Optimizer(), topology=SimpleNamespace(tp=1, pp=1, dp=1, rank=0))
+    with pytest.raises(CheckpointError, match="plain name"):
+        save_checkpoint(bf16_engine, str(tmp_path), "a/b")
     with pytest.raises(CheckpointError, match="no 'latest' file"):
         load_checkpoint(SimpleNamespace(optimizer=None, topology=None), str(tmp_path))
+    native = tmp_path / "native"
+    native.mkdir()
+    (native / "ds_mp_native.json").write_text(json.dumps({"tp": 2, "pp": 2, "dp": 1}))
+    with pytest.raises(CheckpointError, match="resumes only at that layout"):
+        load_checkpoint(bf16_engine, str(tmp_path), "native")
+    (tmp_path / "fp32").mkdir()
+    with pytest.raises(CheckpointError, match="cannot be resumed by a bf16/ZeRO engine"):
+        load_checkpoint(bf16_engine, str(tmp_path), "fp32")
 
 
 # ----------------------------------------------------------------------------- engines

@@ -76,7 +76,7 @@ def test_hostfile_localhost(tmp_path, data):
     with open(hostfile, "w") as f:
         f.write("localhost slots=2\n")
     cfg = train_config(str(tmp_path), data, steps=1, training={"export_hf": False})
-    proc = launch(str(tmp_path), cfg, launcher_args=("--hostfile", hostfile, "--num_nodes", "1",
+    proc = launch(str(tmp_path), cfg, launcher_args=("--hostfile", hostfile, "--num_nodes", "1", "--no_ssh_check",
                                                      "--master_addr", "127.0.0.1"))
     assert proc.returncode == 0, explain(proc)
 

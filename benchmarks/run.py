@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "terapipe": "benchmarks.terapipe",
     "simulator": "benchmarks.simulator",
     "ouroboros": "benchmarks.ouroboros",
+    "timelines": "benchmarks.timelines",
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -10,7 +10,6 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-pip install -q --upgrade pip >/dev/null 2>&1 || true
 if [ "${CI:-}" = "true" ] || ! command -v nvidia-smi >/dev/null 2>&1; then
     pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
 fi

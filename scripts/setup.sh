@@ -14,4 +14,4 @@ if [ "${CI:-}" = "true" ] || ! command -v nvidia-smi >/dev/null 2>&1; then
     pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
 fi
 pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
-python -c "import ds_mp, torch, deepspeed; print(f'ds_mp {ds_mp.__version__}, torch {torch.__version__}, deepspeed {deepspeed.__version__}')" 2>/dev/null | tail -1
+python -c "import ds_mp, torch, deepspeed; print(f'ds_mp {ds_mp.__version__}, torch {torch.__version__}, deepspeed {deepspeed.__version__}')" 2>&1 | grep -v "real_accelerator" | tail -3

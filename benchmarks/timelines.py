@@ -77,4 +77,5 @@ def run(quick: bool, out_dir: str) -> dict:
             "summary": [f"workload: {Shape(**shape).describe()}, {ROWS * MICRO_BATCHES} rows per iteration",
                         f"overall bubble {stats['bubble'] * 100:.1f}% over a {stats['makespan_s'] * 1000:.0f} ms "
                         "iteration (forward is sequential across the ring, backward runs on both ranks)"],
+            "workload": Shape(**shape).describe(), "repeats": 1, "steps_per_repeat": 1,
             "ratios": {}, "plots": ["timeline_ouroboros.png"]}

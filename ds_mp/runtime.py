@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 from typing import Any
 
@@ -141,9 +140,3 @@ def optimizer_setup(net: torch.nn.Module, ds_dict: dict, optimizer: Any) -> tupl
 def _inline_from_hf(hf: Any) -> dict:
     return {"n_layer": hf.n_layer, "n_embd": hf.n_embd, "n_head": hf.n_head, "vocab_size": hf.vocab_size,
             "n_positions": hf.n_positions, "dropout": float(hf.resid_pdrop)}
-
-
-def dump_config(cfg: DsMpConfig) -> str:
-    import dataclasses
-
-    return json.dumps(dataclasses.asdict(cfg), indent=2, default=str)

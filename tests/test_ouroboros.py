@@ -16,7 +16,7 @@ from helpers import batches, hf_reference, tiny_gpt2
 from ds_mp import SCHEDULES
 from ds_mp.config import ConfigError, load_config
 from ds_mp.pipeline.ouroboros_schedule import (Backward, Forward, OptimizerStep, RecvAct, RecvGrad, SendAct,
-                                               SendGrad, module_owner, ouroboros_timetable)
+                                               module_owner, ouroboros_timetable)
 
 SEQ, VOCAB, STEPS, SEED = 16, 203, 5, 7
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.002, "warmup_max_lr": 0.01, "warmup_num_steps": 3,

@@ -42,6 +42,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_once(target: Callable, world: int, *args: Any, what: str = "ranks", timeout: float = 600) -> None:
+    """Run ``target(rank, world, port, *args)`` once on ``world`` spawned ranks; raise if any fails.
+
+    For one-shot measurements (memory, a recorded timeline) that do not need the
+    persistent, interleaved worker groups of :class:`Group`.
+    """
+    import torch.multiprocessing as mp
+
+    ctx, port = mp.get_context("spawn"), _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"{what} failed: exit codes {[p.exitcode for p in procs]}")
+
+
 def _resolve(path: str) -> Callable:
     module, fn = path.split(":")
     return getattr(importlib.import_module(module), fn)

@@ -37,19 +37,10 @@ def _rank(rank: int, world: int, port: int, tp: int, pp: int, model_dir: str, ou
 
 
 def _spawn(world: int, tp: int, pp: int, model_dir: str) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    from benchmarks.common import _free_port
+    from benchmarks.common import spawn_once
 
     with tempfile.TemporaryDirectory() as out:
-        ctx, port = mp.get_context("spawn"), _free_port()
-        procs = [ctx.Process(target=_rank, args=(r, world, port, tp, pp, model_dir, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(600)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"memory ranks failed: {[p.exitcode for p in procs]}")
+        spawn_once(_rank, world, tp, pp, model_dir, out, what="memory ranks")
         return [json.load(open(os.path.join(out, f"r{r}.json"))) for r in range(world)]
 
 

@@ -51,23 +51,13 @@ def _rank(rank: int, world: int, port: int, shape: dict, rows: int, micro: int, 
 def run(quick: bool, out_dir: str) -> dict:
     import json
 
-    import torch.multiprocessing as mp
-
-    from benchmarks.common import _free_port
+    from benchmarks.common import spawn_once
     from benchmarks.pipeline import MICRO_BATCHES, ROWS
     from benchmarks.workloads import Shape, shape_dict
 
     shape = shape_dict(quick)
     with tempfile.TemporaryDirectory() as tmp:
-        ctx, port = mp.get_context("spawn"), _free_port()
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, shape, ROWS, MICRO_BATCHES, out_dir, tmp))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(600)
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"timeline ranks failed: exit codes {[p.exitcode for p in procs]}")
+        spawn_once(_rank, 2, shape, ROWS, MICRO_BATCHES, out_dir, tmp, what="timeline ranks")
         with open(os.path.join(tmp, "stats.json")) as f:
             stats: dict[str, Any] = json.load(f)
     rows = [[rank, f"{r['compute_s'] * 1000:.0f}", f"{r['bubble'] * 100:.1f}%"]

@@ -13,7 +13,7 @@ Both pipelines split the same way: stage 0 = embedding + positions + 4 blocks, s
 4 blocks + ln_f + tied head + loss.  Also measured: peak saved-activation bytes per rank
 (autograd saved tensors, parameters excluded; tracemalloc cannot see torch's allocator)
 for GPipe vs 1F1B, and one traced step of each ds_mp schedule, drawn as
-``timeline_<schedule>.png`` with the measured bubble next to ``ds_mp.pipeline.simulate``'s
+``timeline_<schedule>.png`` with the measured bubble next to ``ds_mp.schedules.simulate``'s
 prediction from the same trace's mean forward/backward durations per stage.
 """
 from __future__ import annotations
@@ -166,7 +166,7 @@ class DsMpPipeBench(DsMpBench):
 
     def trace(self, out_dir: str, schedule: str) -> dict | None:
         """Collective: record one step, gather it; rank 0 writes JSON + PNG, returns stats."""
-        from ds_mp.viz import gather_trace, timeline_png, write_chrome_trace
+        from ds_mp.tools.viz import gather_trace, timeline_png, write_chrome_trace
 
         self.engine.trace.clear()
         self.engine.trace_enabled = True
@@ -188,8 +188,8 @@ def setup_ds_mp_pipe(rank: int, world: int, **kwargs: Any) -> DsMpPipeBench:
 def simulated(traces: dict[int, list], schedule: str) -> dict:
     """Simulator prediction from the trace's mean F/B seconds per stage, and the measured
     bubble over the forward/backward window (first forward start to last backward end)."""
-    from ds_mp.pipeline.simulate import gpipe_timetable, one_f_one_b_timetable, simulate
-    from ds_mp.viz import bubble_stats, instruction_kind
+    from ds_mp.schedules.simulate import gpipe_timetable, one_f_one_b_timetable, simulate
+    from ds_mp.tools.viz import bubble_stats, instruction_kind
 
     cost = {}
     for stage, tr in traces.items():

@@ -1,4 +1,4 @@
-"""Validate ``ds_mp.pipeline.simulate`` against measured runs, and project TeraPipe to GPT-3.
+"""Validate ``ds_mp.schedules.simulate`` against measured runs, and project TeraPipe to GPT-3.
 
 Measured (GPT-2 6 × 256, vocab 4096, seq 256; M = 4 micro-batches × 2 rows; PP = 2 and 3,
 one thread per rank, so PP = 3 oversubscribes the 2 cores): 1F1B, GPipe, and TeraPipe with
@@ -55,7 +55,7 @@ def fixed_slices(L: int) -> list[int]:
 
 def planner_timetable(schedule: str, K: int, slices: list[int]) -> list:
     """The simulator's own timetables (asynchronous p2p, as the planner assumes)."""
-    from ds_mp.pipeline.simulate import Op, one_f_one_b_timetable, terapipe_timetable
+    from ds_mp.schedules.simulate import Op, one_f_one_b_timetable, terapipe_timetable
 
     if schedule == "1f1b":
         return one_f_one_b_timetable(K, MICRO_BATCHES)
@@ -76,16 +76,16 @@ def engine_timetable(schedule: str, K: int, slices: list[int]) -> tuple[list, An
     """
     from deepspeed.runtime.pipe import schedule as ds
 
-    from ds_mp.pipeline.instructions import BackwardSlice, ForwardSlice, LoadSlice
-    from ds_mp.pipeline.schedules import SCHEDULES
-    from ds_mp.pipeline.simulate import Op, pipeline_deps
-    from ds_mp.pipeline.terapipe import TeraPipeSchedule
+    from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, LoadSlice
+    from ds_mp.schedules.registry import resolve
+    from ds_mp.schedules.simulate import Op, pipeline_deps
+    from ds_mp.schedules.terapipe.schedule import TeraPipeSchedule
 
     p2p = (ds.SendActivation, ds.SendGrad, ds.RecvActivation, ds.RecvGrad)
     table, before = [], {}
     for s in range(K):
         sch = (TeraPipeSchedule(MICRO_BATCHES, K, s, [(ROWS, slices)]) if schedule == "terapipe"
-               else SCHEDULES[schedule](micro_batches=MICRO_BATCHES, stages=K, stage_id=s))
+               else resolve(schedule)(micro_batches=MICRO_BATCHES, stages=K, stage_id=s))
         ops, count = [], {"F": 0, "B": 0}
         for t, cmds in enumerate(sch.steps()):
             for c in cmds:
@@ -128,7 +128,7 @@ def trace_costs(traces: list[dict], n_slices: int) -> dict:
     A p2p transfer's cost is min(send, matching receive) duration (the side that came later
     waited only for the transfer); the k-th send of s to n matches the k-th receive of n from s.
     """
-    from ds_mp.viz import instruction_kind
+    from ds_mp.tools.viz import instruction_kind
 
     acc: dict[tuple, list[float]] = {}
     for tr in traces:
@@ -173,8 +173,8 @@ def predictions(schedule: str, K: int, slices: list[int], traces: list[dict], st
     instruction streams with blocking p2p; the planner's F/B timetable with asynchronous p2p +
     the traced epilogue); medians over steps, the median per-step |error| of the blocking
     model, and the a-priori prediction from the profile."""
-    from ds_mp.pipeline.simulate import simulate
-    from ds_mp.pipeline.slicing import slice_costs
+    from ds_mp.schedules.simulate import simulate
+    from ds_mp.schedules.terapipe.planner import slice_costs
 
     sl = slices if schedule == "terapipe" else [sum(slices)]
     table, deps = engine_timetable(schedule, K, slices)
@@ -195,8 +195,8 @@ def predictions(schedule: str, K: int, slices: list[int], traces: list[dict], st
 
 def projection(out_dir: str, own: tuple) -> tuple[dict, str]:
     """``project_gpt3`` from stage 0's cost model (terapipe's 8 × 512 profile if saved here)."""
-    from ds_mp.pipeline.simulate import GPT3_SHAPES, ModelShape, project_gpt3
-    from ds_mp.pipeline.slicing import fit_cost_model
+    from ds_mp.schedules.simulate import GPT3_SHAPES, ModelShape, project_gpt3
+    from ds_mp.schedules.terapipe.planner import fit_cost_model
 
     saved = sorted(glob.glob(os.path.join(out_dir, "terapipe_profile_*_samples.json")))
     if saved:

@@ -15,7 +15,7 @@ engine's schedule and TeraPipe plan before each configuration's steps (the modul
 with ``dynamic_shape=True``, as TeraPipe needs; GPipe then re-announces shapes on every send,
 a few small messages per step).  The cost model is saved to ``<out_dir>/terapipe_profile_<tag>.json``
 (a ``ds_mp.terapipe.profile`` file) with the raw per-rank samples beside it, and reused: delete
-both to profile again.  Predictions: ``ds_mp.pipeline.simulate`` on the timetable of each
+both to profile again.  Predictions: ``ds_mp.schedules.simulate`` on the timetable of each
 configuration with per-stage costs t_s(l, c) fitted on rank s's samples, split into forward /
 backward by the fraction measured in the traced DP step.  Optimizer step, loss and p2p are
 not in the model, so predictions sit a little under the measurements.
@@ -58,7 +58,7 @@ class ScheduleBench(DsMpBench):
 
     def use(self, schedule: str, plan: list | None = None) -> None:
         """Run ``schedule`` from now on; for TeraPipe with ``plan`` = [(rows, token slices)]."""
-        from ds_mp.pipeline.terapipe import TeraPipeState
+        from ds_mp.engine.terapipe import TeraPipeState
 
         self.engine.schedule_name = schedule
         if plan is not None:
@@ -66,13 +66,13 @@ class ScheduleBench(DsMpBench):
 
     def profile(self, granularity: int) -> list[tuple[int, int, float]]:
         """(i, j, seconds) of this rank's stage: forward+backward of i tokens after j."""
-        from ds_mp.pipeline.terapipe_plan import profile_engine_stage
+        from ds_mp.schedules.terapipe.profile import profile_engine_stage
 
         return profile_engine_stage(self.engine, self.seq, granularity)
 
     def trace(self) -> dict | None:
         """Collective: one traced step, every rank's events on rank 0 (None elsewhere)."""
-        from ds_mp.viz import gather_trace
+        from ds_mp.tools.viz import gather_trace
 
         self.engine.trace.clear()
         self.engine.trace_enabled = True
@@ -117,7 +117,7 @@ def started(configs: list[Config]) -> Iterator[dict[str, Group]]:
 def fit_stages(per_rank: list[list]) -> tuple[list, Any, list[float], float]:
     """Per-stage cost models, the bottleneck model (slowest rank per (i, j), what the planner
     uses), and their mean relative fit errors."""
-    from ds_mp.pipeline.slicing import fit_cost_model
+    from ds_mp.schedules.terapipe.planner import fit_cost_model
 
     fits = [fit_cost_model([tuple(x) for x in samples]) for samples in per_rank]
     worst: dict[tuple[int, int], float] = {}
@@ -156,8 +156,8 @@ def load_or_profile(group: Group, path: str, meta: dict, passes: int = 2) -> tup
 
 def predict(timetable: list, slices: Sequence[int], stage_costs: list, fwd: list[float]) -> float:
     """Simulated iteration time: op (F|B, slice i) on stage s costs fwd_s | 1 − fwd_s of t_s(l_i, c_i)."""
-    from ds_mp.pipeline.simulate import simulate
-    from ds_mp.pipeline.slicing import slice_costs
+    from ds_mp.schedules.simulate import simulate
+    from ds_mp.schedules.terapipe.planner import slice_costs
 
     t = [slice_costs(slices, c) for c in stage_costs]
     return simulate(timetable, lambda s, op: t[s][op.slice] * (fwd[s] if op.kind == "F" else 1 - fwd[s])
@@ -166,7 +166,7 @@ def predict(timetable: list, slices: Sequence[int], stage_costs: list, fwd: list
 
 def compute_s(events: list, kinds: tuple = ("forward", "backward")) -> float:
     """Seconds of a rank's traced events of the given instruction kinds."""
-    from ds_mp.viz import instruction_kind
+    from ds_mp.tools.viz import instruction_kind
 
     return sum(e - s for n, _, s, e in events if instruction_kind(n) in kinds)
 
@@ -174,10 +174,10 @@ def compute_s(events: list, kinds: tuple = ("forward", "backward")) -> float:
 # ------------------------------------------------------------------ the benchmark
 
 def run(quick: bool, out_dir: str) -> dict:
-    from ds_mp.pipeline.simulate import one_f_one_b_timetable, terapipe_timetable
-    from ds_mp.pipeline.slicing import best_uniform, predicted_time, slice_costs, uniform_slices
-    from ds_mp.pipeline.terapipe_plan import plan_for
-    from ds_mp.viz import timeline_png, write_chrome_trace
+    from ds_mp.schedules.simulate import one_f_one_b_timetable, terapipe_timetable
+    from ds_mp.schedules.terapipe.planner import best_uniform, predicted_time, slice_costs, uniform_slices
+    from ds_mp.schedules.terapipe.planner import plan_for
+    from ds_mp.tools.viz import timeline_png, write_chrome_trace
 
     s = QUICK if quick else FULL
     shape, L, K = asdict(s), s.seq, STAGES
@@ -273,8 +273,8 @@ def run(quick: bool, out_dir: str) -> dict:
 def planner_regime(cost: Any, L: int) -> dict[tuple[int, int], float]:
     """Planner objective (eq. 5) of the best uniform slicing / the DP plan's, for K stages of
     the same per-stage cost and sequences L and 2L: where the DP pays off (large K)."""
-    from ds_mp.pipeline.slicing import best_uniform, predicted_time
-    from ds_mp.pipeline.terapipe_plan import plan_for
+    from ds_mp.schedules.terapipe.planner import best_uniform, predicted_time
+    from ds_mp.schedules.terapipe.planner import plan_for
 
     out = {}
     for K in (2, 8, 32):

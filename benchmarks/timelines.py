@@ -26,7 +26,7 @@ def _rank(rank: int, world: int, port: int, shape: dict, rows: int, micro: int, 
     torch.set_num_threads(1)
     import ds_mp
     from benchmarks.workloads import batch, ds_mp_config, hf_model
-    from ds_mp.viz import gather_trace, timeline_png, write_chrome_trace
+    from ds_mp.tools.viz import gather_trace, timeline_png, write_chrome_trace
 
     cfg = ds_mp_config(shape, pp=2, micro=rows, gas=micro, schedule="ouroboros")
     cfg["ds_mp"]["ouroboros"] = {"modules": 3}

@@ -7,7 +7,7 @@ block of the same DeepSpeed JSON.
 from __future__ import annotations
 
 from ds_mp.config import ConfigError, DsMpConfig, load_config
-from ds_mp.pipeline.schedules import SCHEDULES, register_schedule
+from ds_mp.schedules.registry import SCHEDULES, register_schedule
 
 __version__ = "0.1.0"
 
@@ -28,7 +28,7 @@ def initialize(model=None, config=None, training_data=None, args=None, optimizer
     takes an iterator of ``(input_ids, labels)`` pairs ``[micro_batch, seq]`` and
     returns the mean loss of the global batch.
     """
-    from ds_mp.runtime import build_engine
+    from ds_mp.engine.initialize import build_engine
 
     return build_engine(model=model, config=config, training_data=training_data, args=args,
                         optimizer=optimizer, lr_scheduler=lr_scheduler)

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from ds_mp.schedules.registry import SCHEDULES  # a table of names: imports no schedule or engine
+
 
 class ConfigError(ValueError):
     """A ds_mp configuration problem; the message is one line naming the key and the fix."""
@@ -208,8 +210,6 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
 
     World size = TP × PP × DP, except for Ouroboros where PP is K − 1 ring ranks.
     """
-    from ds_mp.pipeline.schedules import SCHEDULES  # registry is filled at import
-
     tp, pp = cfg.tensor_parallel, cfg.pipeline
     for key, v in (("tensor_parallel.size", tp.size), ("pipeline.stages", pp.stages),
                    ("tensor_parallel.vocab_pad_multiple", tp.vocab_pad_multiple),
@@ -285,6 +285,14 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
     elif pp.partition not in ("uniform", "parameters"):
         raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} is not 'uniform', "
                           "'parameters' or a list of blocks per stage")
+
+    if pp.schedule == "terapipe":
+        if pp.activation_checkpoint_interval:
+            raise ConfigError("ds_mp.pipeline.activation_checkpoint_interval: terapipe caches keys/values in "
+                              "forward and cannot recompute blocks yet; set it to 0")
+        if tp.sequence_parallel and tp.size > 1:
+            raise ConfigError("ds_mp.tensor_parallel.sequence_parallel: not supported with terapipe "
+                              "(token slices need not divide by TP); set it to false")
 
     sl = cfg.terapipe.slices
     if isinstance(sl, list):

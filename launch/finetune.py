@@ -10,7 +10,7 @@ shards), trains, evaluates, and writes an HF directory to <output_dir>/hf that
 """
 import sys
 
-from ds_mp.train import main
+from ds_mp.training.loop import main
 
 if __name__ == "__main__":
     if "--model" not in sys.argv:

@@ -8,7 +8,7 @@ JSON's "ds_mp" block; see README "Config reference".
 """
 import sys
 
-from ds_mp.train import main
+from ds_mp.training.loop import main
 
 if __name__ == "__main__":
     sys.exit(main())

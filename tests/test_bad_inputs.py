@@ -1,7 +1,7 @@
 """Bad-input catalogue: each case exits non-zero with one line naming the problem and the
 fix, before any collective (so no rank can hang), and leaves no half-written output.
 
-Every case runs ``ds_mp.train.main`` (or a ``ds-mp`` subcommand) in-process with the
+Every case runs ``ds_mp.training.loop.main`` (or a ``ds-mp`` subcommand) in-process with the
 environment of rank 0 of a 2-rank launch; a handful also run through the real launcher
 on 2 ranks, where the whole job must be gone quickly: about 15-25 s here, almost all of
 it process start-up and imports; the test allows 45 s so a loaded CI machine does not
@@ -116,7 +116,7 @@ _TINY_DATA: list[str] = []
 
 
 def _run_main(argv: list[str], capsys, monkeypatch) -> tuple[int, list[str]]:
-    from ds_mp.train import main
+    from ds_mp.training.loop import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -165,7 +165,7 @@ def test_resume_without_checkpoint(tmp_path, data, capsys, monkeypatch):
 
 
 def test_prepare_data_non_utf8_and_file_out(tmp_path, capsys):
-    from ds_mp.cli import main
+    from ds_mp.tools.cli import main
 
     bad = os.path.join(str(tmp_path), "bad.txt")
     with open(bad, "wb") as f:
@@ -185,14 +185,14 @@ def test_prepare_data_non_utf8_and_file_out(tmp_path, capsys):
 
 
 def test_unknown_cli_command(capsys):
-    from ds_mp.cli import main
+    from ds_mp.tools.cli import main
 
     assert main(["conver"]) == 2
     assert "did you mean 'convert'" in capsys.readouterr().err
 
 
 def test_convert_missing_input(tmp_path, capsys):
-    from ds_mp.cli import main
+    from ds_mp.tools.cli import main
 
     rc = main(["convert", "hf-to-ds", os.path.join(str(tmp_path), "none"), os.path.join(str(tmp_path), "o"),
                "--tp", "2", "--pp", "1"])

@@ -1,4 +1,4 @@
-"""ds_mp.evaluate on hand-checkable fakes, plus a tiny real GPT-2 against HF's own loss."""
+"""ds_mp.tools.evaluate on hand-checkable fakes, plus a tiny real GPT-2 against HF's own loss."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ds_mp.evaluate import (cloze_accuracy, cloze_predictions, eval_cli, hf_logits_fn,
+from ds_mp.tools.evaluate import (cloze_accuracy, cloze_predictions, eval_cli, hf_logits_fn,
                             load_jsonl_texts, perplexity, sliding_window_nll)
 
 V = 11

@@ -74,7 +74,7 @@ def test_finetune_logs_and_exports_the_final_weights(run):
 def test_eval_on_export_equals_eval_on_training_checkpoint(run, capsys):
     import numpy as np
 
-    from ds_mp.evaluate import eval_cli
+    from ds_mp.tools.evaluate import eval_cli
 
     tokens = os.path.join(run["tmp"], "val.npy")
     np.save(tokens, np.fromfile(os.path.join(run["data"], "val_tokens.bin"), dtype=np.uint16)[:200])
@@ -87,7 +87,7 @@ def test_eval_on_export_equals_eval_on_training_checkpoint(run, capsys):
 
 
 def test_generate_from_export_and_from_training_checkpoint(run, capsys):
-    from ds_mp.generate import generate_cli
+    from ds_mp.tools.generate import generate_cli
 
     texts = []
     for model in (os.path.join(run["out"], "hf"), os.path.join(run["out"], "checkpoints")):

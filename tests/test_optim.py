@@ -1,4 +1,4 @@
-"""ds_mp.optim: LAMB against hand maths, the lr schedule at chosen steps, GPT-2 init
+"""ds_mp.optim: LAMB against hand maths, GPT-2 init
 statistics, and the lr range test on a quadratic."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 
-from ds_mp.optim import (MEGATRON_GPT2, Lamb, WarmupCosineLR, init_gpt2_weights, lr_find,
-                         param_groups_no_decay, warmup_cosine)
+from ds_mp.optim import Lamb, init_gpt2_weights, lr_find, param_groups_no_decay
 
 
 def tiny_gpt2(n_layer: int = 2, n_embd: int = 32):
@@ -100,50 +99,6 @@ def test_param_groups_no_decay_on_gpt2():
     assert "transformer.h.0.attn.c_attn.bias" in no_decay_names
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
     Lamb(groups, lr=1e-3)  # accepted as param groups
-
-
-# ----------------------------------------------------------------------------- schedule
-@pytest.mark.parametrize("step, expected", [
-    (0, 0.0),                       # start of warm-up
-    (5, 5e-4),                      # mid warm-up: 1e-3 * 5/10
-    (10, 1e-3),                     # end of warm-up: max_lr
-    (35, 1e-4 + 0.45e-3 * (1 + math.cos(math.pi / 4))),  # quarter of the decay
-    (60, 5.5e-4),                   # mid decay: (max + min) / 2
-    (110, 1e-4),                    # end: min_lr
-    (500, 1e-4),                    # past the end: constant min_lr
-])
-def test_warmup_cosine_hand_values(step, expected):
-    lr = warmup_cosine(step, max_lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=110)
-    assert lr == pytest.approx(expected, rel=1e-12, abs=1e-18)
-
-
-def test_warmup_cosine_lr_scheduler_and_state_dict():
-    kw = dict(max_lr=1e-3, min_lr=1e-4, warmup_steps=10, total_steps=110)
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.SGD([p], lr=123.0)
-    sched = WarmupCosineLR(opt, **kw)
-    seen = [opt.param_groups[0]["lr"]]
-    for _ in range(70):
-        opt.step()
-        sched.step()
-        seen.append(opt.param_groups[0]["lr"])
-    assert seen == pytest.approx([warmup_cosine(s, **kw) for s in range(71)], rel=1e-12, abs=1e-18)
-    state = sched.state_dict()
-    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
-    sched2 = WarmupCosineLR(opt2, max_lr=5.0, min_lr=1.0, warmup_steps=1, total_steps=2)
-    sched2.load_state_dict(state)                 # restores step and schedule parameters
-    opt2.step()
-    sched2.step()
-    assert opt2.param_groups[0]["lr"] == pytest.approx(warmup_cosine(71, **kw))
-
-
-def test_megatron_defaults():
-    assert MEGATRON_GPT2["max_lr"] == 1.5e-4 and MEGATRON_GPT2["min_lr"] == 1e-5
-    assert MEGATRON_GPT2["warmup_steps"] == 3000
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = WarmupCosineLR(opt)
-    assert sched.lr_lambdas[0].max_lr == 1.5e-4 and sched.lr_lambdas[0].warmup_steps == 3000
-    assert warmup_cosine(3000, **MEGATRON_GPT2) == pytest.approx(1.5e-4)
 
 
 # ----------------------------------------------------------------------------- init

@@ -13,9 +13,9 @@ import torch
 from dist_utils import run_ranks
 from helpers import batches, hf_reference, tiny_gpt2
 
-from ds_mp import SCHEDULES
+from ds_mp.schedules.registry import SCHEDULES, resolve
 from ds_mp.config import ConfigError, load_config
-from ds_mp.pipeline.ouroboros_schedule import (Backward, Forward, OptimizerStep, RecvAct, RecvGrad, SendAct,
+from ds_mp.schedules.ouroboros.timetable import (Backward, Forward, OptimizerStep, RecvAct, RecvGrad, SendAct,
                                                module_owner, ouroboros_timetable)
 
 SEQ, VOCAB, STEPS, SEED = 16, 203, 5, 7
@@ -136,7 +136,7 @@ class ClipSGD(torch.optim.SGD):
 def reference(make_opt, K: int, data: list, scheduler: dict | None = None, dropout: float = 0.0):
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    from ds_mp.pipeline.ouroboros import OuroborosReference
+    from ds_mp.schedules.ouroboros.algorithm import OuroborosReference
 
     ref = OuroborosReference(tiny_gpt2(dropout=dropout).train(), K, make_opt, replay_dropout=dropout > 0)
     torch.manual_seed(SEED)
@@ -193,7 +193,7 @@ def test_no_delay_is_plain_backprop(K, fixture, request):
 def test_replay_reuses_the_forwards_dropout_masks():
     """module_backward(rng=capture_rng(...) before the forward) = autograd through that forward,
     whatever was drawn in between; without it the replay draws new masks."""
-    from ds_mp.pipeline.ouroboros import build_modules, capture_rng, module_backward
+    from ds_mp.schedules.ouroboros.algorithm import build_modules, capture_rng, module_backward
 
     g0 = build_modules(tiny_gpt2(dropout=0.3).train(), 2)[0]
     ids, _ = DATA[0]
@@ -256,11 +256,11 @@ def test_resume_equals_uninterrupted(two_ranks):
 @pytest.mark.parametrize("delay", [True, False])
 @pytest.mark.parametrize("K", [2, 3, 4, 5])
 def test_registered_schedule_unroll(K, delay):
-    """SCHEDULES["ouroboros"] per ring rank, run with rendezvous p2p: no deadlock, each (module,
+    """resolve("ouroboros") per ring rank, run with rendezvous p2p: no deadlock, each (module,
     sample) forwarded once and backpropagated once at iteration s + d_m, after its delta arrived,
     each message matched by the same message on the peer; stash never above num_pipe_buffers."""
     T, R = 2 * K + 1, K - 1
-    scheds = [SCHEDULES["ouroboros"](micro_batches=T, stages=R, stage_id=r, delay=delay) for r in range(R)]
+    scheds = [resolve("ouroboros")(micro_batches=T, stages=R, stage_id=r, delay=delay) for r in range(R)]
     progs = [[(t, st) for t, row in enumerate(s) for st in row] for s in scheds]
     assert [[row for row in s] for s in scheds] == [list(col) for col in zip(*ouroboros_timetable(K, T, delay))]
     owner, head = module_owner(K), [0] * R

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from ds_mp.pipeline.ouroboros import (Backward, Forward, OptimizerStep, OuroborosReference, RecvAct,
+from ds_mp.schedules.ouroboros.algorithm import (Backward, Forward, OptimizerStep, OuroborosReference, RecvAct,
                                       RecvGrad, SendAct, SendGrad, format_timetable, ouroboros_timetable,
                                       ring_layout, split_modules)
 

@@ -13,7 +13,7 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from dist_utils import run_ranks
-from ds_mp.pipeline.schedules import GPipe
+from ds_mp.schedules.gpipe import GPipe
 from helpers import batches, ds_config, tiny_gpt2
 from test_schedules import unroll
 from test_tensor_parallel import gather_weights, hf_train, max_diff

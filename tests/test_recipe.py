@@ -18,7 +18,7 @@ import torch
 from dist_utils import run_ranks
 from helpers import batches, ds_config, tiny_gpt2
 from launcher_utils import REPO, tiny_dataset, train_config
-from ds_mp.noise_scale import NoiseScaleEstimator, gradient_sq_estimate, trace_estimate
+from ds_mp.training.metrics import NoiseScaleEstimator, gradient_sq_estimate, trace_estimate
 
 RECIPE = os.path.join(REPO, "ds_configs", "megatron_recipe.json")
 NO_FP16_REASON = "DeepSpeed refuses fp16 on this CPU (no mkldnn fp16)"
@@ -66,9 +66,11 @@ def _probe_rank(rank: int, micro: int, gas: int, seq: int) -> dict:
 
     vocab = 203
     cfg = ds_config(micro=micro, gas=gas, seq=seq, lr=0.0, training={"noise_scale_interval": 1})
+    from ds_mp.training.metrics import NoiseScaleProbe
+
     engine, *_ = ds_mp.initialize(model=tiny_gpt2(vocab=vocab), config=cfg)
+    engine.noise_scale = probe = NoiseScaleProbe.from_config(engine.ds_mp_config, engine.topology)
     engine.train_batch(iter(batches(gas, micro, seq, vocab, seed=10 + rank)))
-    probe = engine.noise_scale
     return {"small": probe.small_sq, "big": probe.big_sq, "value": probe.value}
 
 
@@ -97,7 +99,7 @@ def test_noise_scale_probe_dp2_equals_single_process_gradients():
 def _train_rank(rank: int, config_path: str, overflow_at: int) -> None:
     """train.main with DeepSpeed's overflow protocol (``optimizer.overflow``) raised at one step."""
     import ds_mp
-    from ds_mp import train
+    from ds_mp.training import loop as train
 
     real = ds_mp.initialize
 
@@ -155,7 +157,7 @@ def test_fp16_through_the_engine():
 
 # ----------------------------------------------------------------------------- ds-mp eval
 def _eval(capsys, *argv: str) -> dict:
-    from ds_mp.evaluate import eval_cli
+    from ds_mp.tools.evaluate import eval_cli
 
     assert eval_cli([*argv, "--device", "cpu"]) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -182,7 +184,7 @@ def test_eval_on_ds_checkpoint_equals_hf_dir(tmp_path, data, capsys):
     a = _eval(capsys, "--model", hf, "--tokenizer", tok_dir, "--data", str(text))
     b = _eval(capsys, "--model", ds, "--tokenizer", tok_dir, "--data", str(text))
     assert a["tokens"] == b["tokens"] > 10 and b["ppl"] == pytest.approx(a["ppl"], rel=1e-6)
-    from ds_mp.evaluate import eval_cli
+    from ds_mp.tools.evaluate import eval_cli
 
     assert eval_cli(["--model", str(tmp_path), "--data", str(text)]) == 2   # neither HF nor ds_mp
     assert "neither an HF directory" in capsys.readouterr().err
@@ -190,7 +192,7 @@ def test_eval_on_ds_checkpoint_equals_hf_dir(tmp_path, data, capsys):
 
 # ----------------------------------------------------------------------------- ds-mp lr-find
 def test_lr_find_cli_writes_csv_png_and_suggests(tmp_path, data, capsys):
-    from ds_mp.optim.lr_find_cli import lr_find_cli
+    from ds_mp.tools.lr_find import lr_find_cli
 
     cfg = train_config(str(tmp_path), data, pp=1, micro=2, gas=1)
     path = tmp_path / "config.json"
@@ -213,7 +215,8 @@ def test_megatron_recipe_validates_and_builds_lamb_without_decay_on_biases_and_l
 
     from ds_mp.config import load_config
     from ds_mp.optim import Lamb
-    from ds_mp.runtime import hf_config_from, optimizer_setup
+    from ds_mp.engine.optimizer import optimizer_setup
+    from ds_mp.models.gpt2 import hf_config_from
 
     cfg, raw = load_config(RECIPE, world_size=2)   # PP=2
     assert (cfg.tp, cfg.pp, cfg.dp) == (1, 2, 1)

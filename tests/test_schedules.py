@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
-from ds_mp import SCHEDULES
-from ds_mp.pipeline.schedules import GPipe, OneFOneB
+from ds_mp.schedules.registry import SCHEDULES, resolve
+from ds_mp.schedules.gpipe import GPipe, OneFOneB
 
 P2P = (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad)
 
 
 def _plain(name: str) -> bool:
     """Schedules built as ``cls(micro_batches=, stages=, stage_id=)`` on a linear pipe."""
-    return not hasattr(SCHEDULES[name], "from_engine")
+    return not hasattr(resolve(name), "from_engine")
 
 
 UNROLLABLE = sorted(n for n in SCHEDULES if _plain(n))
@@ -139,7 +139,7 @@ def unroll(cls: type, M: int, K: int) -> tuple[list[Stage], list[list[list]]]:
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5])
 def test_schedule_unrolls(name: str, K: int, M: int) -> None:
-    stages, streams = unroll(SCHEDULES[name], M, K)
+    stages, streams = unroll(resolve(name), M, K)
     for st in stages:
         assert sorted(st.forwards) == list(range(M)), f"stage {st.s}: forwards {st.forwards}"
         assert sorted(st.backwards) == list(range(M)), f"stage {st.s}: backwards {st.backwards}"
@@ -154,7 +154,7 @@ def test_schedule_unrolls(name: str, K: int, M: int) -> None:
 
 
 def test_builtin_schedules_registered_and_unrolled() -> None:
-    assert SCHEDULES["1f1b"] is OneFOneB and SCHEDULES["gpipe"] is GPipe
+    assert resolve("1f1b") is OneFOneB and resolve("gpipe") is GPipe
     assert {"1f1b", "gpipe"} <= set(UNROLLABLE)
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ds_mp.pipeline.slicing import (
+from ds_mp.schedules.terapipe.planner import (
     CostModel, batch_cost, best_uniform, fit_cost_model, plan_joint, plan_slices,
     predicted_time, predicted_time_joint, profile_stage, uniform_slices,
 )

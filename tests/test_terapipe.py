@@ -20,11 +20,12 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from dist_utils import run_ranks
-from ds_mp.pipeline.instructions import BackwardSlice, ForwardSlice, LoadSlice
-from ds_mp.pipeline.simulate import simulate, terapipe_timetable
-from ds_mp.pipeline.slicing import CostModel, batch_cost, plan_joint
-from ds_mp.pipeline.terapipe import KVContext, TeraPipeSchedule, context_mask, plan_units
-from ds_mp.pipeline.terapipe_plan import explicit_plan
+from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, LoadSlice
+from ds_mp.schedules.simulate import simulate, terapipe_timetable
+from ds_mp.schedules.terapipe.planner import CostModel, batch_cost, plan_joint
+from ds_mp.schedules.terapipe.kv_cache import KVContext, context_mask
+from ds_mp.schedules.terapipe.schedule import TeraPipeSchedule, plan_units
+from ds_mp.schedules.terapipe.planner import explicit_plan
 from helpers import batches, ds_config, tiny_gpt2
 
 SEQ, VOCAB, TOL = 16, 203, 1e-5
@@ -65,7 +66,7 @@ def test_kv_context_equals_unsliced() -> None:
         out.backward(g[seq])
     context = KVContext()
     for blk in blocks:
-        blk.context = context
+        blk.kv_extension = context
     bounds = [(sum(SLICES[:i]), sum(SLICES[:i + 1])) for i in range(len(SLICES))]
     ins, outs = {}, {}
     for i, (a, b) in enumerate(bounds):
@@ -101,7 +102,8 @@ def test_explicit_plan_and_errors() -> None:
 
 def test_plan_from_config(tmp_path, capsys) -> None:
     from ds_mp.config import ConfigError
-    from ds_mp.pipeline.terapipe_plan import plan_for, plan_from_config
+    from ds_mp.schedules.terapipe.planner import plan_for
+    from ds_mp.tools.plan import plan_from_config
 
     cost = CostModel(c0=1e-3, c1=1e-4, c2=1e-6, a3=2e-6)
     cost.save(tmp_path / "cost.json")
@@ -126,13 +128,11 @@ def test_plan_from_config(tmp_path, capsys) -> None:
     ({"pipeline": {"activation_checkpoint_interval": 1}}, "activation_checkpoint_interval"),
     ({"tensor_parallel": {"size": 2, "sequence_parallel": True}}, "sequence_parallel")])
 def test_unsupported_options_fail_with_one_line(block: dict, key: str) -> None:
-    from types import SimpleNamespace
-
     from ds_mp.config import ConfigError, parse_config, validate
 
-    engine = SimpleNamespace(ds_mp_config=validate(parse_config({**block, "data": {"seq_len": SEQ}}), 2))
-    with pytest.raises(ConfigError, match=key) as err:
-        TeraPipeSchedule.from_engine(engine)
+    raw = {**block, "pipeline": {**block.get("pipeline", {}), "schedule": "terapipe"}, "data": {"seq_len": SEQ}}
+    with pytest.raises(ConfigError, match=key) as err:  # refused by the config check, before any collective
+        validate(parse_config(raw), 2)
     assert "\n" not in str(err.value)
 
 
@@ -230,7 +230,7 @@ def _case(tp: int, pp: int, micro: int, gas: int, terapipe: dict, out_dir: str =
         diff = max(diff, float((p.detach() - want).abs().max()))
         names.append(hf)
     return {"loss": max(abs(a - b) for a, b in zip(losses, hf_losses)), "weights": diff, "names": names,
-            "all_names": sorted(hf_w), "plan": engine._terapipe.plan, "cache_left": len(engine._terapipe.context)}
+            "all_names": sorted(hf_w), "plan": engine.terapipe.plan, "cache_left": len(engine.terapipe.context)}
 
 
 def _ranks(rank: int, cases: list[dict]) -> list[dict]:

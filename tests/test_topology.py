@@ -57,7 +57,7 @@ def _gather(group, rank: int) -> list[int]:
 
 def _grid_rank(rank: int) -> list[str]:
     """For every factorisation: DeepSpeed's grid agrees with our coordinates and lists."""
-    from ds_mp.runtime import init_distributed
+    from ds_mp.engine.initialize import init_distributed
 
     init_distributed()
     problems = []

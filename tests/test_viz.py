@@ -1,4 +1,4 @@
-"""ds_mp.viz on synthetic traces and logs: Chrome JSON, Gantt PNG, bubble maths, curves, CLIs."""
+"""ds_mp.tools.viz on synthetic traces and logs: Chrome JSON, Gantt PNG, bubble maths, curves, CLIs."""
 from __future__ import annotations
 
 import csv
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ds_mp import viz
-from ds_mp.cli import main as cli_main
+from ds_mp.tools.cli import main as cli_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

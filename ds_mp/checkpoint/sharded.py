@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ds_mp.models.gpt2 import GPT2_TP_PLAN, tp_kind
+from ds_mp.models.gpt2 import GPT2_TP_PLAN, layer_index, tp_kind
 from ds_mp.tensor_parallel.sharding import shard, unshard
 
 FORMAT, VERSION = "ds_mp.sharded", 1
@@ -59,17 +59,9 @@ def expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def layer_index(name: str, n_layer: int) -> int:
-    """Pipeline layer of an HF name: wte 0, wpe 1, block i -> i+2, ln_f L+2."""
-    rest = canonical_name(name)[len("transformer."):]
-    if rest.startswith("h."):
-        return int(rest.split(".")[1]) + 2
-    return {"wte.weight": 0, "wpe.weight": 1}.get(rest, n_layer + 2)
-
-
 def stage_of(name: str, n_layer: int, parts: list[int]) -> int:
     """The stage whose layer range ``[parts[s], parts[s+1])`` holds ``name``'s layer."""
-    return bisect.bisect_right(parts, layer_index(name, n_layer)) - 1
+    return bisect.bisect_right(parts, layer_index(canonical_name(name), n_layer)) - 1
 
 
 def shard_shape(full: tuple[int, ...], kind: str, tp: int, n_head: int, padded_vocab: int) -> tuple[int, ...]:

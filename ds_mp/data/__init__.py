@@ -11,13 +11,13 @@ Typical use::
 from .cli import prepare_data_cli
 from .corpus import Corpus, find_files
 from .dataset import Batch, ChunkSampler, TokenDataset, ValidationBatches
-from .default_corpus import DEFAULT_CACHE_DIR, DEFAULT_MAX_BYTES, ensure_default_dataset, stdlib_files
+from .default_corpus import DEFAULT_CACHE_DIR, DEFAULT_MAX_BYTES, datasets_for, ensure_default_dataset, stdlib_files
 from .errors import DataError
 from .prepare import DatasetInfo, prepare_data
 from .tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
 
 __all__ = [
     "Batch", "ChunkSampler", "Corpus", "DataError", "DatasetInfo", "DEFAULT_CACHE_DIR", "DEFAULT_MAX_BYTES",
-    "EOS_TOKEN", "TokenDataset", "ValidationBatches", "ensure_default_dataset", "find_files", "load_tokenizer",
+    "EOS_TOKEN", "TokenDataset", "ValidationBatches", "datasets_for", "ensure_default_dataset", "find_files", "load_tokenizer",
     "prepare_data", "prepare_data_cli", "stdlib_files", "train_tokenizer",
 ]

@@ -11,7 +11,10 @@ import fcntl
 import os
 import sys
 import sysconfig
+from typing import Any
 
+from .dataset import TokenDataset
+from .errors import DataError
 from .prepare import META_FILE, prepare_data
 
 DEFAULT_MAX_BYTES = 8_000_000
@@ -54,3 +57,16 @@ def ensure_default_dataset(cache_dir: str = DEFAULT_CACHE_DIR, vocab_size: int =
             prepare_data(stdlib_files(), out_dir, None, vocab_size, max_bytes, val_fraction=0.02, seed=0,
                          encoding_errors="replace", overwrite=True, show_progress=show_progress)
     return out_dir
+
+
+def datasets_for(cfg: Any) -> tuple[str, Any, Any]:
+    """``(path, train, val)`` of a validated ds_mp config: ``data.path`` or the embedded default
+    corpus (built once into ``data.cache_dir``); checks length and vocabulary before any collective."""
+    path = cfg.data.path or ensure_default_dataset(
+        cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "ds_mp"), cfg.data.vocab_size)
+    train, val = TokenDataset(path, "train"), TokenDataset(path, "val")
+    train.num_chunks(cfg.data.seq_len), val.num_chunks(cfg.data.seq_len)  # DataError if shorter than a sequence
+    if train.vocab_size > cfg.shape.vocab_size:
+        raise DataError(f"data: tokenizer vocab {train.vocab_size} exceeds the model's vocab_size "
+                        f"{cfg.shape.vocab_size}; raise ds_mp.model.vocab_size or use the model's tokenizer")
+    return path, train, val

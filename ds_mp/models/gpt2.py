@@ -1,13 +1,14 @@
 """Hugging Face GPT-2 as a DeepSpeed ``PipelineModule`` with Megatron tensor parallelism.
 
-The pipeline is a flat list of layers (DeepSpeed partitions it into stages):
+The pipeline is a flat list of layers (DeepSpeed partitions it into stages); the one table
+of it is :func:`pipeline_layers` (layer index ↔ HF name prefix ↔ the class built there):
 
-    0        TiedLayerSpec("wte")  token embedding (vocab-parallel), tied with the head
-    1        Positions             + wpe, embedding dropout
-    2..L+1   Block × L             pre-LN attention + MLP, TP plan applied
-    L+2      FinalNorm             ln_f
-    L+3      TiedLayerSpec("wte")  LM head: logits = h Eᵀ on the local vocab block
-    loss     LMLoss                fused vocab-parallel cross-entropy, HF label shift
+    0        "wte"      TiedLayerSpec("wte")  token embedding (vocab-parallel), tied with the head
+    1        "wpe"      Positions             + wpe, embedding dropout
+    2..L+1   "h.<i>"    Block × L             pre-LN attention + MLP, TP plan applied
+    L+2      "ln_f"     FinalNorm             ln_f
+    L+3      "lm_head"  TiedLayerSpec("wte")  LM head: logits = h Eᵀ on the local vocab block
+    loss                LMLoss                fused vocab-parallel cross-entropy, HF label shift
 
 Weights are read from a :class:`WeightSource` (an in-memory HF model or a safetensors
 directory) by HF name, and only for the layers this rank builds, so each rank
@@ -16,8 +17,9 @@ function (:func:`tp_kind`) applying it.
 """
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from transformers.activations import ACT2FN
 
+from ds_mp.deepspeed_compat import module_grid, module_topology
 from ds_mp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    padded_vocab_size, vocab_parallel_cross_entropy)
 from ds_mp.tensor_parallel.random import parallel_region_rng
@@ -42,6 +45,52 @@ GPT2_TP_PLAN: dict[str, str] = {
     "mlp.c_proj.weight": "row", "mlp.c_proj.bias": "replicated",
     "ln_f.weight": "replicated", "ln_f.bias": "replicated",
 }
+
+
+# Block submodule (ds_mp name) -> HF name inside ``transformer.h.<i>``.
+BLOCK_RENAME: dict[str, str] = {"c_attn": "attn.c_attn", "attn_proj": "attn.c_proj",
+                                "c_fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj"}
+
+
+def pipeline_layers(n_layer: int) -> list[str]:
+    """THE layer layout: the HF name prefix held by each pipeline layer, in pipeline order.
+
+    ``["wte", "wpe", "h.0", …, "h.<L-1>", "ln_f", "lm_head"]``; the head holds no tensor
+    of its own (it is ``wte``, tied), so HF names map to layers 0 … L+2.
+    """
+    return ["wte", "wpe", *(f"h.{i}" for i in range(n_layer)), "ln_f", "lm_head"]
+
+
+def layer_index(hf_name: str, n_layer: int) -> int:
+    """Pipeline layer holding the HF parameter ``hf_name`` (its first occurrence: ``wte`` -> 0)."""
+    rest = re.sub(r"^transformer\.", "", hf_name)
+    prefix = ".".join(rest.split(".")[:2]) if rest.startswith("h.") else rest.split(".")[0]
+    return pipeline_layers(n_layer).index(prefix)
+
+
+def hf_param_name(module_name: str, pipe: "GPT2Pipeline") -> str:
+    """Map a pipeline parameter name (``5.c_attn.weight``, ``tied_modules.wte.wte.weight``) to its
+    HF name (``transformer.h.3.attn.c_attn.weight``) through :func:`pipeline_layers`."""
+    head, rest = module_name.split(".", 1)
+    if head == "tied_modules":  # tied_modules.wte.wte.weight
+        return "transformer.wte.weight"
+    prefix = pipeline_layers(pipe.n_layer)[int(head)]
+    if prefix == "wpe":
+        return "transformer.wpe.weight"
+    if prefix == "ln_f":
+        return "transformer." + rest  # ln_f.weight
+    first, tail = rest.split(".", 1)
+    return f"transformer.{prefix}.{BLOCK_RENAME.get(first, first)}.{tail}"
+
+
+def hf_config_from(shape: Any) -> Any:
+    """A ``GPT2Config`` for an inline model shape (``ds_mp.config.InlineModel``)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
+                      vocab_size=shape.vocab_size, n_positions=shape.n_positions,
+                      resid_pdrop=shape.dropout, embd_pdrop=shape.dropout, attn_pdrop=shape.dropout,
+                      bos_token_id=0, eos_token_id=0)
 
 
 def tp_kind(hf_name: str) -> str:
@@ -107,8 +156,9 @@ def _layer_norm(src: WeightSource, prefix: str, ctx: Ctx) -> nn.LayerNorm:
 class Block(nn.Module):
     """One GPT-2 block, ``x + Attn(LN1 x)`` then ``+ MLP(LN2 ·)``, heads split over TP.
 
-    ``context`` (set by TeraPipe) holds keys/values of earlier token slices of the same
-    sequence; the slice attends to all of them plus causally to itself.
+    ``kv_extension`` (set with :func:`attending_to`, e.g. by TeraPipe) supplies keys/values of
+    earlier tokens of the same sequence: ``extend(index, k, v) -> (K̃, Ṽ, mask)``; the tokens
+    attend to all of them plus causally to themselves.
     """
 
     def __init__(self, src: WeightSource, index: int, ctx: Ctx) -> None:
@@ -128,15 +178,15 @@ class Block(nn.Module):
                                           g, r, n, sequence_parallel=ctx.sp)
         self.act = ACT2FN[ctx.act]
         self.n_head_local = ctx.n_head // n
-        self.context: Any = None  # TeraPipe KV context (see ds_mp.pipeline.terapipe)
+        self.kv_extension: Any = None  # see attending_to
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.c_attn(x)  # (B, T, 3·nh_l·hs)
         B, T, _ = qkv.shape
         q, k, v = qkv.view(B, T, 3, self.n_head_local, -1).permute(2, 0, 3, 1, 4)  # (B, nh_l, T, hs)
         p = self.ctx.attn_dropout if self.training else 0.0
-        if self.context is not None:
-            k, v, mask = self.context.extend(self.index, k, v)  # (B, nh_l, ctx+T, hs)
+        if self.kv_extension is not None:
+            k, v, mask = self.kv_extension.extend(self.index, k, v)  # (B, nh_l, ctx+T, hs)
         else:
             mask = None
         with parallel_region_rng():  # each rank's own heads: its own dropout mask
@@ -151,6 +201,18 @@ class Block(nn.Module):
         h = self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
         with self.ctx.dropout_rng():
             return x + F.dropout(h, self.ctx.dropout, self.training)
+
+
+@contextlib.contextmanager
+def attending_to(blocks: list[Block], extension: Any) -> Iterator[None]:
+    """Inside the block, ``blocks`` attend to the keys/values ``extension.extend`` adds."""
+    for blk in blocks:
+        blk.kv_extension = extension
+    try:
+        yield
+    finally:
+        for blk in blocks:
+            blk.kv_extension = None
 
 
 class TokenEmbedding(nn.Module):
@@ -295,15 +357,16 @@ class GPT2Pipeline(PipelineModule):
 
     def __init__(self, layers: list, parts: list[int], topology: Topology, ctx: Ctx, **kw: Any) -> None:
         self._ds_mp_parts, self.ds_mp_topology, self.ds_mp_ctx = parts, topology, ctx
+        self.n_layer = len(layers) - 4
         super().__init__(layers=layers, topology=topology.topo, loss_fn=LMLoss(ctx), **kw)
 
     def _build(self) -> None:
-        self.ds_mp_topology.attach(self._grid)  # layers need the TP group at construction
+        self.ds_mp_topology.attach(module_grid(self))  # layers need the TP group at construction
         super()._build()
 
     def _partition_layers(self, method: str = "uniform") -> None:  # noqa: ARG002 - ours
         self.parts = self._ds_mp_parts
-        stage = self._topo.get_coord(self.global_rank).pipe
+        stage = module_topology(self).get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
     def blocks(self) -> list[Block]:
@@ -326,35 +389,28 @@ def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str
         raise ValueError("GPT-2 option scale_attn_weights=False is not supported by ds_mp")
     ctx = Ctx(topology, cfg, sequence_parallel, vocab_pad_multiple)
     L = cfg.n_layer
-    layers: list = [TiedLayerSpec("wte", TokenEmbedding, src, ctx, forward_fn=embed_forward,
-                                  tied_weight_attr=["wte.weight"]),
-                    LayerSpec(Positions, src, ctx)]
-    layers += [LayerSpec(Block, src, i, ctx) for i in range(L)]
-    layers += [LayerSpec(FinalNorm, src, ctx),
-               TiedLayerSpec("wte", TokenEmbedding, src, ctx, forward_fn=head_forward,
-                             tied_weight_attr=["wte.weight"])]
+
+    def spec(prefix: str) -> Any:
+        if prefix == "wte":
+            return TiedLayerSpec("wte", TokenEmbedding, src, ctx, forward_fn=embed_forward,
+                                 tied_weight_attr=["wte.weight"])
+        if prefix == "lm_head":
+            return TiedLayerSpec("wte", TokenEmbedding, src, ctx, forward_fn=head_forward,
+                                 tied_weight_attr=["wte.weight"])
+        if prefix == "wpe":
+            return LayerSpec(Positions, src, ctx)
+        if prefix == "ln_f":
+            return LayerSpec(FinalNorm, src, ctx)
+        return LayerSpec(Block, src, int(prefix.split(".")[1]), ctx)
+
+    layers = [spec(prefix) for prefix in pipeline_layers(L)]
     parts = stage_parts(L, topology.pp, partition, cfg.n_embd, cfg.vocab_size)
     return GPT2Pipeline(layers, parts, topology, ctx,
                         activation_checkpoint_interval=activation_checkpoint_interval,
                         dynamic_shape=dynamic_shape)
 
 
-def hf_param_name(module_name: str, pipe: GPT2Pipeline) -> str:
-    """Map a pipeline parameter name (``5.c_attn.weight``) to its HF name."""
-    head, rest = module_name.split(".", 1)
-    if head == "tied_modules":  # tied_modules.wte.wte.weight
-        return "transformer.wte.weight"
-    idx = int(head)
-    L = len(pipe._layer_specs) - 4
-    if idx == 1:
-        return "transformer.wpe.weight"
-    if idx == L + 2:
-        return "transformer." + rest  # ln_f.weight
-    block = idx - 2
-    rename = {"c_attn": "attn.c_attn", "attn_proj": "attn.c_proj", "c_fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj"}
-    first, tail = rest.split(".", 1)
-    return f"transformer.h.{block}.{rename.get(first, first)}.{tail}"
 
-
-__all__ = ["GPT2_TP_PLAN", "tp_kind", "WeightSource", "build_gpt2_pipeline", "GPT2Pipeline",
-           "Block", "LMLoss", "shift_labels", "stage_parts", "hf_param_name"]
+__all__ = ["GPT2_TP_PLAN", "tp_kind", "pipeline_layers", "layer_index", "hf_param_name", "hf_config_from",
+           "WeightSource", "build_gpt2_pipeline", "GPT2Pipeline", "Block", "attending_to", "LMLoss", "shift_labels",
+           "stage_parts"]

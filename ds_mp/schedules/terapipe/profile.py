@@ -1,6 +1,6 @@
 """TeraPipe ``"slices": "auto"``: profile a stage, fit the cost model, run the planner.
 
-The cost model t(i, j) (``slicing.CostModel``: one stage's forward+backward of i tokens after
+The cost model t(i, j) (``planner.CostModel``: one stage's forward+backward of i tokens after
 j cached tokens, at the micro-batch size B) comes from ``terapipe.profile`` or
 ``<training.output_dir>/terapipe_profile.json``; when neither exists the engine profiles its
 own stage (every rank, its real layers and TP), takes for every (i, j) the slowest rank (the
@@ -9,21 +9,22 @@ rows costs ``batch_cost(t, b_ref=B, overhead=c0)``.  With ``batch_slices = n`` t
 is cut into n equal batch-slices and the joint planner chooses their token slicing:
 ``plan_joint(B, L, K, cost, batch_sizes=[B/n])``.  Rank 0 plans and broadcasts the plan.
 
-:func:`plan_from_config` is the same planning for ``ds-mp plan``, on one process.
+:func:`profile_blocks` times a stage's blocks on one process for ``ds-mp plan --profile``.
 """
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ds_mp.config import ConfigError, DsMpConfig, load_config, parse_config, read_json
-from ds_mp.pipeline.slicing import (CostModel, batch_cost, fit_cost_model, plan_joint, predicted_time_joint,
-                                    profile_stage, uniform_slices)
-from ds_mp.pipeline.terapipe import KVContext, Plan
+from ds_mp.config import ConfigError, DsMpConfig
+from ds_mp.models.gpt2 import attending_to
+from ds_mp.schedules.terapipe.kv_cache import KVContext
+from ds_mp.schedules.terapipe.planner import CostModel, explicit_plan, fit_cost_model, plan_for, profile_stage
+from ds_mp.schedules.terapipe.schedule import Plan
 
 PROFILE_NAME = "terapipe_profile.json"
 
@@ -40,30 +41,12 @@ def profile_grid(L: int, granularity: int) -> tuple[list[int], list[int]]:
     return lengths, contexts
 
 
-def explicit_plan(slices: Sequence[int], micro_batch: int, batch_slices: int) -> Plan:
-    """``batch_slices`` near-equal batch-slices, each cut into the same token ``slices``."""
-    if batch_slices > micro_batch:
-        raise ConfigError(f"ds_mp.terapipe.batch_slices: {batch_slices} exceeds the micro-batch size "
-                          f"{micro_batch}; use at most {micro_batch}")
-    return [(rows, list(slices)) for rows in uniform_slices(micro_batch, batch_slices)]
-
-
 def engine_plan(engine: Any) -> Plan:
     """The engine's plan: the configured slices, or (collective) the planner's."""
     tcfg = engine.ds_mp_config.terapipe
     if isinstance(tcfg.slices, list):
         return explicit_plan(tcfg.slices, engine.train_micro_batch_size_per_gpu(), tcfg.batch_slices)
     return auto_plan(engine)
-
-
-def plan_for(cost: CostModel, B: int, L: int, K: int, batch_slices: int, granularity: int) -> Plan:
-    """The planner's slicing of a micro-batch (B, L) on K stages into n equal batch-slices."""
-    if B % batch_slices:
-        raise ConfigError(f"ds_mp.terapipe.batch_slices: {batch_slices} does not divide the micro-batch "
-                          f"size {B}; with slices='auto' use a divisor of {B}")
-    plan = plan_joint(B, L, K, batch_cost(cost, b_ref=B, overhead=cost.c0), granularity=granularity,
-                      batch_sizes=[B // batch_slices])
-    return [(b, list(s)) for b, s in plan]
 
 
 def _slice_timer(forward: Callable[[Any], torch.Tensor], blocks: list, make_input: Callable[[int, int], Any],
@@ -78,13 +61,9 @@ def _slice_timer(forward: Callable[[Any], torch.Tensor], blocks: list, make_inpu
             shape = (batch, blk.n_head_local, j, hs)
             context.prefill(blk.index, *(torch.randn(shape, dtype=dtype, device=device).requires_grad_()
                                          for _ in range(2)))
-            blk.context = context
-        try:
+        with attending_to(blocks, context):
             x = make_input(i, j)
             out = forward(x)
-        finally:
-            for blk in blocks:
-                blk.context = None
         params = forward.parameters() if isinstance(forward, torch.nn.Module) else []
         wrt = [p for p in params if p.requires_grad] + context.leaves()
         if torch.is_tensor(x) and x.requires_grad:
@@ -168,8 +147,7 @@ def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, fl
     blocks; embedding and head are left out) at the micro-batch size."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from ds_mp.models.gpt2 import Block, Ctx, WeightSource
-    from ds_mp.runtime import hf_config_from
+    from ds_mp.models.gpt2 import Block, Ctx, WeightSource, hf_config_from
     from ds_mp.topology import Topology
 
     hf = hf_config_from(cfg.shape)
@@ -187,43 +165,5 @@ def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, fl
     return profile_stage(fn, lengths, contexts, repeats=3, warmup=1)
 
 
-def plan_from_config(config: str | dict, profile: bool = False) -> dict:
-    """Plan TeraPipe slicing for a DeepSpeed JSON; print and return the scheme and predictions.
-
-    ``profile=True`` times a stage's blocks here (:func:`profile_blocks`) and saves the cost
-    model to the profile path first; otherwise the saved cost model is used.  Returns ``plan``
-    ([[rows, token slices], …]), ``predicted_time`` and the same for no slicing and the best
-    uniform slicing, with ``speedup_vs_no_slicing`` / ``speedup_vs_uniform`` (ratios of times).
-    """
-    raw = read_json(config)
-    parsed = parse_config(raw.get("ds_mp", {}))
-    cfg, raw = load_config(raw, world_size=parsed.tp * parsed.pp)  # one replica: DP does not matter
-    B, L, K = raw.get("train_micro_batch_size_per_gpu", 1), cfg.data.seq_len, cfg.pp
-    n, g, path = cfg.terapipe.batch_slices, cfg.terapipe.granularity, profile_path(cfg)
-    if profile:
-        cost, err = fit_cost_model(profile_blocks(cfg, B))
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        cost.save(path)
-        print(f"profiled {path} (fit mean relative error {err:.1%})")
-    elif not os.path.isfile(path):
-        raise ConfigError(f"ds_mp.terapipe.profile: no cost model at {path!r}; run with --profile "
-                          "or set ds_mp.terapipe.profile")
-    else:
-        cost = CostModel.load(path)
-    bc = batch_cost(cost, b_ref=B, overhead=cost.c0)
-    plan = plan_for(cost, B, L, K, n, g)
-    rows = uniform_slices(B, n)
-    uniform = min(([(b, uniform_slices(L, m)) for b in rows] for m in range(1, math.ceil(L / g) + 1)),
-                  key=lambda p: predicted_time_joint(p, K, bc))
-    t, t0, tu = (predicted_time_joint(p, K, bc) for p in (plan, [(b, [L]) for b in rows], uniform))
-    out = {"plan": [[b, s] for b, s in plan], "stages": K, "seq_len": L, "micro_batch": B, "profile": path,
-           "predicted_time": t, "no_slicing_time": t0, "best_uniform": [[b, s] for b, s in uniform],
-           "best_uniform_time": tu, "speedup_vs_no_slicing": t0 / t, "speedup_vs_uniform": tu / t}
-    print(f"terapipe plan for K={K} stages, micro-batch {B} x {L} tokens: {out['plan']}\n"
-          f"  predicted {t * 1e3:.3f} ms/micro-batch; {t0 / t:.2f}x vs no slicing ({t0 * 1e3:.3f} ms), "
-          f"{tu / t:.2f}x vs best uniform {out['best_uniform']} ({tu * 1e3:.3f} ms)")
-    return out
-
-
-__all__ = ["engine_plan", "explicit_plan", "auto_plan", "plan_for", "plan_from_config", "profile_engine_stage", "profile_blocks",
-           "profile_grid", "profile_path", "PROFILE_NAME"]
+__all__ = ["engine_plan", "auto_plan", "profile_engine_stage", "profile_blocks", "profile_grid", "profile_path",
+           "PROFILE_NAME"]

@@ -21,12 +21,12 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "prepare-data": ("ds_mp.data", "prepare_data_cli", "tokenize text/jsonl files into a token file"),
     "convert": ("ds_mp.checkpoint", "convert_cli", "convert checkpoints between HF and ds_mp layouts"),
-    "plan": ("ds_mp.pipeline.terapipe", "plan_cli", "TeraPipe slicing plan for a config"),
-    "eval": ("ds_mp.evaluate", "eval_cli", "perplexity and cloze accuracy of a checkpoint"),
-    "generate": ("ds_mp.generate", "generate_cli", "generate text from a checkpoint"),
-    "lr-find": ("ds_mp.optim.lr_find_cli", "lr_find_cli", "learning-rate range test"),
-    "timeline": ("ds_mp.viz", "timeline_cli", "render a pipeline trace as a Gantt chart PNG"),
-    "plot": ("ds_mp.viz", "plot_cli", "plot loss, validation loss, tokens/s and LR of a run"),
+    "plan": ("ds_mp.tools.plan", "plan_cli", "TeraPipe slicing plan for a config"),
+    "eval": ("ds_mp.tools.evaluate", "eval_cli", "perplexity and cloze accuracy of a checkpoint"),
+    "generate": ("ds_mp.tools.generate", "generate_cli", "generate text from a checkpoint"),
+    "lr-find": ("ds_mp.tools.lr_find", "lr_find_cli", "learning-rate range test"),
+    "timeline": ("ds_mp.tools.viz", "timeline_cli", "render a pipeline trace as a Gantt chart PNG"),
+    "plot": ("ds_mp.tools.viz", "plot_cli", "plot loss, validation loss, tokens/s and LR of a run"),
 }
 
 

@@ -1,8 +1,5 @@
 """Ouroboros placement and timetable: which rank holds which module, and what each rank does
-at iteration t (the algebra is in ds_mp.pipeline.ouroboros's docstring).
-
-Light on purpose (no transformers import): importing ds_mp.pipeline registers the
-``"ouroboros"`` schedule from here, so config validation sees the name.
+at iteration t (the algebra is in ``ds_mp.schedules.ouroboros.algorithm``'s docstring).
 """
 from __future__ import annotations
 
@@ -11,7 +8,6 @@ from typing import Iterator, Union
 
 from deepspeed.runtime.pipe.schedule import PipeSchedule
 
-from ds_mp.pipeline.schedules import register_schedule
 
 
 # ----------------------------------------------------------------------------- split and layout
@@ -189,5 +185,3 @@ class OuroborosSchedule(PipeSchedule):
         """Most inputs this rank keeps stashed at once: d_m + 1 = K - m for its first module."""
         return self.stages + 1 - self.stage_id if self.delay else 1
 
-
-register_schedule("ouroboros", OuroborosSchedule)

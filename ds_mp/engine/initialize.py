@@ -7,8 +7,10 @@ from typing import Any
 
 import torch
 
-from ds_mp.config import ConfigError, DsMpConfig, InlineModel, load_config, read_json
-from ds_mp.models.gpt2 import WeightSource, build_gpt2_pipeline
+from ds_mp import deepspeed_compat as compat
+from ds_mp.config import ConfigError, DsMpConfig, load_config, read_json
+from ds_mp.engine.optimizer import optimizer_setup
+from ds_mp.models.gpt2 import WeightSource, build_gpt2_pipeline, hf_config_from
 from ds_mp.topology import Topology
 
 
@@ -23,25 +25,15 @@ def init_distributed(timeout_s: float | None = None) -> None:
     import datetime
 
     import deepspeed
-    import deepspeed.ops
 
     if os.environ.get("DS_MP_SHM_COMM", "0") != "1":
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        compat.skip_op_build("deepspeed_shm_comm")
     secs = timeout_s if timeout_s is not None else float(os.environ.get("DS_MP_TIMEOUT", "300"))
     if not torch.distributed.is_initialized():
         for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                              ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")):
             os.environ.setdefault(key, default)  # a plain `python script.py` is a 1-rank job
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=secs), verbose=False)
-
-
-def hf_config_from(shape: InlineModel) -> Any:
-    from transformers import GPT2Config
-
-    return GPT2Config(n_layer=shape.n_layer, n_embd=shape.n_embd, n_head=shape.n_head,
-                      vocab_size=shape.vocab_size, n_positions=shape.n_positions,
-                      resid_pdrop=shape.dropout, embd_pdrop=shape.dropout, attn_pdrop=shape.dropout,
-                      bos_token_id=0, eos_token_id=0)
 
 
 def weight_source(model: Any, cfg: DsMpConfig, seed: int) -> WeightSource:
@@ -67,9 +59,10 @@ def weight_source(model: Any, cfg: DsMpConfig, seed: int) -> WeightSource:
 def build_engine(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from ds_mp.pipeline.engine import DsMpPipelineEngine
+    from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
     from ds_mp.tensor_parallel.random import seed_everything
 
+    compat.check()
     if config is None:
         config = getattr(args, "deepspeed_config", None)
         if config is None:
@@ -90,7 +83,7 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     seed_everything(cfg.training.seed, topology.tp_rank)
     src = weight_source(model, cfg, cfg.training.seed)
     if cfg.pipeline.schedule == "ouroboros":  # K-1 ring ranks with their own engine, not a PipelineModule
-        from ds_mp.pipeline.ouroboros_engine import build_ouroboros_engine
+        from ds_mp.engine.ouroboros import build_ouroboros_engine
 
         return build_ouroboros_engine(src, cfg, raw, topology, args=args, optimizer=optimizer,
                                       lr_scheduler=lr_scheduler, training_data=training_data)
@@ -111,30 +104,6 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
                                 ds_mp_config=cfg, topology=topology)
     engine.hf_config = src.config
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def optimizer_setup(net: torch.nn.Module, ds_dict: dict, optimizer: Any) -> tuple[list, Any]:
-    """Parameter groups (no weight decay on biases/LayerNorm) and, for ``"type": "Lamb"``,
-    ds_mp's own LAMB (DeepSpeed's Lamb is CUDA-only): it is passed to DeepSpeed as a
-    client optimizer and the ``optimizer`` block is removed from the dict DeepSpeed sees.
-    """
-    from ds_mp.optim import Lamb, param_groups_no_decay
-
-    block = ds_dict.get("optimizer") or {}
-    opts = dict(block.get("params", {}))
-    groups = param_groups_no_decay(net, float(opts.get("weight_decay", 0.0)))
-    if optimizer is None and str(block.get("type", "")).lower() == "lamb":
-        allowed = {"lr", "betas", "eps", "weight_decay", "max_trust", "bias_correction", "max_coeff"}
-        unknown = set(opts) - allowed
-        if unknown:
-            raise ConfigError(f"optimizer.params: {sorted(unknown)} not understood by ds_mp's Lamb; "
-                              f"use {sorted(allowed - {'max_coeff'})}")
-        if "max_coeff" in opts:  # DeepSpeed's name for the trust-ratio clip
-            opts["max_trust"] = opts.pop("max_coeff")
-        opts.pop("weight_decay", None)
-        optimizer = Lamb(groups, **opts)
-        del ds_dict["optimizer"]
-    return groups, optimizer
 
 
 def _inline_from_hf(hf: Any) -> dict:

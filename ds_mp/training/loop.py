@@ -16,7 +16,7 @@ Metrics (per log interval):
   bubble     = 1 − (forward + backward time) / step time on this rank (pipeline idle share)
   peak_mem   = peak resident memory of this rank (CPU) or peak allocated (GPU), MiB
   val_ppl    = exp(val_loss), per BPE token of the validation split
-  noise_scale = EMA-smoothed gradient noise scale B_simple in samples (ds_mp.noise_scale),
+  noise_scale = EMA-smoothed gradient noise scale B_simple in samples (ds_mp.training.metrics),
                when training.noise_scale_interval > 0 and DP > 1
   skipped    = optimizer steps skipped so far: non-finite gradients (fp32/bf16, ds_mp) plus
                DeepSpeed's fp16 loss-scale overflows (engine.skipped_steps)
@@ -79,19 +79,6 @@ def _apply_overrides(raw: dict, args: argparse.Namespace) -> dict:
     return raw
 
 
-def _dataset(cfg: DsMpConfig) -> tuple[str, Any, Any]:
-    from ds_mp.data import DataError, TokenDataset, ensure_default_dataset
-
-    path = cfg.data.path or ensure_default_dataset(
-        cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "ds_mp"), cfg.data.vocab_size)
-    train, val = TokenDataset(path, "train"), TokenDataset(path, "val")
-    train.num_chunks(cfg.data.seq_len), val.num_chunks(cfg.data.seq_len)  # DataError if shorter than a sequence
-    if train.vocab_size > cfg.shape.vocab_size:
-        raise DataError(f"data: tokenizer vocab {train.vocab_size} exceeds the model's vocab_size "
-                        f"{cfg.shape.vocab_size}; raise ds_mp.model.vocab_size or use the model's tokenizer")
-    return path, train, val
-
-
 class CsvLog:
     FIELDS = ["step", "loss", "val_loss", "val_ppl", "lr", "tokens_per_s", "tflops", "bubble", "grad_norm",
               "noise_scale", "peak_mem_mib", "skipped", "elapsed_s"]
@@ -137,14 +124,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     import ds_mp
     from ds_mp.checkpoint import directory_source, load_checkpoint, save_checkpoint
-    from ds_mp.data import ChunkSampler, ValidationBatches
+    from ds_mp.data import ChunkSampler, ValidationBatches, datasets_for
+    from ds_mp.training.metrics import NoiseScaleProbe
     from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
     raw = _apply_overrides(read_json(args.deepspeed_config), args)
     cfg, raw = load_config(raw, int(os.environ.get("WORLD_SIZE", "1")))  # before any collective
     tcfg = cfg.training
     # Everything that can be checked without communication is checked here, on every rank.
-    data_path, train_ds, val_ds = _dataset(cfg)
+    data_path, train_ds, val_ds = datasets_for(cfg)
     if os.path.exists(tcfg.output_dir) and not os.path.isdir(tcfg.output_dir):
         raise ConfigError(f"ds_mp.training.output_dir: {tcfg.output_dir!r} is a file; choose a directory")
     init = tcfg.init_from or (cfg.model if isinstance(cfg.model, str) else None)
@@ -157,6 +145,8 @@ def _run(args: argparse.Namespace) -> int:
 
     engine, _, _, _ = ds_mp.initialize(model=init, config=raw)
     topo, rank0 = engine.topology, torch.distributed.get_rank() == 0
+    if hasattr(engine, "noise_scale"):
+        engine.noise_scale = NoiseScaleProbe.from_config(cfg, topo)  # None unless DP > 1 and on
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     sampler = ChunkSampler(train_ds, cfg.data.seq_len, micro, gas, topo.dp_rank, topo.dp, cfg.data.seed)
     val = ValidationBatches(val_ds, cfg.data.seq_len, micro, tcfg.eval_batches * gas, topo.dp_rank, topo.dp)

@@ -4,7 +4,7 @@ Placement (ring_layout): ring rank 0 holds G_0 and G_{K-1}, which share the tied
 ring rank r holds G_r. With DP > 1 the ring is replicated: ranks are DeepSpeed's pipe × data ×
 model grid with pipe = ring rank (TP must be 1), and every rank talks only to the ranks of its own
 replica. Each rank runs ``rank_steps(K, t, rank, delay)`` at iteration t (``engine.iteration``), so
-the update is exactly OuroborosReference.step (the contract in ds_mp.pipeline.ouroboros):
+the update is exactly OuroborosReference.step (the contract in ds_mp.schedules.ouroboros.algorithm):
 
     forward with w^t, send h; replay G_m on the stashed input of sample t - d_m with the CURRENT
     weights w^t (module_backward re-runs the forward under autograd: a deliberate recompute, so no
@@ -39,10 +39,10 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from torch import Tensor, nn
 
 from ds_mp.config import ConfigError, DsMpConfig
-from ds_mp.pipeline.ouroboros import (RngState, build_modules, capture_rng, lm_loss, loss_backward, module_backward,
+from ds_mp.schedules.ouroboros.algorithm import (RngState, build_modules, capture_rng, lm_loss, loss_backward, module_backward,
                                       module_forward)
-from ds_mp.pipeline.ouroboros_checkpoint import OuroborosCheckpointing
-from ds_mp.pipeline.ouroboros_schedule import (Backward, Forward, OptimizerStep, OuroborosSchedule, RecvAct,
+from ds_mp.schedules.ouroboros.checkpoint import OuroborosCheckpointing
+from ds_mp.schedules.ouroboros.timetable import (Backward, Forward, OptimizerStep, OuroborosSchedule, RecvAct,
                                                RecvGrad, SendAct, SendGrad, module_owner, ring_layout,
                                                split_modules)
 from ds_mp.topology import Topology, build_grid

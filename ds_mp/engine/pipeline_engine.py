@@ -1,12 +1,13 @@
-"""``PipelineEngine`` subclass: schedules from the registry, extra instructions, timing,
+"""``PipelineEngine`` subclass that runs any registered schedule: extra instructions, timing,
 per-micro-batch losses, correct global gradient clipping, sequence-parallel grads.
 
-Everything else (p2p, optimizer, ZeRO, bf16, checkpoints) is DeepSpeed's own.
+Everything else (p2p, optimizer, ZeRO, bf16, checkpoints) is DeepSpeed's own.  Every private
+DeepSpeed name used here is listed in ``ds_mp.deepspeed_compat``.
 """
 from __future__ import annotations
 
+import importlib
 import itertools
-import math
 import time
 from typing import Any, Callable
 
@@ -14,8 +15,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ds_mp.noise_scale import NoiseScaleProbe
-from ds_mp.pipeline.schedules import SCHEDULES
+from ds_mp import deepspeed_compat as compat
+from ds_mp.engine import grads
+from ds_mp.schedules.registry import ENGINE_SUPPORT, resolve
 
 
 def _by_name(name: str) -> Callable:
@@ -38,7 +40,7 @@ class DsMpPipelineEngine(PipelineEngine):
         self.trace: list[tuple[str, int, float, float]] = []  # (instruction, buffer, start, end)
         self.trace_enabled = False
         self.last_grad_norm: float | None = None
-        self.noise_scale = NoiseScaleProbe.from_config(ds_mp_config, topology)  # None unless DP > 1 and on
+        self.noise_scale: Any = None  # set by the training loop when training.noise_scale_interval > 0
         self.nonfinite_steps = 0  # optimizer steps skipped because a gradient was NaN/Inf
         self.last_step_nonfinite = False
         self._buffer_loss: dict[int, torch.Tensor] = {}
@@ -46,10 +48,12 @@ class DsMpPipelineEngine(PipelineEngine):
         self._recv_micro: dict[int, int] = {}
         self._n_loaded = self._n_recv = 0
         super().__init__(*args, **kwargs)
+        compat.check_engine(self)
         if getattr(getattr(self.module, "ds_mp_ctx", None), "sp", False):
-            # DeepSpeed's partitioned p2p sends 1/TP of an activation that it assumes is equal
-            # on all TP ranks and all-gathers it; sequence-parallel shards differ: send whole.
-            self.is_pipe_partitioned = self.is_grad_partitioned = False
+            compat.send_whole_activations(self)
+        support = ENGINE_SUPPORT.get(self.schedule_name)
+        if support:  # registers the schedule's instruction handlers, gives the engine its state
+            importlib.import_module(support).attach(self)
 
     # --- extension points -------------------------------------------------------------
     @classmethod
@@ -58,7 +62,7 @@ class DsMpPipelineEngine(PipelineEngine):
         cls._INSTRUCTION_MAP[instruction] = method
 
     def _train_schedule(self) -> Any:
-        cls = SCHEDULES[self.schedule_name]
+        cls = resolve(self.schedule_name)
         if hasattr(cls, "from_engine"):
             return cls.from_engine(self)
         return cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
@@ -93,12 +97,12 @@ class DsMpPipelineEngine(PipelineEngine):
         """
         if self.num_stages == 1 or self.module.dynamic_shape:
             return data_iter
-        shape = torch.zeros(2, dtype=torch.long)
+        shape = torch.zeros(2, dtype=torch.long, device=self.device)  # NCCL takes device tensors only
         it = data_iter if data_iter is not None else self.data_iterator
         if self.is_first_stage():
             first = next(it)
             ids = first[0][0] if isinstance(first[0], (tuple, list)) else first[0]
-            shape[:] = torch.tensor(ids.shape[:2])
+            shape[:] = torch.tensor(ids.shape[:2], device=self.device)
             it = itertools.chain([first], it)
         dist.broadcast(shape, src=self.topology.pp_ranks()[0], group=self.topology.pp_group)
         new = tuple(shape.tolist())
@@ -114,10 +118,14 @@ class DsMpPipelineEngine(PipelineEngine):
         return super().eval_batch(self._announce_shape(data_iter), *args, **kwargs)
 
     # --- labels travel with their micro-batch -----------------------------------------
-    def _exec_load_micro_batch(self, buffer_id: int) -> None:
-        super()._exec_load_micro_batch(buffer_id)
+    def note_loaded(self, buffer_id: int) -> None:
+        """Record that ``buffer_id`` now holds the labels of the next micro-batch in order."""
         self._loaded_micro[buffer_id] = self._n_loaded
         self._n_loaded += 1
+
+    def _exec_load_micro_batch(self, buffer_id: int) -> None:
+        super()._exec_load_micro_batch(buffer_id)
+        self.note_loaded(buffer_id)
 
     def _exec_recv_activations(self, buffer_id: int) -> None:
         super()._exec_recv_activations(buffer_id)
@@ -143,10 +151,7 @@ class DsMpPipelineEngine(PipelineEngine):
     def _exec_reduce_grads(self) -> None:
         ctx = getattr(self.module, "ds_mp_ctx", None)
         if ctx is not None and ctx.sp:
-            # Sequence parallel: replicated params saw only this rank's tokens; sum over TP.
-            for p in self.module.parameters():
-                if p.grad is not None and getattr(p, "tp_kind", "") == "replicated":
-                    dist.all_reduce(p.grad, group=ctx.group)
+            grads.sum_sequence_parallel_grads(self.module, ctx.group)
         probe = self.noise_scale
         measure = probe is not None and probe.due(self.global_steps + 1)
         if measure:  # |G_small|² of this replica before the DP all-reduce, |G_big|² after
@@ -162,13 +167,7 @@ class DsMpPipelineEngine(PipelineEngine):
         fp16 runs keep DeepSpeed's own loss-scaler overflow handling instead.
         """
         if not self.fp16_enabled():
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            # one fused norm per dtype/device instead of a check per tensor (NaN/Inf propagate)
-            total = torch.stack(torch._foreach_norm(grads)).sum() if grads else torch.zeros(())
-            bad = torch.zeros(1) + (0.0 if torch.isfinite(total).item() else 1.0)
-            if torch.distributed.get_world_size() > 1:
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            self.last_step_nonfinite = bool(bad.item())
+            self.last_step_nonfinite = grads.any_nonfinite(self.module.parameters(), self.device)
             if self.last_step_nonfinite:
                 self.nonfinite_steps += 1
                 self.zero_grad()
@@ -178,17 +177,12 @@ class DsMpPipelineEngine(PipelineEngine):
     def global_grad_norm(self) -> float:
         """‖g‖₂ over the whole model: each TP shard once, each replicated or tied tensor
         once, all stages (DP replicas hold identical reduced gradients)."""
-        return global_grad_norm(self.module, self.topology)
+        return grads.global_grad_norm(self.module, self.topology, self.device)
 
     def clip_fp32_gradients(self) -> None:
         norm = self.global_grad_norm()
         self.last_grad_norm = norm
-        max_norm = self.gradient_clipping()
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        grads.clip_(self.module.parameters(), norm, self.gradient_clipping())
 
     def instruction_times(self) -> dict[str, float]:
         """Seconds spent per instruction type since the trace was last cleared."""
@@ -198,24 +192,3 @@ class DsMpPipelineEngine(PipelineEngine):
         return out
 
 
-def global_grad_norm(module: torch.nn.Module, topology: Any) -> float:
-    """Sum of squares over the parameters this rank "owns", all-reduced over TP × PP."""
-    tied_first = True
-    if hasattr(module, "tied_comms") and topology.pp > 1:
-        tied_first = topology.pp_rank == 0  # the tied wte lives on stage 0 and the last stage
-    total = torch.zeros((), dtype=torch.float64)
-    tied_ids = set()
-    for key in getattr(module, "tied_modules", {}):
-        tied_ids |= {id(p) for p in module.tied_modules[key].parameters()}
-    for p in module.parameters():
-        if p.grad is None:
-            continue
-        if id(p) in tied_ids and not tied_first:
-            continue
-        if getattr(p, "tp_kind", "replicated") == "replicated" and topology.tp_rank != 0:
-            continue
-        total += p.grad.detach().double().pow(2).sum().cpu()
-    if topology.tp * topology.pp > 1:
-        total = total.to(next(module.parameters()).device)
-        dist.all_reduce(total, group=topology.model_group)
-    return math.sqrt(float(total))

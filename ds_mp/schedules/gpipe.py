@@ -1,29 +1,15 @@
-"""Schedule registry and the synchronous micro-batch schedules (1F1B, GPipe).
+"""The synchronous micro-batch schedules: 1F1B (DeepSpeed's) and GPipe.
 
 A schedule is DeepSpeed's shape: a ``PipeSchedule`` whose ``steps()`` yields, per step,
 the list of instructions this stage executes.  Sends at step ``t`` on stage ``s`` are
 matched by receives at step ``t`` on the neighbour, so a barrier between steps cannot
-deadlock.  Register your own with :func:`register_schedule`; it is then selected by
-``"ds_mp": {"pipeline": {"schedule": "<name>"}}``.  A schedule class may define
-``from_engine(engine)`` to read options (e.g. TeraPipe's slices); otherwise it is built
-as ``cls(micro_batches=, stages=, stage_id=)``.
+deadlock.  Names are in :mod:`ds_mp.schedules.registry`.
 """
 from __future__ import annotations
 
 from typing import Iterator
 
 from deepspeed.runtime.pipe import schedule as ds
-
-SCHEDULES: dict[str, type] = {}
-
-
-def register_schedule(name: str, cls: type) -> type:
-    """Register ``cls`` (a ``deepspeed.runtime.pipe.schedule.PipeSchedule``) as ``name``."""
-    if not (isinstance(cls, type) and issubclass(cls, ds.PipeSchedule)):
-        raise TypeError(f"schedule {name!r} must be a PipeSchedule subclass, got {cls!r}")
-    SCHEDULES[name] = cls
-    return cls
-
 
 class OneFOneB(ds.TrainSchedule):
     """DeepSpeed's own 1F1B ``TrainSchedule`` (PipeDream-flush), unchanged.
@@ -86,6 +72,3 @@ class GPipe(ds.PipeSchedule):
                 cmds += [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
             yield cmds
 
-
-register_schedule("1f1b", OneFOneB)
-register_schedule("gpipe", GPipe)

@@ -184,7 +184,7 @@ def eval_cli(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ds_mp.checkpoint import CheckpointError
-    from ds_mp.generate import default_tokenizer_dir, hf_model_dir
+    from ds_mp.tools.generate import default_tokenizer_dir, hf_model_dir
 
     needs_tok = args.cloze is not None or (
         args.data is not None and Path(args.data).suffix not in (".npy", ".bin"))

@@ -39,8 +39,8 @@ Dropout: a replay must apply the masks its forward drew, so the RNG state is cap
 each locked forward and restored (in a forked stream) for its replay: module_backward(rng=...).
 The reference refuses dropout unless replay_dropout=True (the distributed engine always replays).
 
-Where the rest lives: the split, ring layout and per-rank timetable in ouroboros_schedule (light,
-registers the "ouroboros" schedule); the distributed engine on K-1 ranks in ouroboros_engine.
+Where the rest lives: the split, ring layout and per-rank timetable in ``timetable``; the
+distributed engine on K-1 ranks in ``ds_mp.engine.ouroboros``.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from transformers import GPT2LMHeadModel
 from transformers.masking_utils import create_causal_mask
 
-from ds_mp.pipeline.ouroboros_schedule import (Backward, Forward, OptimizerStep, RecvAct, RecvGrad, SendAct,
+from ds_mp.schedules.ouroboros.timetable import (Backward, Forward, OptimizerStep, RecvAct, RecvGrad, SendAct,
                                                SendGrad, Step, format_timetable, ouroboros_timetable, rank_steps,
                                                ring_layout, split_modules)
 

@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ds_mp.config import ConfigError
+
 Cost = Callable[[int, int], float]              # t(i, j): slice length i, context j -> seconds
 BatchCost = Callable[[int, int, int], float]    # t(b, i, j): same for a batch-slice of b sequences
 _CHUNK = 256                                    # caps evaluated together in one vectorised DP
@@ -322,3 +324,25 @@ def predicted_time_joint(plan: Sequence[tuple[int, Sequence[int]]], K: int,
     """T = Σ over every (batch-slice, token-slice) of t + (K − 1)·max t."""
     t = [c for b, s in plan for c in slice_costs(s, lambda i, j, b=b: cost(b, i, j))]
     return sum(t) + (K - 1) * max(t)
+
+
+# ------------------------------------------------------------------ plans the engine runs
+Plan = list[tuple[int, list[int]]]  # [(batch-slice rows, token slice lengths)], as plan_joint
+
+
+def explicit_plan(slices: Sequence[int], micro_batch: int, batch_slices: int) -> Plan:
+    """``batch_slices`` near-equal batch-slices, each cut into the same token ``slices``."""
+    if batch_slices > micro_batch:
+        raise ConfigError(f"ds_mp.terapipe.batch_slices: {batch_slices} exceeds the micro-batch size "
+                          f"{micro_batch}; use at most {micro_batch}")
+    return [(rows, list(slices)) for rows in uniform_slices(micro_batch, batch_slices)]
+
+
+def plan_for(cost: CostModel, B: int, L: int, K: int, batch_slices: int, granularity: int) -> Plan:
+    """The planner's slicing of a micro-batch (B, L) on K stages into n equal batch-slices."""
+    if B % batch_slices:
+        raise ConfigError(f"ds_mp.terapipe.batch_slices: {batch_slices} does not divide the micro-batch "
+                          f"size {B}; with slices='auto' use a divisor of {B}")
+    plan = plan_joint(B, L, K, batch_cost(cost, b_ref=B, overhead=cost.c0), granularity=granularity,
+                      batch_sizes=[B // batch_slices])
+    return [(b, list(s)) for b, s in plan]

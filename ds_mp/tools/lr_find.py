@@ -13,24 +13,12 @@ import os
 import torch
 
 
-def _optimizer(block: dict, params: list) -> torch.optim.Optimizer:
-    from ds_mp.optim import Lamb
-
-    kind = str(block.get("type", "AdamW")).lower()
-    kw = {k: v for k, v in block.get("params", {}).items() if k in ("betas", "eps", "weight_decay", "momentum")}
-    if kind == "lamb":
-        return Lamb(params, lr=1.0, **{k: v for k, v in kw.items() if k != "momentum"})
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=1.0, **{k: v for k, v in kw.items() if k in ("momentum", "weight_decay")})
-    cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
-    return cls(params, lr=1.0, **{k: v for k, v in kw.items() if k != "momentum"})
-
-
 def lr_find_cli(argv: list[str] | None = None) -> int:
     from ds_mp.config import load_config, read_json
+    from ds_mp.data import datasets_for
+    from ds_mp.engine.optimizer import single_process_optimizer
+    from ds_mp.models.gpt2 import hf_config_from
     from ds_mp.optim import lr_find
-    from ds_mp.runtime import hf_config_from
-    from ds_mp.train import _dataset
 
     p = argparse.ArgumentParser(prog="ds-mp lr-find", description=__doc__)
     p.add_argument("--config", required=True)
@@ -48,10 +36,10 @@ def lr_find_cli(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.training.seed)
     model = (GPT2LMHeadModel.from_pretrained(cfg.model) if isinstance(cfg.model, str)
              else GPT2LMHeadModel(hf_config_from(cfg.shape))).train()
-    _, train_ds, _ = _dataset(cfg)
+    _, train_ds, _ = datasets_for(cfg)
     micro = raw.get("train_micro_batch_size_per_gpu", 1) * raw.get("gradient_accumulation_steps", 1)
     sampler = ChunkSampler(train_ds, cfg.data.seq_len, micro, 1, 0, 1, cfg.data.seed)
-    opt = _optimizer(raw.get("optimizer", {}), list(model.parameters()))
+    opt = single_process_optimizer(raw.get("optimizer", {}), model)
 
     def step(lr: float) -> float:
         for g in opt.param_groups:

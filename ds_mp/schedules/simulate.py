@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from .slicing import Cost, plan_slices, slice_costs
+from ds_mp.schedules.terapipe.planner import Cost, plan_slices, slice_costs
 
 
 @dataclass(frozen=True, order=True)

@@ -3,13 +3,13 @@
     ds-mp timeline TRACE.json --out timeline.png [--title T]   Gantt chart, bubble fractions
     ds-mp plot RUN_DIR [--out curves.png]                      loss / val loss / tokens/s / LR
 
-A trace is what :class:`ds_mp.pipeline.engine.DsMpPipelineEngine` records with
+A trace is what :class:`ds_mp.engine.pipeline_engine.DsMpPipelineEngine` records with
 ``engine.trace_enabled = True``: per rank a list of ``(instruction, buffer_id, start, end)``
 in ``time.perf_counter()`` seconds.  :func:`gather_trace` collects every rank's list on
 rank 0, :func:`write_chrome_trace` writes it as Chrome-trace JSON (open it in
 https://ui.perfetto.dev or chrome://tracing), :func:`timeline_png` draws it.
 
-Bubble accounting (the simulator's definition, :mod:`ds_mp.pipeline.simulate`): with
+Bubble accounting (the simulator's definition, :mod:`ds_mp.schedules.simulate`): with
 makespan T = last end − first start over all ranks and compute_r = Σ forward + backward
 time on rank r,
 
@@ -196,7 +196,7 @@ def timeline_png(trace: str | dict, out_png: str, title: str = "pipeline timelin
 
 def timeline_cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ds-mp timeline", description="Gantt chart of a recorded pipeline trace.")
-    p.add_argument("trace", help="Chrome-trace JSON written by ds_mp.viz.write_chrome_trace")
+    p.add_argument("trace", help="Chrome-trace JSON written by ds_mp.tools.viz.write_chrome_trace")
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--title", default="pipeline timeline")
     args = p.parse_args(argv)

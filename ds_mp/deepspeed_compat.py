@@ -1,0 +1,136 @@
+"""Every use of a private DeepSpeed name, each with the DeepSpeed behaviour it relies on.
+
+ds_mp subclasses DeepSpeed's ``PipelineEngine`` and ``PipelineModule`` and reads a few of
+their private attributes.  Nothing else in ds_mp touches a name with a leading underscore
+of DeepSpeed's (the engine's subclass hooks ``_exec_*``/``_train_schedule`` are overridden
+in ``pipeline_engine.py`` and listed here).  :func:`check` verifies every assumption
+against the installed DeepSpeed and fails with a message that names the broken one; it
+runs when an engine is built, so an incompatible DeepSpeed fails there, not mid-step.
+
+Measured against DeepSpeed 0.19.x (``pyproject.toml`` pins ``<0.20``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class DeepSpeedIncompatible(RuntimeError):
+    """The installed DeepSpeed lacks a private name ds_mp relies on."""
+
+
+@dataclass(frozen=True)
+class Assumption:
+    owner: str  # "engine" (PipelineEngine), "module" (PipelineModule) or "ops" (deepspeed.ops)
+    name: str
+    behaviour: str  # what ds_mp relies on
+
+
+ASSUMPTIONS: tuple[Assumption, ...] = (
+    Assumption("engine", "_INSTRUCTION_MAP", "dict instruction type -> handler; _exec_schedule dispatches on "
+               "type(cmd) exactly, so new instruction types are added to a copy in the subclass"),
+    Assumption("engine", "_exec_schedule", "runs one schedule: reserves buffers, resets the list fwd_outputs "
+               "that _exec_forward_pass appends to, then runs every step's instructions"),
+    Assumption("engine", "_train_schedule", "train_batch builds its PipeSchedule through this hook"),
+    Assumption("engine", "_reserve_pipe_buffers", "grows pipe_buffers to num_pipe_buffers() slots"),
+    Assumption("engine", "_exec_load_micro_batch", "loads the next micro-batch into inputs/labels[buffer_id]"),
+    Assumption("engine", "_exec_recv_activations", "receives the previous stage's activations into a buffer"),
+    Assumption("engine", "_exec_forward_pass", "forwards a buffer; on the last stage sets self.loss when "
+               "self._compute_loss (set by train_batch/eval_batch)"),
+    Assumption("engine", "_exec_backward_pass", "backpropagates self.loss (last stage) or self.grad_layer"),
+    Assumption("engine", "_exec_reduce_grads", "DP gradient all-reduce (bf16/ZeRO aware)"),
+    Assumption("engine", "_exec_optimizer_step", "DeepSpeed's step: clipping, optimizer, LR scheduler, counters"),
+    Assumption("engine", "_next_batch", "next (inputs, labels) pair from the engine's data iterator"),
+    Assumption("engine", "reset_activation_shape", "forces the next p2p send to re-announce tensor metadata"),
+    Assumption("engine", "clip_fp32_gradients", "fp32 path of _take_model_step clips through this method"),
+    Assumption("module", "_build", "PipelineModule builds its local layers here (after creating _grid)"),
+    Assumption("module", "_partition_layers", "sets self.parts and the local layer bounds"),
+    Assumption("module", "_set_bounds", "_set_bounds(start, stop) makes layers [start, stop) local"),
+    Assumption("ops", "__compatible_ops__", "dict op name -> bool; False skips the op's JIT build"),
+)
+
+# Instance attributes, set in PipelineEngine.__init__ (checked on a live engine).
+ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
+    Assumption("engine", "pipe_buffers", "dict 'inputs'/'labels'/'outputs' -> list of per-buffer slots"),
+    Assumption("engine", "is_pipe_partitioned", "p2p sends 1/TP of an activation and all-gathers it"),
+    Assumption("engine", "is_grad_partitioned", "p2p sends 1/TP of a gradient and all-gathers it"),
+    Assumption("engine", "pipe_partition_input_meta_cache", "shape cache of partitioned activations"),
+    Assumption("engine", "pipe_partition_output_meta_cache", "shape cache of partitioned outputs"),
+    Assumption("engine", "pipe_partition_grad_meta_cache", "shape cache of partitioned gradients"),
+    Assumption("engine", "grad_partition_grad_layer_meta_cache", "shape cache of partitioned grad layers"),
+    Assumption("module", "_grid", "the PipelineParallelGrid the module created (process groups)"),
+    Assumption("module", "_topo", "the ProcessTopology the module was built with"),
+)
+
+
+def _owners() -> dict[str, Any]:
+    import deepspeed.ops
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    return {"engine": PipelineEngine, "module": PipelineModule, "ops": deepspeed.ops}
+
+
+def _fail(a: Assumption, where: str) -> DeepSpeedIncompatible:
+    import deepspeed
+
+    return DeepSpeedIncompatible(f"DeepSpeed {deepspeed.__version__}: {where} has no '{a.name}'; ds_mp relies on it "
+                                 f"({a.behaviour}); install deepspeed>=0.19,<0.20")
+
+
+def check(owners: dict[str, Any] | None = None) -> None:
+    """Raise :class:`DeepSpeedIncompatible` naming the first missing class-level assumption."""
+    owners = owners or _owners()
+    for a in ASSUMPTIONS:
+        if not hasattr(owners[a.owner], a.name):
+            raise _fail(a, getattr(owners[a.owner], "__name__", a.owner))
+
+
+def check_engine(engine: Any) -> None:
+    """Raise :class:`DeepSpeedIncompatible` naming the first missing instance attribute."""
+    for a in ENGINE_ATTRIBUTES:
+        target = engine if a.owner == "engine" else engine.module
+        if not hasattr(target, a.name):
+            raise _fail(a, type(target).__name__)
+
+
+# --- the accessors ds_mp uses ---------------------------------------------------------------
+def skip_op_build(name: str) -> None:
+    """Mark a DeepSpeed op incompatible so DeepSpeed never JIT-builds it (``__compatible_ops__``)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[name] = False
+
+
+def next_batch(engine: Any) -> Any:
+    return engine._next_batch()
+
+
+def pipe_buffers(engine: Any) -> dict:
+    return engine.pipe_buffers
+
+
+def forget_partitioned_shapes(engine: Any) -> None:
+    """With TP > 1 DeepSpeed sends activations/gradients partitioned over TP and caches each
+    partition's shape once; uneven token slices change shape, so forget the caches."""
+    engine.pipe_partition_input_meta_cache = engine.pipe_partition_output_meta_cache = None
+    engine.pipe_partition_grad_meta_cache = engine.grad_partition_grad_layer_meta_cache = None
+
+
+def send_whole_activations(engine: Any) -> None:
+    """Turn off DeepSpeed's TP-partitioned p2p (it assumes activations equal on all TP ranks;
+    sequence-parallel shards differ)."""
+    engine.is_pipe_partitioned = engine.is_grad_partitioned = False
+
+
+def module_grid(module: Any) -> Any:
+    return module._grid
+
+
+def module_topology(module: Any) -> Any:
+    return module._topo
+
+
+__all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine",
+           "skip_op_build", "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations",
+           "module_grid", "module_topology"]

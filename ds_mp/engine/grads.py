@@ -1,0 +1,79 @@
+"""Gradient maths every engine shares: the global norm, clipping, the non-finite check, the
+sequence-parallel sum.
+
+Ownership rule of the global norm ‖g‖₂ over a model sharded TP × PP (× DP replicas that
+hold identical reduced gradients): each rank adds the squares of the parameters it *owns*
+and one all-reduce over the model-parallel group (TP × PP) sums them —
+
+* a TP shard (``tp_kind`` ≠ ``"replicated"``): owned by every TP rank (each holds its part);
+* a replicated tensor: owned by TP rank 0 only;
+* the tied ``wte`` (on the first and the last stage): owned by the first stage only.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+
+def owned_parameters(module: torch.nn.Module, topology: Any) -> list[torch.nn.Parameter]:
+    """The parameters whose squares this rank contributes to the global norm (see module doc)."""
+    tied_ids: set[int] = set()
+    for key in getattr(module, "tied_modules", {}):
+        tied_ids |= {id(p) for p in module.tied_modules[key].parameters()}
+    tied_first = not (hasattr(module, "tied_comms") and topology.pp > 1) or topology.pp_rank == 0
+    out = []
+    for p in module.parameters():
+        if id(p) in tied_ids and not tied_first:
+            continue
+        if getattr(p, "tp_kind", "replicated") == "replicated" and topology.tp_rank != 0:
+            continue
+        out.append(p)
+    return out
+
+
+def sum_of_squares(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ‖t‖² in fp32 on ``device``, one fused kernel per dtype, no host sync."""
+    tensors = [t for t in tensors if t is not None]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([t.detach().float() if t.dtype != torch.float32 else t.detach() for t in tensors])
+    return torch.stack(norms).pow(2).sum().to(device)
+
+
+def global_grad_norm(module: torch.nn.Module, topology: Any, device: torch.device) -> float:
+    """‖g‖₂ over the whole model replica (ownership rule above): one all-reduce, one host sync."""
+    total = sum_of_squares((p.grad for p in owned_parameters(module, topology) if p.grad is not None), device)
+    if topology.tp * topology.pp > 1:
+        dist.all_reduce(total, group=topology.model_group)
+    return math.sqrt(float(total))
+
+
+def clip_(params: Iterable[torch.nn.Parameter], norm: float, max_norm: float) -> None:
+    """Scale gradients by ``max_norm / (norm + 1e-6)`` when that is below 1 (torch's rule)."""
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+
+def any_nonfinite(params: Iterable[torch.nn.Parameter], device: torch.device, group: Any = None) -> bool:
+    """True on every rank of ``group`` (default: the world) if any gradient anywhere is NaN/Inf."""
+    bad = (~torch.isfinite(sum_of_squares((p.grad for p in params), device))).float().reshape(1)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return bool(bad.item())
+
+
+def sum_sequence_parallel_grads(module: torch.nn.Module, group: Any) -> None:
+    """Sequence parallel: replicated parameters saw only this rank's tokens; sum over TP."""
+    for p in module.parameters():
+        if p.grad is not None and getattr(p, "tp_kind", "") == "replicated":
+            dist.all_reduce(p.grad, group=group)
+
+
+__all__ = ["owned_parameters", "sum_of_squares", "global_grad_norm", "clip_", "any_nonfinite",
+           "sum_sequence_parallel_grads"]

@@ -1,0 +1,87 @@
+"""Engine side of TeraPipe: the per-engine state and the handlers of its instructions.
+
+Imported by the engine when the ``terapipe`` schedule is selected (see
+``ds_mp.schedules.registry.ENGINE_SUPPORT``); :func:`attach` gives the engine a
+:class:`TeraPipeState`, and the three instructions of ``ds_mp.schedules.terapipe.schedule``
+are mapped to the handlers below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ds_mp import deepspeed_compat as compat
+from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
+from ds_mp.models.gpt2 import attending_to, shift_labels
+from ds_mp.schedules.terapipe.kv_cache import KVContext
+from ds_mp.schedules.terapipe.profile import engine_plan
+from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, LoadSlice, Plan
+
+
+@dataclass
+class TeraPipeState:
+    """What a TeraPipe engine keeps between instructions (and train_batch calls)."""
+
+    make_plan: Callable[[], Plan]  # collective on the first batch (auto slicing profiles the stage)
+    plan: Plan | None = None
+    context: KVContext = field(default_factory=KVContext)
+    micro: int = -1  # micro-batch currently loaded (batch kept for its remaining slices)
+    ids: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+
+    def new_batch(self) -> Plan:
+        """The slicing plan (made once), with the loaded micro-batch forgotten."""
+        if self.plan is None:
+            self.plan = self.make_plan()
+        self.micro = -1  # LoadSlice fetches micro-batch 0 afresh
+        return self.plan
+
+
+def attach(engine: Any) -> None:
+    engine.terapipe = TeraPipeState(make_plan=lambda: engine_plan(engine))
+
+
+def _exec_load_slice(self: Any, buffer_id: int, micro: int, rows: tuple[int, int],
+                     tokens: tuple[int, int]) -> None:
+    st = self.terapipe
+    if st.micro != micro:  # first unit of a new micro-batch: fetch it, keep it for its slices
+        ids, labels = compat.next_batch(self)
+        want = (sum(r for r, _ in st.plan), sum(st.plan[0][1]))
+        if tuple(ids.shape) != want:
+            raise RuntimeError(f"terapipe: micro-batch of shape {tuple(ids.shape)} but the slicing plan "
+                               f"{st.plan} expects {want}; match data.seq_len and the micro-batch size")
+        st.micro, st.ids = micro, ids.to(self.device)
+        st.targets = shift_labels(labels.to(self.device))  # (B, L): targets[:, t] = labels[:, t+1]
+        st.count = (st.targets != -100).sum().clamp(min=1)
+    (r0, r1), (a, b) = rows, tokens
+    if self.is_first_stage():
+        pos = torch.arange(a, b, device=self.device).unsqueeze(0)  # absolute positions (1, l)
+        compat.pipe_buffers(self)["inputs"][buffer_id] = (st.ids[r0:r1, a:b].clone(), pos)
+    if self.is_last_stage():
+        compat.pipe_buffers(self)["labels"][buffer_id] = (st.targets[r0:r1, a:b], st.count)
+    self.note_loaded(buffer_id)
+
+
+def _exec_forward_slice(self: Any, buffer_id: int, micro: int, batch_slice: int, slice: int) -> None:
+    compat.forget_partitioned_shapes(self)
+    context = self.terapipe.context
+    context.key = (micro, batch_slice)
+    with attending_to(self.module.blocks(), context):
+        self._exec_forward_pass(buffer_id)
+
+
+def _exec_backward_slice(self: Any, buffer_id: int, micro: int, batch_slice: int, slice: int) -> None:
+    compat.forget_partitioned_shapes(self)
+    self._exec_backward_pass(buffer_id)
+    if slice == 0:  # the sequence's first slice: no later backward needs its cache
+        self.terapipe.context.release((micro, batch_slice))
+
+
+DsMpPipelineEngine.register_instruction(LoadSlice, _exec_load_slice)
+DsMpPipelineEngine.register_instruction(ForwardSlice, _exec_forward_slice)
+DsMpPipelineEngine.register_instruction(BackwardSlice, _exec_backward_slice)
+
+__all__ = ["TeraPipeState", "attach"]

@@ -1,0 +1,1 @@
+"""The ``ds-mp`` command-line tools (``cli`` dispatches to the others)."""

@@ -1,0 +1,67 @@
+"""``ds-mp plan --config X.json [--profile]``: TeraPipe's slicing plan and its predicted speedups."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from ds_mp.config import ConfigError, load_config, parse_config, read_json
+from ds_mp.schedules.terapipe.planner import (CostModel, batch_cost, fit_cost_model, plan_for, predicted_time_joint,
+                                              uniform_slices)
+from ds_mp.schedules.terapipe.profile import profile_blocks, profile_path
+
+
+def plan_from_config(config: str | dict, profile: bool = False) -> dict:
+    """Plan TeraPipe slicing for a DeepSpeed JSON; print and return the scheme and predictions.
+
+    ``profile=True`` times a stage's blocks here (:func:`profile_blocks`) and saves the cost
+    model to the profile path first; otherwise the saved cost model is used.  Returns ``plan``
+    ([[rows, token slices], …]), ``predicted_time`` and the same for no slicing and the best
+    uniform slicing, with ``speedup_vs_no_slicing`` / ``speedup_vs_uniform`` (ratios of times).
+    """
+    raw = read_json(config)
+    parsed = parse_config(raw.get("ds_mp", {}))
+    cfg, raw = load_config(raw, world_size=parsed.tp * parsed.pp)  # one replica: DP does not matter
+    B, L, K = raw.get("train_micro_batch_size_per_gpu", 1), cfg.data.seq_len, cfg.pp
+    n, g, path = cfg.terapipe.batch_slices, cfg.terapipe.granularity, profile_path(cfg)
+    if profile:
+        cost, err = fit_cost_model(profile_blocks(cfg, B))
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        cost.save(path)
+        print(f"profiled {path} (fit mean relative error {err:.1%})")
+    elif not os.path.isfile(path):
+        raise ConfigError(f"ds_mp.terapipe.profile: no cost model at {path!r}; run with --profile "
+                          "or set ds_mp.terapipe.profile")
+    else:
+        cost = CostModel.load(path)
+    bc = batch_cost(cost, b_ref=B, overhead=cost.c0)
+    plan = plan_for(cost, B, L, K, n, g)
+    rows = uniform_slices(B, n)
+    uniform = min(([(b, uniform_slices(L, m)) for b in rows] for m in range(1, math.ceil(L / g) + 1)),
+                  key=lambda p: predicted_time_joint(p, K, bc))
+    t, t0, tu = (predicted_time_joint(p, K, bc) for p in (plan, [(b, [L]) for b in rows], uniform))
+    out = {"plan": [[b, s] for b, s in plan], "stages": K, "seq_len": L, "micro_batch": B, "profile": path,
+           "predicted_time": t, "no_slicing_time": t0, "best_uniform": [[b, s] for b, s in uniform],
+           "best_uniform_time": tu, "speedup_vs_no_slicing": t0 / t, "speedup_vs_uniform": tu / t}
+    print(f"terapipe plan for K={K} stages, micro-batch {B} x {L} tokens: {out['plan']}\n"
+          f"  predicted {t * 1e3:.3f} ms/micro-batch; {t0 / t:.2f}x vs no slicing ({t0 * 1e3:.3f} ms), "
+          f"{tu / t:.2f}x vs best uniform {out['best_uniform']} ({tu * 1e3:.3f} ms)")
+    return out
+
+
+def plan_cli(argv: list[str]) -> int:
+    """``ds-mp plan --config X.json [--profile]``: the slicing plan and its predicted speedups."""
+    ap = argparse.ArgumentParser(prog="ds-mp plan", description="TeraPipe slicing plan for a DeepSpeed JSON")
+    ap.add_argument("--config", required=True, help="DeepSpeed JSON with a ds_mp block")
+    ap.add_argument("--profile", action="store_true", help="time a stage's blocks here and save the cost model")
+    args = ap.parse_args(argv)
+    try:
+        plan_from_config(args.config, profile=args.profile)
+    except ConfigError as e:
+        print(f"ds-mp plan: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+__all__ = ["plan_from_config", "plan_cli"]

@@ -1,0 +1,1 @@
+"""The training loop (``loop``, run by ``launch/train.py``) and its metrics (``metrics``)."""

@@ -1,0 +1,140 @@
+"""The tree tells the architecture: ds_mp's modules form floors, and nothing imports from a
+floor above its own (no cycles either); ``import ds_mp.config`` stays light; every private
+DeepSpeed name ds_mp relies on exists, and a missing one fails with a message naming it."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+import ds_mp
+
+ROOT = os.path.dirname(ds_mp.__file__)
+
+# Floors, ground first.  A module may import from its own floor or below.
+FLOORS: list[tuple[str, ...]] = [
+    ("ds_mp", "ds_mp.config", "ds_mp.topology", "ds_mp.deepspeed_compat", "ds_mp.schedules.registry"),
+    ("ds_mp.tensor_parallel",),
+    ("ds_mp.models",),
+    ("ds_mp.data", "ds_mp.optim"),
+    ("ds_mp.checkpoint",),
+    ("ds_mp.schedules",),
+    ("ds_mp.engine",),
+    ("ds_mp.training",),
+    ("ds_mp.tools",),
+]
+
+
+def floor_of(module: str) -> int:
+    """The floor of the longest listed prefix of ``module``."""
+    best, floor = -1, None
+    for level, prefixes in enumerate(FLOORS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, floor = len(p), level
+    assert floor is not None, f"{module} is on no floor; add it to FLOORS"
+    return floor
+
+
+def modules() -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = path
+    return out
+
+
+def imports_of(path: str, module: str) -> set[str]:
+    """Every ds_mp module ``path`` imports, at module level or inside functions."""
+    tree = ast.parse(open(path).read())
+    found = set()
+    package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("ds_mp")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            if base.startswith("ds_mp"):
+                found.add(base)
+    return found
+
+
+def test_no_upward_imports() -> None:
+    bad = []
+    for module, path in modules().items():
+        for target in imports_of(path, module):
+            if module == "ds_mp" and target.startswith("ds_mp."):
+                continue  # the package root's public API imports lazily inside functions
+            if floor_of(target) > floor_of(module):
+                bad.append(f"{module} (floor {floor_of(module)}) imports {target} (floor {floor_of(target)})")
+    assert not bad, "upward imports:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycles() -> None:
+    mods = modules()
+    graph = {m: {t for t in imports_of(p, m) if t in mods and t != m} for m, p in mods.items()}
+    # a package's __init__ importing its own submodules is not a cycle between concerns
+    graph = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in graph.items()}
+    seen: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        seen[m] = 1
+        stack.append(m)
+        for t in graph[m]:
+            if seen.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(t):] + [t]))
+            if t not in seen:
+                visit(t)
+        stack.pop()
+        seen[m] = 2
+
+    for m in graph:
+        if m not in seen:
+            visit(m)
+
+
+def test_config_import_does_not_load_engines() -> None:
+    code = ("import sys, ds_mp, ds_mp.config, ds_mp.data; "
+            "bad = [m for m in sys.modules if m.startswith(('deepspeed.runtime.pipe.engine', 'ds_mp.engine', "
+            "'ds_mp.schedules.terapipe', 'ds_mp.schedules.ouroboros'))]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_registered_schedule_resolves() -> None:
+    from deepspeed.runtime.pipe.schedule import PipeSchedule
+
+    from ds_mp.schedules.registry import ENGINE_SUPPORT, SCHEDULES, resolve
+
+    import importlib
+    for name in SCHEDULES:
+        assert issubclass(resolve(name), PipeSchedule), name
+    for name, module in ENGINE_SUPPORT.items():
+        assert name in SCHEDULES and hasattr(importlib.import_module(module), "attach"), name
+
+
+def test_deepspeed_private_names_exist() -> None:
+    from ds_mp import deepspeed_compat as compat
+
+    compat.check()  # the installed DeepSpeed has every name ds_mp relies on
+
+
+def test_missing_private_name_fails_naming_the_assumption() -> None:
+    from ds_mp import deepspeed_compat as compat
+
+    owners = compat._owners()
+
+    fake = type("OldPipelineEngine", (), {k: getattr(owners["engine"], k) for k in dir(owners["engine"])
+                                          if k != "_next_batch" and not k.startswith("__")})
+    with pytest.raises(compat.DeepSpeedIncompatible, match=r"OldPipelineEngine has no '_next_batch'.*data iterator"):
+        compat.check({**owners, "engine": fake})

@@ -176,15 +176,17 @@ def loss_plot(path: str, tokens_per_step: int, steps_per_round: int, hist: dict,
     return path
 
 
-KINDS = {"forward": ("ForwardPass",), "backward": ("BackwardPass",),
-         "p2p (incl. waiting)": ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad"),
-         "optimizer": ("OptimizerStep",)}
+KINDS = {"forward": "forward", "backward": "backward", "p2p (incl. waiting)": "comm", "optimizer": "optimizer"}
 
 
 def breakdown(hist: dict, total_steps: int) -> dict[str, list[dict[str, float]]]:
-    """Per config, per rank: milliseconds per training step spent in each of KINDS."""
-    return {name: [{kind: 1e3 * sum(h["instruction_s"].get(k, 0.0) for k in ks) / total_steps
-                    for kind, ks in KINDS.items()} for h in per_rank] for name, per_rank in hist.items()}
+    """Per config, per rank: milliseconds per training step spent in each of KINDS (classified by
+    ``ds_mp.training.metrics.instruction_kind``, the same for every schedule)."""
+    from ds_mp.training.metrics import instruction_kind
+
+    return {name: [{label: 1e3 * sum(t for n, t in h["instruction_s"].items() if instruction_kind(n) == kind)
+                    / total_steps for label, kind in KINDS.items()} for h in per_rank]
+            for name, per_rank in hist.items()}
 
 
 def run(quick: bool, out_dir: str) -> dict:

@@ -58,11 +58,12 @@ class ScheduleBench(DsMpBench):
 
     def use(self, schedule: str, plan: list | None = None) -> None:
         """Run ``schedule`` from now on; for TeraPipe with ``plan`` = [(rows, token slices)]."""
-        from ds_mp.engine.terapipe import TeraPipeState
+        from ds_mp.engine import terapipe
 
         self.engine.schedule_name = schedule
-        if plan is not None:
-            self.engine._terapipe = TeraPipeState([(b, list(s)) for b, s in plan])
+        if plan is not None:  # the engine side of TeraPipe with a fixed plan
+            self.engine.schedule_support = terapipe.attach(self.engine)
+            self.engine.terapipe.plan = [(b, list(s)) for b, s in plan]
 
     def profile(self, granularity: int) -> list[tuple[int, int, float]]:
         """(i, j, seconds) of this rank's stage: forward+backward of i tokens after j."""

@@ -262,9 +262,9 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
         if k > shape.n_layer:
             raise ConfigError(f"ds_mp.ouroboros.modules: K={k} exceeds n_layer={shape.n_layer}; "
                               f"use at most {shape.n_layer} modules")
-        if tp.size > 1:
-            raise ConfigError(f"ds_mp.tensor_parallel.size: {tp.size}, but the ouroboros schedule runs whole "
-                              "modules per rank (no TP inside modules); set tensor_parallel.size to 1")
+        if pp.activation_checkpoint_interval:
+            raise ConfigError("ds_mp.pipeline.activation_checkpoint_interval: ouroboros already recomputes every "
+                              "delayed module's forward (features replay); set it to 0")
     elif pp.stages > shape.n_layer:
         raise ConfigError(f"ds_mp.pipeline.stages: {pp.stages} stages but the model has "
                           f"{shape.n_layer} blocks; use at most {shape.n_layer} stages")

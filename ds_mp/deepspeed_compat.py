@@ -40,6 +40,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("engine", "_exec_backward_pass", "backpropagates self.loss (last stage) or self.grad_layer"),
     Assumption("engine", "_exec_reduce_grads", "DP gradient all-reduce (bf16/ZeRO aware)"),
     Assumption("engine", "_exec_optimizer_step", "DeepSpeed's step: clipping, optimizer, LR scheduler, counters"),
+    Assumption("engine", "_aggregate_total_loss", "train_batch's mean loss of the batch, broadcast from the loss "
+               "stage to every stage (Ouroboros computes its loss on stage 0 and overrides it)"),
     Assumption("engine", "_next_batch", "next (inputs, labels) pair from the engine's data iterator"),
     Assumption("engine", "reset_activation_shape", "forces the next p2p send to re-announce tensor metadata"),
     Assumption("engine", "clip_fp32_gradients", "fp32 path of _take_model_step clips through this method"),

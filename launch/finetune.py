@@ -10,9 +10,12 @@ shards), trains, evaluates, and writes an HF directory to <output_dir>/hf that
 """
 import sys
 
+from ds_mp.engine.initialize import shutdown_distributed
 from ds_mp.training.loop import main
 
 if __name__ == "__main__":
     if "--model" not in sys.argv:
         sys.exit("launch/finetune.py: pass --model <HF GPT-2 directory> (use launch/train.py to train from scratch)")
-    sys.exit(main())
+    code = main()
+    shutdown_distributed(clean=code == 0)
+    sys.exit(code)

@@ -8,7 +8,10 @@ JSON's "ds_mp" block; see README "Config reference".
 """
 import sys
 
+from ds_mp.engine.initialize import shutdown_distributed
 from ds_mp.training.loop import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    shutdown_distributed(clean=code == 0)
+    sys.exit(code)

@@ -38,8 +38,8 @@ def test_ouroboros_train_checkpoint_resume_export(tmp_path, data, K):
     with open(os.path.join(run, "checkpoints", "latest")) as f:
         tag = f.read().strip()
     assert tag == "step2"
-    inflight = {f for f in os.listdir(os.path.join(run, "checkpoints", tag)) if f.startswith("ouroboros_inflight")}
-    assert inflight == {f"ouroboros_inflight_pp{r:02d}_dp00.pt" for r in range(K - 1)}
+    inflight = {f for f in os.listdir(os.path.join(run, "checkpoints", tag)) if f.startswith("schedule-")}
+    assert inflight == {f"schedule-pp{r:02d}-tp00-dp00.pt" for r in range(K - 1)}  # each ring rank's work in flight
 
     cfg["ds_mp"]["training"]["steps"] = 4
     proc = launch(str(tmp_path), cfg, n=K - 1, args=("--resume",))

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from ds_mp.schedules.ouroboros.algorithm import (Backward, Forward, OptimizerStep, OuroborosReference, RecvAct,
-                                      RecvGrad, SendAct, SendGrad, format_timetable, ouroboros_timetable,
+from ds_mp.schedules.ouroboros.algorithm import (ModuleBackward, ModuleForward, UpdateModules, OuroborosReference, RecvHidden,
+                                      RecvDelta, SendHidden, SendDelta, format_timetable, ouroboros_timetable,
                                       ring_layout, split_modules)
 
 VOCAB, SEQ, BATCH = 101, 8, 2
@@ -77,13 +77,13 @@ def unroll(K: int, T: int) -> tuple[dict, list[list[dict]]]:
     recvs = [[{"act": 0, "grad": 0} for _ in range(R)] for _ in range(T)]
 
     def local(r: int, t: int, st) -> None:
-        if isinstance(st, Forward):
+        if isinstance(st, ModuleForward):
             m, s = st.module, st.sample
             assert owner[m] == r and s == t and (m == 0 or (m - 1, s) in acts[r])
             assert (m, s) not in done["F"]
             done["F"][(m, s)] = t
             acts[r].add((m, s))
-        elif isinstance(st, Backward):
+        elif isinstance(st, ModuleBackward):
             m, s = st.module, st.sample
             assert owner[m] == r and (m, s) in done["F"] and (m, s) not in done["B"]
             assert t == s + (K - 1 - m), "delay of G_m must be K-1-m"
@@ -92,7 +92,7 @@ def unroll(K: int, T: int) -> tuple[dict, list[list[dict]]]:
             done["B"][(m, s)] = t
             grads[r][(m, s)] = t
         else:
-            assert isinstance(st, OptimizerStep)
+            assert isinstance(st, UpdateModules)
 
     while any(head[r] < len(prog[r]) for r in range(R)):
         progressed = False
@@ -100,19 +100,19 @@ def unroll(K: int, T: int) -> tuple[dict, list[list[dict]]]:
             if head[r] == len(prog[r]):
                 continue
             t, st = prog[r][head[r]]
-            if isinstance(st, (Forward, Backward, OptimizerStep)):
+            if isinstance(st, (ModuleForward, ModuleBackward, UpdateModules)):
                 local(r, t, st)
                 head[r] += 1
                 progressed = True
-            elif isinstance(st, (SendAct, SendGrad)):
+            elif isinstance(st, (SendHidden, SendDelta)):
                 p = st.peer
                 if head[p] == len(prog[p]):
                     continue
                 tp, other = prog[p][head[p]]
-                want = RecvAct if isinstance(st, SendAct) else RecvGrad
+                want = RecvHidden if isinstance(st, SendHidden) else RecvDelta
                 if other == want(st.module, st.sample, r):
                     assert tp == t, "send and receive happen at the same iteration"
-                    if isinstance(st, SendAct):
+                    if isinstance(st, SendHidden):
                         assert (st.module, st.sample) in acts[r]
                         acts[p].add((st.module, st.sample))
                         recvs[t][p]["act"] += 1
@@ -238,7 +238,7 @@ def test_warmup_zero_grads_and_half_tied(make_opt):
     table = ouroboros_timetable(K, K)
     for t, (ids, labels) in enumerate(data):
         ref.step(ids, labels)
-        expected = {st.module: st.sample for row in table[t] for st in row if isinstance(st, Backward)}
+        expected = {st.module: st.sample for row in table[t] for st in row if isinstance(st, ModuleBackward)}
         assert ref.backward_samples == [expected.get(m) for m in range(K)]
         for m in range(K):
             moved = [n for n, p in ref.model.named_parameters()

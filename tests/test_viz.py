@@ -104,3 +104,13 @@ def test_plot_run_and_cli(tmp_path):
     out = tmp_path / "c.png"
     assert cli_main(["plot", str(run), "--out", str(out)]) == 0 and out.read_bytes().startswith(PNG_MAGIC)
     assert cli_main(["plot", str(tmp_path / "nope")]) == 2
+
+
+def test_log_bubble_counts_every_schedules_compute():
+    """The training log's bubble counts TeraPipe's slices and Ouroboros' module passes as compute
+    (it read 1.000 for TeraPipe when only ForwardPass/BackwardPass counted)."""
+    from ds_mp.training.metrics import bubble
+
+    assert bubble({"ForwardPass": 1.0, "BackwardPass": 2.0, "SendActivation": 0.5}, 4.0) == pytest.approx(0.25)
+    assert bubble({"ForwardSlice": 1.0, "BackwardSlice": 2.0, "LoadSlice": 0.5}, 4.0) == pytest.approx(0.25)
+    assert bubble({"ModuleForward": 1.0, "ModuleBackward": 2.0, "UpdateModules": 0.5}, 4.0) == pytest.approx(0.25)

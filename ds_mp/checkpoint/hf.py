@@ -227,17 +227,13 @@ def gather_stage(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_hf(engine: Any, out_dir: str, tokenizer_dir: str | None = None) -> None:
-    """Collective (every rank calls it): global rank 0 writes an HF GPT-2 directory.
+def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """Collective (every rank calls it): every weight by HF name, full (unsharded, true vocab),
+    fp32 on CPU, on global rank 0; ``{}`` elsewhere.
 
-    TP shards are gathered to TP rank 0 of each stage of DP replica 0, whose stage
-    dicts are gathered over the pipeline group to global rank 0.  A write error on rank
-    0 is re-raised on every rank.  ``out_dir`` is replaced atomically if it exists.
-    Weights are written in fp32 (a bf16 engine's module weights, upcast exactly).
+    TP shards are gathered to TP rank 0 of each stage of DP replica 0, whose stage dicts are
+    gathered over the pipeline group to global rank 0.
     """
-    if hasattr(engine, "save_hf"):  # engines with their own layout (Ouroboros) export themselves
-        engine.save_hf(out_dir, tokenizer_dir)
-        return
     topo = engine.topology
     tensors: dict[str, torch.Tensor] = {}
     if topo.dp_rank == 0:
@@ -246,8 +242,19 @@ def save_hf(engine: Any, out_dir: str, tokenizer_dir: str | None = None) -> None
             stages = [None] * topo.pp if topo.rank == 0 else None
             dist.gather_object(tensors, stages, dst=0, group=topo.pp_group)
             tensors = {k: v for d in (stages or []) for k, v in d.items()}
+    return tensors if topo.rank == 0 else {}
+
+
+def save_hf(engine: Any, out_dir: str, tokenizer_dir: str | None = None) -> None:
+    """Collective (every rank calls it): global rank 0 writes an HF GPT-2 directory.
+
+    The weights come from :func:`full_state_dict`.  A write error on rank 0 is re-raised on
+    every rank.  ``out_dir`` is replaced atomically if it exists.  Weights are written in
+    fp32 (a bf16 engine's module weights, upcast exactly).
+    """
+    tensors = full_state_dict(engine)
     error = ""
-    if topo.rank == 0:
+    if engine.topology.rank == 0:
         try:
             write_hf_dir(tensors, engine.hf_config, out_dir, tokenizer_dir=tokenizer_dir, overwrite=True)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below

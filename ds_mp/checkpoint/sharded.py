@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ds_mp.models.gpt2 import GPT2_TP_PLAN, layer_index, tp_kind
+from ds_mp.models.gpt2 import GPT2_TP_PLAN, layer_index, pipeline_layers, tp_kind
 from ds_mp.tensor_parallel.sharding import shard, unshard
 
 FORMAT, VERSION = "ds_mp.sharded", 1
@@ -59,9 +59,9 @@ def expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def stage_of(name: str, n_layer: int, parts: list[int]) -> int:
+def stage_of(name: str, layers: list[str], parts: list[int]) -> int:
     """The stage whose layer range ``[parts[s], parts[s+1])`` holds ``name``'s layer."""
-    return bisect.bisect_right(parts, layer_index(canonical_name(name), n_layer)) - 1
+    return bisect.bisect_right(parts, layer_index(canonical_name(name), layers)) - 1
 
 
 def shard_shape(full: tuple[int, ...], kind: str, tp: int, n_head: int, padded_vocab: int) -> tuple[int, ...]:
@@ -74,8 +74,11 @@ def shard_file(path: str, prefix: str, stage: int, rank: int) -> str:
     return os.path.join(path, f"{prefix}-pp{stage:02d}-tp{rank:02d}.safetensors")
 
 
-def make_meta(cfg: Any, tp: int, parts: list[int], padded_vocab: int, has_optimizer: bool = False) -> dict:
+def make_meta(cfg: Any, tp: int, parts: list[int], padded_vocab: int, has_optimizer: bool = False,
+              layers: list[str] | None = None) -> dict:
+    """``layers``: the pipeline's layer order when it is not ``pipeline_layers`` (a ring layout)."""
     return {"format": FORMAT, "version": VERSION, "tp": tp, "pp": len(parts) - 1, "parts": list(parts),
+            "layers": list(layers or pipeline_layers(cfg.n_layer)),
             "vocab_size": cfg.vocab_size, "padded_vocab": padded_vocab, "has_optimizer": has_optimizer,
             "hf_config": cfg.to_dict()}
 
@@ -98,7 +101,7 @@ def write_sharded(get: Any, cfg: Any, out: str, tp: int, parts: list[int], padde
     names = list(expected_shapes(cfg))
     for s in range(len(parts) - 1):
         per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-        for name in (n for n in names if stage_of(n, cfg.n_layer, parts) == s):
+        for name in (n for n in names if stage_of(n, pipeline_layers(cfg.n_layer), parts) == s):
             full = get(name)
             for r in range(tp):
                 piece = shard(full, tp_kind(name), r, tp, n_head=cfg.n_head, padded_vocab=padded_vocab)
@@ -152,7 +155,7 @@ class ShardedReader:
                     self._index_optim_file(s, r, want)
 
     def stage_of(self, name: str) -> int:
-        return stage_of(name, self.config.n_layer, self.parts)
+        return stage_of(name, self.meta.get("layers") or pipeline_layers(self.config.n_layer), self.parts)
 
     def _open(self, prefix: str, s: int, r: int) -> Any:
         """A fresh handle per access: its memory map (pages counted in RSS) ends with it."""

@@ -51,10 +51,7 @@ def _optimizer(engine: Any) -> torch.optim.Optimizer | None:
 
 
 def _is_native(engine: Any) -> bool:
-    """bf16/fp16/ZeRO wrap the optimizer in DeepSpeed's flat-buffer classes; the Ouroboros
-    engine (not a pipeline of layers) keeps its in-flight state in DeepSpeed's format too."""
-    if getattr(engine, "schedule_name", "") == "ouroboros":
-        return True
+    """bf16/fp16/ZeRO wrap the optimizer in DeepSpeed's flat-buffer classes."""
     return engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer)
 
 
@@ -171,9 +168,13 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
     def write() -> None:
         if topo.dp_rank == 0:
             _write_rank_files(engine, opt, tmp)
+        extra = _schedule_state(engine)
+        if extra is not None:  # work a schedule keeps in flight across steps (Ouroboros), per rank
+            torch.save({"layout": _layout(engine), "state": extra}, _extra_file(tmp, topo))
         if topo.rank == 0:
             meta = make_meta(engine.hf_config, topo.tp, list(engine.module.parts),
-                             engine.module.ds_mp_ctx.padded_vocab, has_optimizer=opt is not None)
+                             engine.module.ds_mp_ctx.padded_vocab, has_optimizer=opt is not None,
+                             layers=engine.module.layer_names)
             write_meta(tmp, meta)
             torch.save(_trainer_state(engine, opt, client_state or {}), os.path.join(tmp, TRAINER_STATE))
 
@@ -188,14 +189,53 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
     return final
 
 
-def latest_tag(ckpt_root: str) -> str:
-    path = os.path.join(ckpt_root, LATEST)
+def _schedule_state(engine: Any) -> dict | None:
+    hook = getattr(engine, "schedule_state_dict", None)
+    return hook() if hook is not None else None
+
+
+def _extra_file(path: str, topo: Any) -> str:
+    return os.path.join(path, f"schedule-pp{topo.pp_rank:02d}-tp{topo.tp_rank:02d}-dp{topo.dp_rank:02d}.pt")
+
+
+def _load_extra(engine: Any, path: str) -> None:
+    """The schedule's in-flight state of this rank (saved only by schedules that keep one; it
+    is tied to the layout it was saved at, unlike the weights)."""
+    if _schedule_state(engine) is None:
+        return
+    file = _extra_file(path, engine.topology)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{path}: no {os.path.basename(file)}; schedule {engine.schedule_name!r} keeps work "
+                              "in flight across steps and resumes only at the layout it was saved with (or start "
+                              "from the weights with ds_mp.training.init_from)")
+    saved = torch.load(file, map_location="cpu", weights_only=True)
+    if saved["layout"] != _layout(engine):
+        raise CheckpointError(f"{file}: in-flight {engine.schedule_name} state saved at {saved['layout']}, the engine "
+                              f"has {_layout(engine)}; resume at the same layout or start from the weights with init_from")
+    engine.load_schedule_state_dict(saved["state"])
+
+
+def read_latest(ckpt_root: str) -> str | None:
+    """The tag ``<ckpt_root>/latest`` points at, or None when there is no finished checkpoint."""
     try:
-        with open(path) as f:
-            return f.read().strip()
-    except FileNotFoundError:
+        with open(os.path.join(ckpt_root, LATEST)) as f:
+            return f.read().strip() or None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """``path`` itself, or (a checkpoint root) the directory its ``latest`` pointer names."""
+    tag = read_latest(path)
+    return os.path.join(path, tag) if tag else path
+
+
+def latest_tag(ckpt_root: str) -> str:
+    tag = read_latest(ckpt_root)
+    if tag is None:
         raise CheckpointError(f"{ckpt_root}: no '{LATEST}' file, so no finished checkpoint; pass tag= "
-                              "or check the path") from None
+                              "or check the path")
+    return tag
 
 
 def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict:
@@ -252,4 +292,5 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict
         engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
     engine.global_steps, engine.global_samples = trainer["global_steps"], trainer["global_samples"]
     engine.skipped_steps = trainer["skipped_steps"]
+    _load_extra(engine, path)
     return trainer["client_state"]

@@ -11,6 +11,7 @@ from ds_mp import deepspeed_compat as compat
 from ds_mp.config import ConfigError, DsMpConfig, load_config, read_json
 from ds_mp.engine.optimizer import optimizer_setup
 from ds_mp.models.gpt2 import WeightSource, build_gpt2_pipeline, hf_config_from
+from ds_mp.schedules.registry import resolve
 from ds_mp.topology import Topology
 
 
@@ -34,6 +35,16 @@ def init_distributed(timeout_s: float | None = None) -> None:
                              ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")):
             os.environ.setdefault(key, default)  # a plain `python script.py` is a 1-rank job
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=secs), verbose=False)
+
+
+def shutdown_distributed(clean: bool) -> None:
+    """Tear the process groups down before the interpreter exits (a gloo group left to the
+    exit-time destructors has aborted a finished rank: "terminate called without an active
+    exception").  ``clean``: every rank finished the same collectives, so a barrier is safe."""
+    if torch.distributed.is_initialized():
+        if clean:
+            torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def weight_source(model: Any, cfg: DsMpConfig, seed: int) -> WeightSource:
@@ -82,16 +93,13 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     topology = Topology(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=torch.distributed.get_rank())
     seed_everything(cfg.training.seed, topology.tp_rank)
     src = weight_source(model, cfg, cfg.training.seed)
-    if cfg.pipeline.schedule == "ouroboros":  # K-1 ring ranks with their own engine, not a PipelineModule
-        from ds_mp.engine.ouroboros import build_ouroboros_engine
-
-        return build_ouroboros_engine(src, cfg, raw, topology, args=args, optimizer=optimizer,
-                                      lr_scheduler=lr_scheduler, training_data=training_data)
+    schedule = resolve(cfg.pipeline.schedule)
+    layout = schedule.pipeline_layout(cfg.shape.n_layer, cfg.pp) if hasattr(schedule, "pipeline_layout") else None
     net = build_gpt2_pipeline(src, topology, partition=cfg.pipeline.partition,
                               sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                               vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,
                               activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
-                              dynamic_shape=cfg.pipeline.schedule == "terapipe")
+                              dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout)
     ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
     ds_dict.setdefault("train_micro_batch_size_per_gpu", 1)
     ds_dict.setdefault("gradient_accumulation_steps", 1)

@@ -52,8 +52,10 @@ class DsMpPipelineEngine(PipelineEngine):
         if getattr(getattr(self.module, "ds_mp_ctx", None), "sp", False):
             compat.send_whole_activations(self)
         support = ENGINE_SUPPORT.get(self.schedule_name)
-        if support:  # registers the schedule's instruction handlers, gives the engine its state
-            importlib.import_module(support).attach(self)
+        # The schedule's engine side: importing it registers its instruction handlers; attach()
+        # returns its per-engine state, which may define state_dict/load_state_dict (work in
+        # flight across steps), aggregate_loss() and eval_batch(data_iter, n).
+        self.schedule_support = importlib.import_module(support).attach(self) if support else None
 
     # --- extension points -------------------------------------------------------------
     @classmethod
@@ -115,7 +117,23 @@ class DsMpPipelineEngine(PipelineEngine):
         return super().train_batch(self._announce_shape(data_iter))
 
     def eval_batch(self, data_iter: Any, *args: Any, **kwargs: Any) -> Any:
+        hook = getattr(self.schedule_support, "eval_batch", None)
+        if hook is not None:
+            return hook(data_iter, *args, **kwargs)
         return super().eval_batch(self._announce_shape(data_iter), *args, **kwargs)
+
+    def _aggregate_total_loss(self) -> torch.Tensor:
+        hook = getattr(self.schedule_support, "aggregate_loss", None)
+        return hook() if hook is not None else super()._aggregate_total_loss()
+
+    # --- schedule state that lives across steps (checkpointed per rank) -----------------
+    def schedule_state_dict(self) -> dict | None:
+        """The schedule's in-flight state on this rank, or None if it keeps none."""
+        hook = getattr(self.schedule_support, "state_dict", None)
+        return hook() if hook is not None else None
+
+    def load_schedule_state_dict(self, state: dict) -> None:
+        self.schedule_support.load_state_dict(state)
 
     # --- labels travel with their micro-batch -----------------------------------------
     def note_loaded(self, buffer_id: int) -> None:

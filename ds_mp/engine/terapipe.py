@@ -40,8 +40,9 @@ class TeraPipeState:
         return self.plan
 
 
-def attach(engine: Any) -> None:
+def attach(engine: Any) -> TeraPipeState:
     engine.terapipe = TeraPipeState(make_plan=lambda: engine_plan(engine))
+    return engine.terapipe
 
 
 def _exec_load_slice(self: Any, buffer_id: int, micro: int, rows: tuple[int, int],

@@ -61,11 +61,12 @@ def pipeline_layers(n_layer: int) -> list[str]:
     return ["wte", "wpe", *(f"h.{i}" for i in range(n_layer)), "ln_f", "lm_head"]
 
 
-def layer_index(hf_name: str, n_layer: int) -> int:
-    """Pipeline layer holding the HF parameter ``hf_name`` (its first occurrence: ``wte`` -> 0)."""
+def layer_index(hf_name: str, layers: list[str]) -> int:
+    """Index in ``layers`` (a :func:`pipeline_layers` order, or a reordering of it) of the layer
+    holding the HF parameter ``hf_name`` (its first occurrence for the tied ``wte``)."""
     rest = re.sub(r"^transformer\.", "", hf_name)
     prefix = ".".join(rest.split(".")[:2]) if rest.startswith("h.") else rest.split(".")[0]
-    return pipeline_layers(n_layer).index(prefix)
+    return layers.index(prefix)
 
 
 def hf_param_name(module_name: str, pipe: "GPT2Pipeline") -> str:
@@ -74,7 +75,7 @@ def hf_param_name(module_name: str, pipe: "GPT2Pipeline") -> str:
     head, rest = module_name.split(".", 1)
     if head == "tied_modules":  # tied_modules.wte.wte.weight
         return "transformer.wte.weight"
-    prefix = pipeline_layers(pipe.n_layer)[int(head)]
+    prefix = pipe.layer_names[int(head)]
     if prefix == "wpe":
         return "transformer.wpe.weight"
     if prefix == "ln_f":
@@ -355,9 +356,10 @@ def _balance(n_layer: int, stages: int, block_w: int, embed_w: int) -> list[int]
 class GPT2Pipeline(PipelineModule):
     """GPT-2 as a PipelineModule; our partition replaces DeepSpeed's."""
 
-    def __init__(self, layers: list, parts: list[int], topology: Topology, ctx: Ctx, **kw: Any) -> None:
+    def __init__(self, layers: list, layer_names: list[str], parts: list[int], topology: Topology, ctx: Ctx,
+                 **kw: Any) -> None:
         self._ds_mp_parts, self.ds_mp_topology, self.ds_mp_ctx = parts, topology, ctx
-        self.n_layer = len(layers) - 4
+        self.layer_names = layer_names  # the pipeline_layers() entries in this pipeline's order
         super().__init__(layers=layers, topology=topology.topo, loss_fn=LMLoss(ctx), **kw)
 
     def _build(self) -> None:
@@ -375,8 +377,13 @@ class GPT2Pipeline(PipelineModule):
 
 def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str | list = "uniform",
                         sequence_parallel: bool = False, vocab_pad_multiple: int = 128,
-                        activation_checkpoint_interval: int = 0, dynamic_shape: bool = False) -> GPT2Pipeline:
+                        activation_checkpoint_interval: int = 0, dynamic_shape: bool = False,
+                        layout: tuple[list[str], list[int]] | None = None) -> GPT2Pipeline:
     """Build this rank's stage of GPT-2 (reading only its weights from ``src``).
+
+    ``layout = (layer names, parts)`` replaces the default order :func:`pipeline_layers` and the
+    ``partition`` with a reordering of the same layers (e.g. Ouroboros' ring, where stage 0 holds
+    the first and the last module); stage s holds layers ``[parts[s], parts[s+1])`` of it.
 
     ``dynamic_shape`` makes DeepSpeed announce activation shapes on every send (TeraPipe's
     uneven slices); otherwise the engine re-announces only when the sequence length changes.
@@ -403,9 +410,12 @@ def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str
             return LayerSpec(FinalNorm, src, ctx)
         return LayerSpec(Block, src, int(prefix.split(".")[1]), ctx)
 
-    layers = [spec(prefix) for prefix in pipeline_layers(L)]
-    parts = stage_parts(L, topology.pp, partition, cfg.n_embd, cfg.vocab_size)
-    return GPT2Pipeline(layers, parts, topology, ctx,
+    names, parts = layout or (pipeline_layers(L), stage_parts(L, topology.pp, partition, cfg.n_embd, cfg.vocab_size))
+    if sorted(names) != sorted(pipeline_layers(L)) or len(parts) != topology.pp + 1:
+        raise ValueError(f"layout {names} / {parts} is not a reordering of GPT-2's {L + 4} layers over "
+                         f"{topology.pp} stages")
+    layers = [spec(prefix) for prefix in names]
+    return GPT2Pipeline(layers, names, parts, topology, ctx,
                         activation_checkpoint_interval=activation_checkpoint_interval,
                         dynamic_shape=dynamic_shape)
 

@@ -28,6 +28,7 @@ SCHEDULES: dict[str, Union[str, type]] = {
 # schedule name -> module whose import registers its instruction handlers on the engine
 ENGINE_SUPPORT: dict[str, str] = {
     "terapipe": "ds_mp.engine.terapipe",
+    "ouroboros": "ds_mp.engine.ouroboros",
 }
 
 

@@ -19,11 +19,9 @@ def hf_model_dir(path: str, tmp: str) -> str:
     else an export (``ds_to_hf``) of the ds_mp checkpoint into ``tmp``."""
     from ds_mp.checkpoint import CheckpointError, ds_to_hf
     from ds_mp.checkpoint.sharded import is_sharded_dir
-    from ds_mp.checkpoint.training import LATEST, NATIVE
+    from ds_mp.checkpoint.training import NATIVE, resolve_checkpoint
 
-    if os.path.isfile(os.path.join(path, LATEST)):  # a checkpoint root: follow its pointer
-        with open(os.path.join(path, LATEST)) as f:
-            path = os.path.join(path, f.read().strip())
+    path = resolve_checkpoint(path)  # a checkpoint root: follow its pointer
     if os.path.isfile(os.path.join(path, NATIVE)):
         raise CheckpointError(f"{path}: a bf16/ZeRO checkpoint in DeepSpeed's own format cannot be exported "
                               "offline; use the HF directory training wrote to <output_dir>/hf")
@@ -42,14 +40,12 @@ def default_tokenizer_dir(path: str, hf_dir: str) -> str | None:
     else (training checkpoints) the tokenizer of the dataset it was trained on."""
     import torch
 
-    from ds_mp.checkpoint.training import LATEST, TRAINER_STATE
+    from ds_mp.checkpoint.training import TRAINER_STATE, resolve_checkpoint
     from ds_mp.data import DataError, DatasetInfo
 
     if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")) or os.path.isfile(os.path.join(hf_dir, "vocab.json")):
         return hf_dir
-    if os.path.isfile(os.path.join(path, LATEST)):
-        with open(os.path.join(path, LATEST)) as f:
-            path = os.path.join(path, f.read().strip())
+    path = resolve_checkpoint(path)
     state = os.path.join(path, TRAINER_STATE)
     if not os.path.isfile(state):
         return None

@@ -27,29 +27,13 @@ import sys
 import time
 from typing import Any
 
+from ds_mp.training.metrics import COMPUTE_KINDS, instruction_kind
+
 Trace = list[tuple[str, int, float, float]]  # (instruction, buffer_id, start_s, end_s)
 
 # instruction kind -> colour of its bars
 KIND_COLOURS: dict[str, str] = {"forward": "#4C72B0", "backward": "#DD8452", "comm": "#B0B0B0",
                                 "optimizer": "#55A868", "other": "#8172B3"}
-COMPUTE_KINDS = ("forward", "backward")
-
-
-def instruction_kind(name: str) -> str:
-    """``ForwardPass`` -> forward, ``BackwardPass`` -> backward, ``Send*``/``Recv*`` -> comm,
-    ``OptimizerStep`` -> optimizer, anything else (loads, grad reductions) -> other.  New
-    instruction types (TeraPipe, Ouroboros) are classified by the same substrings."""
-    if "Forward" in name:
-        return "forward"
-    if "Backward" in name:
-        return "backward"
-    if name.startswith(("Send", "Recv")):
-        return "comm"
-    if "Optimizer" in name:
-        return "optimizer"
-    return "other"
-
-
 def event_label(name: str, buffer_id: int) -> str:
     """``F3`` / ``B3`` for forward / backward of buffer 3; other instructions keep their name."""
     kind = instruction_kind(name)

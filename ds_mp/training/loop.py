@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ds_mp.config import ConfigError, DsMpConfig, load_config, read_json
+from ds_mp.config import ConfigError, load_config, read_json
 
 
 class NonFiniteLoss(RuntimeError):
@@ -53,11 +53,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def megatron_flops(cfg: DsMpConfig, batch: int) -> float:
-    s, l, h, V = cfg.data.seq_len, cfg.shape.n_layer, cfg.shape.n_embd, cfg.shape.vocab_size
-    return 72.0 * batch * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
 
 
 def peak_memory_mib() -> float:
@@ -124,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     import ds_mp
     from ds_mp.checkpoint import directory_source, load_checkpoint, save_checkpoint
+    from ds_mp.checkpoint.training import read_latest
     from ds_mp.data import ChunkSampler, ValidationBatches, datasets_for
-    from ds_mp.training.metrics import NoiseScaleProbe
+    from ds_mp.training.metrics import NoiseScaleProbe, bubble, megatron_flops
     from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
     raw = _apply_overrides(read_json(args.deepspeed_config), args)
@@ -139,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
     if init:
         directory_source(init)  # config, files, keys and shapes: fails before any collective
     ckpt_root = os.path.join(tcfg.output_dir, "checkpoints")
-    resume_tag = _latest(ckpt_root) if args.resume else None
+    resume_tag = read_latest(ckpt_root) if args.resume else None
     if args.resume and resume_tag is None:
         raise ConfigError(f"--resume: no finished checkpoint under {ckpt_root}; run without --resume first")
 
@@ -164,7 +160,8 @@ def _run(args: argparse.Namespace) -> int:
                         {"step": step, "data": data_path, "rng": rng_state(), "layout": _layout(topo)})
 
     tokens_per_step = micro * gas * topo.dp * cfg.data.seq_len
-    flops_per_step = megatron_flops(cfg, micro * gas * topo.dp)
+    flops_per_step = megatron_flops(cfg.data.seq_len, cfg.shape.n_layer, cfg.shape.n_embd, cfg.shape.vocab_size,
+                                    micro * gas * topo.dp)
     bar = _progress(rank0, start_step, tcfg.steps)
     engine.trace_enabled = True
     window: list[float] = []
@@ -190,14 +187,13 @@ def _run(args: argparse.Namespace) -> int:
         if step % tcfg.log_interval == 0 or val_loss is not None or step == tcfg.steps:
             mean_dt = sum(window) / len(window)
             times = engine.instruction_times()
-            busy = times.get("ForwardPass", 0.0) + times.get("BackwardPass", 0.0)
             if log is not None:
                 probe = getattr(engine, "noise_scale", None)  # the Ouroboros engine has none
                 noise = None if probe is None else probe.value
                 log.row(step=step, loss=f"{loss:.6f}", val_loss="" if val_loss is None else f"{val_loss:.6f}",
                         val_ppl="" if val_loss is None else f"{_ppl(val_loss):.4f}",
                         lr=engine.get_lr()[0], tokens_per_s=f"{tokens_per_step / mean_dt:.1f}",
-                        tflops=f"{flops_per_step / mean_dt / 1e12:.4f}", bubble=f"{max(0.0, 1 - busy / dt):.3f}",
+                        tflops=f"{flops_per_step / mean_dt / 1e12:.4f}", bubble=f"{bubble(times, dt):.3f}",
                         grad_norm="" if engine.last_grad_norm is None else f"{engine.last_grad_norm:.4f}",
                         noise_scale="" if noise is None else f"{noise:.2f}",
                         peak_mem_mib=f"{peak_memory_mib():.0f}", skipped=engine.nonfinite_steps + engine.skipped_steps,
@@ -223,14 +219,6 @@ def _run(args: argparse.Namespace) -> int:
 def _ppl(loss: float) -> float:
     """exp(loss), inf instead of an OverflowError for a diverged loss."""
     return math.inf if loss > 700 else math.exp(loss)
-
-
-def _latest(ckpt_root: str) -> str | None:
-    try:
-        with open(os.path.join(ckpt_root, "latest")) as f:
-            return f.read().strip() or None
-    except FileNotFoundError:
-        return None
 
 
 def _layout(topo: Any) -> list[int]:

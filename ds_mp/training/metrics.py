@@ -29,7 +29,42 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["gradient_sq_estimate", "trace_estimate", "NoiseScaleEstimator", "NoiseScaleProbe"]
+__all__ = ["gradient_sq_estimate", "trace_estimate", "NoiseScaleEstimator", "NoiseScaleProbe", "instruction_kind",
+           "COMPUTE_KINDS", "bubble", "megatron_flops"]
+
+COMPUTE_KINDS = ("forward", "backward")
+
+
+def instruction_kind(name: str) -> str:
+    """``ForwardPass``/``ForwardSlice``/``ModuleForward`` -> forward, ``*Backward*`` -> backward,
+    ``Send*``/``Recv*`` -> comm, ``OptimizerStep``/``UpdateModules`` -> optimizer, anything else
+    (loads, grad reductions) -> other: every schedule's instructions by the same substrings."""
+    if "Forward" in name:
+        return "forward"
+    if "Backward" in name:
+        return "backward"
+    if name.startswith(("Send", "Recv")):
+        return "comm"
+    if "Optimizer" in name or "Update" in name:
+        return "optimizer"
+    return "other"
+
+
+def bubble(instruction_seconds: dict[str, float], step_seconds: float) -> float:
+    """The pipeline bubble of one rank: 1 − (forward + backward compute time) / step time.
+
+    The one definition: the training log's ``bubble`` column and ``ds-mp timeline``'s per-rank
+    bubble (``tools.viz.bubble_stats``, over a trace's makespan) both count compute this way.
+    """
+    busy = sum(t for name, t in instruction_seconds.items() if instruction_kind(name) in COMPUTE_KINDS)
+    return max(0.0, 1.0 - busy / step_seconds) if step_seconds > 0 else 0.0
+
+
+def megatron_flops(seq_len: int, n_layer: int, n_embd: int, vocab: int, batch: int) -> float:
+    """Megatron-LM's FLOPs of one step of a GPT with l layers, hidden h, vocab V, batch B,
+    sequence s (forward + backward, no recomputation): F = 72 B s l h² (1 + s/(6h) + V/(12 l h))."""
+    s, l, h, V = seq_len, n_layer, n_embd, vocab
+    return 72.0 * batch * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
 
 
 def _check_sizes(b_small: float, b_big: float) -> None:

@@ -55,12 +55,12 @@ from torch import Tensor, nn
 from transformers import GPT2LMHeadModel
 from transformers.masking_utils import create_causal_mask
 
-from ds_mp.schedules.ouroboros.timetable import (Backward, Forward, OptimizerStep, RecvAct, RecvGrad, SendAct,
-                                               SendGrad, Step, format_timetable, ouroboros_timetable, rank_steps,
-                                               ring_layout, split_modules)
+from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
+                                                  SendHidden, Step, UpdateModules, format_timetable,
+                                                  ouroboros_timetable, rank_steps, ring_layout, split_modules)
 
-__all__ = ["split_modules", "ring_layout", "Forward", "Backward", "SendAct", "RecvAct", "SendGrad", "RecvGrad",
-           "OptimizerStep", "Step", "rank_steps", "ouroboros_timetable", "format_timetable", "OuroborosModule",
+__all__ = ["split_modules", "ring_layout", "ModuleForward", "ModuleBackward", "SendHidden", "RecvHidden", "SendDelta",
+           "RecvDelta", "UpdateModules", "Step", "rank_steps", "ouroboros_timetable", "format_timetable", "OuroborosModule",
            "build_modules", "lm_loss", "RngState", "capture_rng", "replay_rng", "module_forward", "module_backward",
            "loss_backward", "OuroborosReference"]
 

@@ -3,10 +3,9 @@ at iteration t (the algebra is in ``ds_mp.schedules.ouroboros.algorithm``'s docs
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator, Union
 
-from deepspeed.runtime.pipe.schedule import PipeSchedule
+from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
 
 
 
@@ -37,74 +36,95 @@ def ring_layout(K: int) -> list[list[int]]:
     return [[0, K - 1]] + [[m] for m in range(1, K - 1)]
 
 
+def ring_pipeline_layout(n_layer: int, K: int) -> tuple[list[str], list[int]]:
+    """GPT-2's pipeline layers (``ds_mp.models.gpt2.pipeline_layers`` names) reordered so each ring
+    rank's modules are contiguous: rank 0 holds ``wte, wpe, G_0's blocks, G_{K-1}'s blocks, ln_f,
+    lm_head`` (the tied embedding used by both of its modules), rank r holds G_r's blocks.
+    Returns ``(names, parts)``: rank r builds ``names[parts[r]:parts[r+1]]``."""
+    mods = split_modules(n_layer, K)
+    blocks = [[f"h.{i}" for i in mods[m]] for m in range(K)]
+    first = ["wte", "wpe", *blocks[0], *blocks[K - 1], "ln_f", "lm_head"]
+    names, parts = list(first), [0, len(first)]
+    for m in range(1, K - 1):
+        names += blocks[m]
+        parts.append(len(names))
+    return names, parts
+
+
 def module_owner(K: int) -> dict[int, int]:
     """module id -> ring rank holding it (the inverse of ring_layout)."""
     return {m: r for r, mods in enumerate(ring_layout(K)) for m in mods}
 
 
-# ----------------------------------------------------------------------------- steps
-@dataclass(frozen=True)
-class Forward:
-    """h_{m+1}^s = G_m(h_m^s; w^t), input stashed; G_{K-1}'s forward runs inside its Backward."""
-    module: int
-    sample: int
+# ----------------------------------------------------------------------------- instructions
+class _RingInstruction(PipeInstruction):
+    """A DeepSpeed ``PipeInstruction`` naming module ``m``, sample ``s`` and (messages) the ring
+    ``peer``; compared by value, printed in the timetable's short form."""
 
-    def __str__(self) -> str:
-        return f"F{self.module}:{self.sample}"
-
-
-@dataclass(frozen=True)
-class Backward:
-    """G_m backprops delta_m^s; m < K-1 replays on its stash with w^t, G_{K-1} computes f_s and df_s."""
-    module: int
-    sample: int
-
-    def __str__(self) -> str:
-        return f"B{self.module}:{self.sample}"
-
-
-@dataclass(frozen=True)
-class _Message:
-    """A p2p message produced by G_module for `sample`; `peer` is the other rank."""
-    module: int
-    sample: int
-    peer: int
     _fmt = ""
 
+    def __init__(self, module: int, sample: int, peer: int | None = None) -> None:
+        kwargs = {"module": module, "sample": sample}
+        if peer is not None:
+            kwargs["peer"] = peer
+        super().__init__(**kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.kwargs == other.kwargs  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted(self.kwargs.items()))))
+
     def __str__(self) -> str:
-        return self._fmt.format(m=self.module, s=self.sample, p=self.peer)
+        return self._fmt.format(m=self.module, s=self.sample, p=self.kwargs.get("peer"))
 
 
-class SendAct(_Message):
+class ModuleForward(_RingInstruction):
+    """h_{m+1}^s = G_m(h_m^s; w^t), input stashed; G_{K-1}'s forward runs inside its backward."""
+    _fmt = "F{m}:{s}"
+
+
+class ModuleBackward(_RingInstruction):
+    """G_m backprops delta_m^s; m < K-1 replays on its stash with w^t, G_{K-1} computes f_s and df_s."""
+    _fmt = "B{m}:{s}"
+
+
+class SendHidden(_RingInstruction):
     """Send h_{m+1}^s (output of G_m) to the rank of G_{m+1}."""
     _fmt = "a{m}:{s}>r{p}"
 
 
-class RecvAct(_Message):
+class RecvHidden(_RingInstruction):
     """Receive h_{m+1}^s (output of G_m) from the rank of G_m; G_{m+1} forwards it now."""
     _fmt = "a{m}:{s}<r{p}"
 
 
-class SendGrad(_Message):
+class SendDelta(_RingInstruction):
     """Send delta_{m-1}^s (gradient w.r.t. G_m's input) to the rank of G_{m-1}."""
     _fmt = "g{m}:{s}>r{p}"
 
 
-class RecvGrad(_Message):
+class RecvDelta(_RingInstruction):
     """Receive delta_{m-1}^s from the rank of G_m; G_{m-1} backprops it at the next iteration
     (delay) or later in this one (no delay)."""
     _fmt = "g{m}:{s}<r{p}"
 
 
-@dataclass(frozen=True)
-class OptimizerStep:
-    """Every rank updates every module it holds (zero gradient in warm-up)."""
+class UpdateModules(PipeInstruction):
+    """p.grad = Σ of the module gradients of p (the tied V: tie_scale·(dV_o + dV_i)), then the
+    engine's shared DP reduce (DeepSpeed's ReduceGrads) and optimizer step (clipping, NaN skip)."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self).__name__)
 
     def __str__(self) -> str:
         return "step"
 
 
-Step = Union[Forward, Backward, SendAct, RecvAct, SendGrad, RecvGrad, OptimizerStep]
+Step = Union[ModuleForward, ModuleBackward, SendHidden, RecvHidden, SendDelta, RecvDelta, UpdateModules]
 
 
 # ----------------------------------------------------------------------------- timetable
@@ -129,23 +149,23 @@ def rank_steps(K: int, t: int, rank: int, delay: bool = True) -> list[Step]:
         s = t - (K - 1 - m if delay else 0)
         return s if s >= 0 else None
 
-    def msg(cls: type[_Message], m: int, s: int | None, peer: int) -> list[Step]:
+    def msg(cls: type[_RingInstruction], m: int, s: int | None, peer: int) -> list[Step]:
         return [cls(m, s, peer)] if s is not None and peer != rank else []
 
     if rank == 0:
-        fwd = [Forward(0, t), *msg(SendAct, 0, t, owner[1])]
-        head = [*msg(RecvAct, K - 2, t, owner[K - 2]), Forward(last, t), Backward(last, t)]
-        send_head = msg(SendGrad, last, t, owner[K - 2])
+        fwd = [ModuleForward(0, t), *msg(SendHidden, 0, t, owner[1])]
+        head = [*msg(RecvHidden, K - 2, t, owner[K - 2]), ModuleForward(last, t), ModuleBackward(last, t)]
+        send_head = msg(SendDelta, last, t, owner[K - 2])
         if not delay:
-            return fwd + head + send_head + msg(RecvGrad, 1, t, owner[1]) + [Backward(0, t), OptimizerStep()]
+            return fwd + head + send_head + msg(RecvDelta, 1, t, owner[1]) + [ModuleBackward(0, t), UpdateModules()]
         s0 = sample(0)
-        replay: list[Step] = [Backward(0, s0)] if s0 is not None else []
-        return fwd + replay + head + msg(RecvGrad, 1, sample(1), owner[1]) + send_head + [OptimizerStep()]
+        replay: list[Step] = [ModuleBackward(0, s0)] if s0 is not None else []
+        return fwd + replay + head + msg(RecvDelta, 1, sample(1), owner[1]) + send_head + [UpdateModules()]
     s, s_up = sample(rank), sample(rank + 1)
-    row: list[Step] = [RecvAct(rank - 1, t, owner[rank - 1]), Forward(rank, t), SendAct(rank, t, owner[rank + 1])]
-    backward: list[Step] = [Backward(rank, s), SendGrad(rank, s, owner[rank - 1])] if s is not None else []
-    recv_up = msg(RecvGrad, rank + 1, s_up, owner[rank + 1])
-    return row + (backward + recv_up if delay else recv_up + backward) + [OptimizerStep()]
+    row: list[Step] = [RecvHidden(rank - 1, t, owner[rank - 1]), ModuleForward(rank, t), SendHidden(rank, t, owner[rank + 1])]
+    backward: list[Step] = [ModuleBackward(rank, s), SendDelta(rank, s, owner[rank - 1])] if s is not None else []
+    recv_up = msg(RecvDelta, rank + 1, s_up, owner[rank + 1])
+    return row + (backward + recv_up if delay else recv_up + backward) + [UpdateModules()]
 
 
 def ouroboros_timetable(K: int, T: int, delay: bool = True) -> list[list[list[Step]]]:
@@ -163,8 +183,8 @@ class OuroborosSchedule(PipeSchedule):
     """Ouroboros as a DeepSpeed ``PipeSchedule`` for one ring rank.
 
     ``stages`` = K-1 ring ranks, ``stage_id`` = ring rank, ``micro_batches`` = iterations; step i
-    yields ``rank_steps(K, start + i, stage_id, delay)`` (Step value objects, executed by
-    ``OuroborosEngine``, not by DeepSpeed's PipelineEngine). The engine builds a new one-iteration
+    yields ``rank_steps(K, start + i, stage_id, delay)``, run by ds_mp's pipeline engine like any
+    schedule (handlers in ``ds_mp.engine.ouroboros``).  The engine builds a new one-iteration
     schedule per ``train_batch`` with ``start`` = its iteration t, as DeepSpeed does.
     """
 
@@ -174,8 +194,14 @@ class OuroborosSchedule(PipeSchedule):
 
     @classmethod
     def from_engine(cls, engine) -> "OuroborosSchedule":
-        return cls(micro_batches=1, stages=engine.ring_size, stage_id=engine.ring_rank,
-                   start=engine.iteration, delay=engine.delay)
+        state = engine.ouroboros
+        return cls(micro_batches=1, stages=engine.num_stages, stage_id=engine.stage_id,
+                   start=state.next_iteration(), delay=state.delay)
+
+    @staticmethod
+    def pipeline_layout(n_layer: int, stages: int) -> tuple[list[str], list[int]]:
+        """The layer order and stage bounds the engine builds the model with (K = stages + 1)."""
+        return ring_pipeline_layout(n_layer, stages + 1)
 
     def steps(self) -> Iterator[list[Step]]:
         for t in range(self.start, self.start + self.micro_batches):

@@ -96,6 +96,8 @@ def plan_units(plan: Plan, micro_batches: int) -> list[Unit]:
 class TeraPipeSchedule(ds.PipeSchedule):
     """Token-sliced GPipe over units (see the module docstring for the timetable)."""
 
+    dynamic_shape = True  # uneven slices: DeepSpeed must announce activation shapes on every send
+
     def __init__(self, micro_batches: int, stages: int, stage_id: int, plan: Plan) -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.plan = plan

@@ -6,9 +6,9 @@
 * :mod:`~ds_mp.checkpoint.training`: ``save_checkpoint`` / ``load_checkpoint`` with
   optimizer state, resumable at another TP × PP × DP.
 * :mod:`~ds_mp.checkpoint.convert`: ``ds-mp convert`` (``convert_cli``).
-* :mod:`~ds_mp.checkpoint.atomic`: crash-safe directory writes.
+* ``ds_mp.atomic`` (ground floor, shared with ``data``): crash-safe directory writes.
 """
-from ds_mp.checkpoint.atomic import atomic_dir
+from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.convert import convert_cli, ds_to_hf, hf_to_ds
 from ds_mp.checkpoint.hf import directory_source, save_hf
 from ds_mp.checkpoint.sharded import CheckpointError, ShardedReader

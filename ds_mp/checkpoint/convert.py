@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ds_mp.checkpoint.atomic import atomic_dir
+from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.hf import HFReader, open_reader, write_hf_files
 from ds_mp.checkpoint.sharded import CheckpointError, ShardedReader, expected_shapes, is_sharded_dir, write_sharded
 from ds_mp.models.gpt2 import stage_parts

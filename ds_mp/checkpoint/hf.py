@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_mp.checkpoint.atomic import atomic_dir
+from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, canonical_name, expected_shapes,
                                       is_sharded_dir, open_safetensors)
 from ds_mp.models.gpt2 import WeightSource, hf_param_name, tp_kind

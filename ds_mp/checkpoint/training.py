@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ds_mp.checkpoint.atomic import commit_dir, fresh_dir, write_text_atomic
+from ds_mp.atomic import commit_dir, fresh_dir, write_text_atomic
 from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, make_meta, shard_file,
                                       write_meta)
 from ds_mp.models.gpt2 import hf_param_name, tp_kind

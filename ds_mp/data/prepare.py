@@ -23,6 +23,8 @@ from typing import Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from ds_mp.atomic import commit_dir
+
 from .corpus import Corpus, find_files
 from .errors import DataError
 from .tokenizer import data_encoder, load_tokenizer, train_tokenizer
@@ -194,12 +196,7 @@ def _publish(tmp: str, out_dir: str, overwrite: bool) -> None:
     """Rename the finished ``tmp`` to ``out_dir`` (replacing an old one only if ``overwrite``)."""
     if os.path.isdir(out_dir) and not os.listdir(out_dir):
         os.rmdir(out_dir)
-    if os.path.exists(out_dir):
-        if not overwrite:
-            raise DataError(f"output dir {out_dir!r} appeared while building; pass --overwrite or another --out")
-        trash = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
-        os.rename(out_dir, os.path.join(trash, "old"))
-        os.rename(tmp, out_dir)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)
+    try:
+        commit_dir(tmp, out_dir, overwrite=overwrite)  # fsync, then rename (the old one kept until then)
+    except FileExistsError:
+        raise DataError(f"output dir {out_dir!r} appeared while building; pass --overwrite or another --out") from None

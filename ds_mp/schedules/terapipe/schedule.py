@@ -27,11 +27,11 @@ neighbour (sends before receives inside a step), as in ``GPipe``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
-from deepspeed.runtime.pipe import schedule as ds
 from deepspeed.runtime.pipe.schedule import BufferOpInstruction
 
+from ds_mp.schedules.gpipe import FillDrain
 from ds_mp.schedules.simulate import Op
 from ds_mp.schedules.terapipe.planner import Plan
 
@@ -93,8 +93,9 @@ def plan_units(plan: Plan, micro_batches: int) -> list[Unit]:
     return out
 
 
-class TeraPipeSchedule(ds.PipeSchedule):
-    """Token-sliced GPipe over units (see the module docstring for the timetable)."""
+class TeraPipeSchedule(FillDrain):
+    """Token-sliced GPipe: ``FillDrain`` over units, backwards in reverse (the module docstring's
+    timetable)."""
 
     dynamic_shape = True  # uneven slices: DeepSpeed must announce activation shapes on every send
 
@@ -107,58 +108,22 @@ class TeraPipeSchedule(ds.PipeSchedule):
     def from_engine(cls, engine: Any) -> "TeraPipeSchedule":
         return cls(engine.micro_batches, engine.num_stages, engine.stage_id, engine.terapipe.new_batch())
 
-    def num_pipe_buffers(self) -> int:
+    reverse_backward = True  # slice i's backward needs the key/value gradients of slices > i
+
+    def num_items(self) -> int:
         return len(self.units)
 
-    @property
-    def phase(self) -> int:
-        return len(self.units) + self.stages - 1
+    def load(self, u: int) -> LoadSlice:
+        x = self.units[u]
+        return LoadSlice(buffer_id=u, micro=x.micro, rows=x.rows, tokens=x.tokens)
 
-    def forward_unit(self, t: int) -> int:
-        return t - self.stage_id
+    def forward(self, u: int) -> ForwardSlice:
+        x = self.units[u]
+        return ForwardSlice(buffer_id=u, micro=x.micro, batch_slice=x.batch_slice, slice=x.slice)
 
-    def backward_unit(self, t: int) -> int:
-        return len(self.units) - 1 - (t - (self.stages - 1 - self.stage_id))
-
-    def _valid(self, u: int) -> bool:
-        return 0 <= u < len(self.units)
-
-    def _forward_step(self, t: int) -> list:
-        cmds: list = []
-        sent = self.forward_unit(t - 1)
-        if not self.is_last_stage and self._valid(sent):
-            cmds.append(ds.SendActivation(buffer_id=sent))
-        u = self.forward_unit(t)
-        if self._valid(u):
-            x = self.units[u]
-            if self.is_first_stage or self.is_last_stage:
-                cmds.append(LoadSlice(buffer_id=u, micro=x.micro, rows=x.rows, tokens=x.tokens))
-            if not self.is_first_stage:
-                cmds.append(ds.RecvActivation(buffer_id=u))
-            cmds.append(ForwardSlice(buffer_id=u, micro=x.micro, batch_slice=x.batch_slice, slice=x.slice))
-        return cmds
-
-    def _backward_step(self, t: int) -> list:
-        cmds: list = []
-        sent = self.backward_unit(t - 1)
-        if not self.is_first_stage and self._valid(sent):
-            cmds.append(ds.SendGrad(buffer_id=sent))
-        u = self.backward_unit(t)
-        if self._valid(u):
-            x = self.units[u]
-            if not self.is_last_stage:
-                cmds.append(ds.RecvGrad(buffer_id=u))
-            cmds.append(BackwardSlice(buffer_id=u, micro=x.micro, batch_slice=x.batch_slice, slice=x.slice))
-        return cmds
-
-    def steps(self) -> Iterator[list]:
-        for t in range(self.phase):
-            yield self._forward_step(t)
-        for t in range(self.phase):
-            cmds = self._backward_step(t)
-            if t == self.phase - 1:
-                cmds += [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
-            yield cmds
+    def backward(self, u: int) -> BackwardSlice:
+        x = self.units[u]
+        return BackwardSlice(buffer_id=u, micro=x.micro, batch_slice=x.batch_slice, slice=x.slice)
 
     def ops(self) -> list[Op]:
         """This stage's forwards/backwards in order, as simulator ops ``Op(kind, micro, slice)``

@@ -183,19 +183,16 @@ def eval_cli(argv: Sequence[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ds_mp.checkpoint import CheckpointError
-    from ds_mp.tools.generate import default_tokenizer_dir, hf_model_dir
+    from ds_mp.tools.generate import resolve_model
 
     needs_tok = args.cloze is not None or (
         args.data is not None and Path(args.data).suffix not in (".npy", ".bin"))
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            model_dir = hf_model_dir(args.model, tmp)
-        except CheckpointError as e:
-            print(f"ds-mp eval: {e}", file=sys.stderr)
+        dirs = resolve_model("ds-mp eval", args.model, args.tokenizer, tmp)
+        if dirs is None:
             return 2
+        model_dir, tok_dir = dirs
         model = AutoModelForCausalLM.from_pretrained(model_dir).to(args.device)
-        tok_dir = args.tokenizer or default_tokenizer_dir(args.model, model_dir) or args.model
         try:
             tokenizer = AutoTokenizer.from_pretrained(tok_dir) if needs_tok else None
         except (OSError, ValueError) as e:

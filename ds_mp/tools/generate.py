@@ -35,6 +35,19 @@ def hf_model_dir(path: str, tmp: str) -> str:
                           "(ds_mp_meta.json or a 'latest' file); pass one of those")
 
 
+def resolve_model(prog: str, model: str, tokenizer: str | None, tmp: str) -> tuple[str, str] | None:
+    """``(HF model dir, tokenizer dir)`` for ``--model`` / ``--tokenizer`` of a CLI, or None after
+    printing ``prog: <why>`` (a checkpoint that cannot be exported, ...)."""
+    from ds_mp.checkpoint import CheckpointError
+
+    try:
+        model_dir = hf_model_dir(model, tmp)
+    except CheckpointError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
+    return model_dir, tokenizer or default_tokenizer_dir(model, model_dir) or model
+
+
 def default_tokenizer_dir(path: str, hf_dir: str) -> str | None:
     """Where the tokenizer of the model at ``path`` lives: the HF directory if it holds one,
     else (training checkpoints) the tokenizer of the dataset it was trained on."""
@@ -73,15 +86,11 @@ def generate_cli(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
-    from ds_mp.checkpoint import CheckpointError
-
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            model_dir = hf_model_dir(args.model, tmp)
-        except CheckpointError as e:
-            print(f"ds-mp generate: {e}", file=sys.stderr)
+        dirs = resolve_model("ds-mp generate", args.model, args.tokenizer, tmp)
+        if dirs is None:
             return 2
-        tok_dir = args.tokenizer or default_tokenizer_dir(args.model, model_dir) or args.model
+        model_dir, tok_dir = dirs
         try:
             tok = AutoTokenizer.from_pretrained(tok_dir)
         except (OSError, ValueError) as e:

@@ -62,6 +62,8 @@ class TeraPipeConfig:
 class OuroborosConfig:
     modules: int = 0  # K modules on K-1 ranks (0 = pipeline.stages + 1)
     delay: bool = True  # False reduces to synchronous backprop (for testing)
+    split: Union[str, list] = "balanced"  # "balanced" (rank costs, head included), "equal" (paper), [blocks per module]
+    recompute: str = "current"  # replay delayed modules with the "current" weights or the "stashed" ones
 
 
 @dataclass
@@ -262,6 +264,19 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
         if k > shape.n_layer:
             raise ConfigError(f"ds_mp.ouroboros.modules: K={k} exceeds n_layer={shape.n_layer}; "
                               f"use at most {shape.n_layer} modules")
+        osplit = cfg.ouroboros.split
+        if isinstance(osplit, list):
+            if (len(osplit) != k or sum(osplit) != shape.n_layer
+                    or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in osplit)
+                    or any(n < 1 for n in osplit[1:-1])):
+                raise ConfigError(f"ds_mp.ouroboros.split: {osplit} must be {k} block counts summing to "
+                                  f"n_layer={shape.n_layer}, at least 1 for every middle module")
+        elif osplit not in ("balanced", "equal"):
+            raise ConfigError(f"ds_mp.ouroboros.split: {osplit!r} is not 'balanced', 'equal' or a list of "
+                              f"{k} block counts")
+        if cfg.ouroboros.recompute not in ("current", "stashed"):
+            raise ConfigError(f"ds_mp.ouroboros.recompute: {cfg.ouroboros.recompute!r} is not 'current' "
+                              "(features replay with the current weights) or 'stashed' (the forward's weights)")
         if pp.activation_checkpoint_interval:
             raise ConfigError("ds_mp.pipeline.activation_checkpoint_interval: ouroboros already recomputes every "
                               "delayed module's forward (features replay); set it to 0")

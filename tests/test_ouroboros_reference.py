@@ -12,6 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from ds_mp.schedules.ouroboros.algorithm import (ModuleBackward, ModuleForward, UpdateModules, OuroborosReference, RecvHidden,
                                       RecvDelta, SendHidden, SendDelta, format_timetable, ouroboros_timetable,
                                       ring_layout, split_modules)
+from ds_mp.schedules.ouroboros.timetable import head_cost_in_blocks
 
 VOCAB, SEQ, BATCH = 101, 8, 2
 
@@ -60,6 +61,20 @@ def test_split_and_layout():
             split_modules(L, K)
     assert ring_layout(2) == [[0, 1]]
     assert ring_layout(5) == [[0, 4], [1], [2], [3]]
+
+
+def test_split_by_cost_equal_and_explicit():
+    """A head worth 3 blocks (V = 36·C) moves blocks off rank 0: 12 blocks, K=4 (3 ranks):
+    rank costs head+2 | 5 | 5 instead of head+4 | 4 | 4; "equal" is the paper's K equal modules;
+    a list is taken as given."""
+    assert head_cost_in_blocks(36 * 64, 64) == pytest.approx(3.0)
+    assert [len(r) for r in split_modules(12, 4, head_blocks=3.0)] == [1, 5, 5, 1]
+    assert [len(r) for r in split_modules(12, 4)] == [2, 4, 4, 2]
+    assert [len(r) for r in split_modules(12, 4, "equal")] == [3, 3, 3, 3]
+    assert [len(r) for r in split_modules(10, 4, "equal")] == [2, 3, 3, 2]
+    assert [len(r) for r in split_modules(6, 3, [0, 4, 2])] == [0, 4, 2]
+    with pytest.raises(ValueError, match="at least 1 for every middle module"):
+        split_modules(6, 3, [3, 0, 3])
 
 
 # ----------------------------------------------------------------------------- timetable unroll
@@ -264,3 +279,40 @@ def test_dropout_is_refused():
     model.config.resid_pdrop = 0.1
     with pytest.raises(ValueError, match="pdrop"):
         OuroborosReference(model, 2, sgd())
+
+
+# ----------------------------------------------------------------------------- warm-up and recompute
+def test_modules_in_warm_up_take_no_step():
+    """K=3, AdamW with weight decay: at iteration 0 only G_2 (and the tied V) have a gradient, so
+    G_0's and G_1's other parameters must not move (no decay, no Adam step) and hold no optimizer
+    state; a zero-gradient step would have decayed them."""
+    model = tiny_gpt2()
+    ref = OuroborosReference(model, 3, lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.5))
+    (ids, labels), = batches(1)
+    ref.step(ids, labels)
+    before, after = dict(model.named_parameters()), dict(ref.model.named_parameters())
+    g0_g1 = [n for n in before if n.startswith(("transformer.h.0.", "transformer.h.1.", "transformer.h.2.",
+                                                 "transformer.wpe"))]
+    assert g0_g1  # G_0 = block 0 + wpe, G_1 = blocks 1-2 (split_modules(4, 3))
+    for n in g0_g1:
+        assert torch.equal(before[n], after[n]), n
+        assert ref.optimizer.state.get(after[n]) in (None, {}), n
+    assert not torch.equal(before["transformer.h.3.mlp.c_fc.weight"], after["transformer.h.3.mlp.c_fc.weight"])
+
+
+@pytest.mark.parametrize("recompute, exact", [("stashed", True), ("current", False)])
+def test_stashed_weights_replay_the_forwards_weights(recompute, exact):
+    """K=2, SGD: G_0 backpropagates sample 0 at iteration 1.  With recompute="stashed" its
+    gradient is exactly HF's gradient of f_0 at the initial weights w^0 (the weights sample 0 was
+    forwarded with, eq. (8)); with "current" the replay uses w^1, whose tied V has moved."""
+    model = tiny_gpt2()
+    data = batches(2)
+    ref = OuroborosReference(model, 2, sgd(), recompute=recompute)
+    for ids, labels in data:
+        ref.step(ids, labels)
+    hf = copy.deepcopy(model).train()
+    hf(input_ids=data[0][0], labels=data[0][1]).loss.backward()
+    want, got = dict(hf.named_parameters()), dict(ref.model.named_parameters())
+    for n in ("transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_fc.weight", "transformer.wpe.weight"):
+        close = torch.allclose(got[n].grad, want[n].grad, atol=1e-6, rtol=1e-5)
+        assert close == exact, n

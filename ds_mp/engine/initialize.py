@@ -94,7 +94,7 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     seed_everything(cfg.training.seed, topology.tp_rank)
     src = weight_source(model, cfg, cfg.training.seed)
     schedule = resolve(cfg.pipeline.schedule)
-    layout = schedule.pipeline_layout(cfg.shape.n_layer, cfg.pp) if hasattr(schedule, "pipeline_layout") else None
+    layout = schedule.pipeline_layout(cfg) if hasattr(schedule, "pipeline_layout") else None
     net = build_gpt2_pipeline(src, topology, partition=cfg.pipeline.partition,
                               sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                               vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,

@@ -7,11 +7,13 @@ G_r), and ``OuroborosSchedule`` yields ``rank_steps(K, t, rank)`` each ``train_b
 update is exactly ``OuroborosReference.step`` (``ds_mp.schedules.ouroboros.algorithm``):
 
     forward with w^t, send h; replay G_m on the stashed input of sample t - d_m with the CURRENT
-    weights w^t (a deliberate recompute under the forward's captured RNG state, so dropout masks
-    repeat and no graph outlives an optimizer step), send delta; ``UpdateModules``: p.grad = the
-    sum of the module gradients of p (the tied V: 1/2 (dV_o + dV_i), or the sum when delay=False;
-    zeros for modules still in warm-up), then the engine's own DP reduce and optimizer step —
-    DeepSpeed's optimizer and LR scheduler, ds_mp's global-norm clipping and NaN skip.
+    weights w^t (``ouroboros.recompute = "current"``; ``"stashed"`` replays with the weights the
+    forward used) under the forward's captured RNG state, so dropout masks repeat and no graph
+    outlives an optimizer step; send delta; ``UpdateModules``: p.grad = the sum of the module
+    gradients of p (the tied V: 1/2 (dV_o + dV_i), or the sum when delay=False), None for a
+    parameter whose modules are all still in warm-up (the optimizer skips it), then the
+    engine's own DP reduce and optimizer step — DeepSpeed's optimizer and LR scheduler, ds_mp's
+    global-norm clipping and NaN skip.
 
 One ``train_batch`` is one iteration (one update).  Ring rank 0 reads
 ``gradient_accumulation_steps`` micro-batches and concatenates them along the batch into x_t
@@ -30,8 +32,9 @@ from torch import Tensor, nn
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
+from ds_mp.schedules.ouroboros.algorithm import module_grad_sum, swapped_weights
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
-                                                 SendHidden, UpdateModules, module_owner, ring_layout, split_modules)
+                                                 SendHidden, UpdateModules, config_split, module_owner, ring_layout)
 from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
 
@@ -61,17 +64,19 @@ class OuroborosState:
         cfg = engine.ds_mp_config
         self.engine, self.K, self.delay = engine, engine.num_stages + 1, cfg.ouroboros.delay
         self.tie_scale = 0.5 if self.delay else 1.0  # g_V = tie_scale (dV_o + dV_i)
+        self.stash_weights = cfg.ouroboros.recompute == "stashed"
         self.iteration = 0
         self.owner = module_owner(self.K)
         funcs = engine.module.forward_funcs
         mine = ring_layout(self.K)[engine.stage_id]
         if engine.stage_id == 0:  # [wte, wpe, G_0 blocks, G_{K-1} blocks, ln_f, head]
-            n0 = len(split_modules(cfg.shape.n_layer, self.K)[0])
+            n0 = len(config_split(cfg)[0])
             self.ranges = {0: (0, 2 + n0), self.K - 1: (2 + n0, len(funcs))}
         else:
             self.ranges = {mine[0]: (0, len(funcs))}
         self.params = {m: self._module_params(funcs[a:b]) for m, (a, b) in self.ranges.items()}
-        self.stash: dict[int, deque[tuple[int, Tensor, dict]]] = {m: deque() for m in self.ranges}
+        # G_m's stash: (sample, input, RNG state of its forward, its weights when recompute="stashed")
+        self.stash: dict[int, deque[tuple[int, Tensor, dict, list[Tensor] | None]]] = {m: deque() for m in self.ranges}
         self.acts: dict[tuple[int, int], Tensor] = {}    # (m, s) -> input of G_m for sample s
         self.deltas: dict[tuple[int, int], Tensor] = {}  # (m, s) -> delta_m^s, G_m backprops it
         self.grads: dict[int, list[Tensor]] = {}
@@ -102,13 +107,14 @@ class OuroborosState:
 
     def forward(self, m: int, s: int) -> None:
         x = self.acts.pop((m, s)) if m > 0 else self._load_batch()
-        self.stash[m].append((s, x, rng_state()))  # the replay reuses this forward's masks
+        kept = [p.detach().clone() for p in self.params[m]] if self.stash_weights and m < self.K - 1 else None
+        self.stash[m].append((s, x, rng_state(), kept))  # the replay reuses this forward's masks
         if m < self.K - 1:  # G_{K-1} runs forward and backward as one graph in backward()
             with torch.no_grad():
                 self.acts[(m + 1, s)] = self.run(m, x)
 
     def backward(self, m: int, s: int) -> None:
-        stashed, x_saved, rng = self.stash[m].popleft()
+        stashed, x_saved, rng, kept = self.stash[m].popleft()
         assert stashed == s, f"G_{m} replays sample {s} but its oldest stash is sample {stashed}"
         params = self.params[m]
         with torch.enable_grad():
@@ -119,27 +125,27 @@ class OuroborosState:
                 grads = torch.autograd.grad(out, wrt, materialize_grads=True)
                 self.loss = out.detach()
             else:
-                with _replayed(rng):
-                    out = self.run(m, x)
-                grads = torch.autograd.grad(out, wrt, grad_outputs=self.deltas.pop((m, s)), materialize_grads=True)
+                with swapped_weights(params, kept):
+                    with _replayed(rng):
+                        out = self.run(m, x)
+                    grads = torch.autograd.grad(out, wrt, grad_outputs=self.deltas.pop((m, s)),
+                                                materialize_grads=True)
         if x.requires_grad:
             self.deltas[(m - 1, s)], grads = grads[0], grads[1:]
         self.grads[m] = list(grads)
 
     def update(self) -> None:
-        """p.grad = Σ_m (module m's gradient of p), the tied V scaled by tie_scale; then the shared
-        DP reduce and optimizer step of the engine."""
-        total: dict[int, Tensor] = {}
-        count: dict[int, int] = {}
-        for m, params in self.params.items():
-            grads = self.grads.pop(m, None)
-            for i, p in enumerate(params):
-                g = grads[i] if grads is not None else torch.zeros_like(p)
-                total[id(p)] = total[id(p)] + g if id(p) in total else g.clone()
-                count[id(p)] = count.get(id(p), 0) + 1
+        """p.grad = Σ_m (module m's gradient of p), the tied V scaled by tie_scale, None while all
+        of p's modules are in warm-up; then the shared DP reduce and optimizer step."""
+        waiting = []
         for p in self.engine.module.parameters():
-            p.grad = total[id(p)] * (self.tie_scale if count[id(p)] == 2 else 1.0)
+            p.grad = module_grad_sum(p, self.params, self.grads, self.tie_scale)
+            if p.grad is None:
+                waiting.append(p)
+        self.grads.clear()
         self.engine._exec_reduce_grads()
+        for p in waiting:  # DeepSpeed's DP reduce gives gradient-less parameters zeros: skip them again
+            p.grad = None
         self.engine._exec_optimizer_step()
 
     def _load_batch(self) -> Tensor:
@@ -215,7 +221,8 @@ class OuroborosState:
     def state_dict(self) -> dict:
         """The work in flight: t, the stashed inputs (with their forward's RNG state), the deltas."""
         return {"K": self.K, "delay": self.delay, "iteration": self.iteration,
-                "stash": [[m, [(s, x.cpu(), rng) for s, x, rng in q]] for m, q in self.stash.items()],
+                "stash": [[m, [(s, x.cpu(), rng, None if kept is None else [w.cpu() for w in kept])
+                               for s, x, rng, kept in q]] for m, q in self.stash.items()],
                 "deltas": [[m, s, d.cpu()] for (m, s), d in self.deltas.items()]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -224,7 +231,8 @@ class OuroborosState:
                              f"K={self.K}, delay={self.delay}: load it with the same ds_mp.ouroboros settings")
         dev = self.engine.device
         self.iteration = state["iteration"]
-        self.stash = {m: deque((s, x.to(dev), rng) for s, x, rng in q) for m, q in state["stash"]}
+        self.stash = {m: deque((s, x.to(dev), rng, None if kept is None else [w.to(dev) for w in kept])
+                               for s, x, rng, kept in q) for m, q in state["stash"]}
         self.deltas = {(m, s): d.to(dev) for m, s, d in state["deltas"]}
 
 
@@ -258,7 +266,7 @@ def _exec_send_delta(self: Any, module: int, sample: int, peer: int) -> None:
 
 def _exec_recv_delta(self: Any, module: int, sample: int, peer: int) -> None:
     st, m = self.ouroboros, module - 1  # delta_m^s has the shape of G_m's output for sample s: (B, T, C)
-    x = next(x for s, x, _ in st.stash[m] if s == sample)
+    x = next(entry[1] for entry in st.stash[m] if entry[0] == sample)
     st.deltas[(m, sample)] = st.recv(peer, (*x.shape[:2], self.module.ds_mp_ctx.n_embd))
 
 

@@ -25,7 +25,15 @@ iteration t (after t updates); x_t, y_t = batch of iteration t; h_m^s = input of
      Warm-up, t < d_m: G_m has no sample yet and g_m = 0.
   4. Tied embedding: g_V = 1/2 (df_t/dV_o + df_{t-K+1}/dV_i)      (tied_rule="mean", the paper's rule
      as read here; "sum" drops the 1/2). The V_i term is 0 for t < K-1. wpe belongs to G_0.
-  5. Every parameter steps with its gradient, zero ones included (one optimizer over all).
+  5. Every parameter with a gradient steps (one optimizer over all).  A parameter all of whose
+     modules are still in warm-up has no gradient (None), so the optimizer skips it: no Adam
+     step count, no weight decay, no momentum on a gradient that does not exist.  Under plain
+     SGD this is the paper's zero-gradient update; under Adam-type optimizers a zero-gradient
+     step would advance the bias correction and decay weights, which the algorithm never asks for.
+recompute="current" (the default, features replay as the paper's memory paragraph describes)
+replays G_m with w^t; recompute="stashed" keeps the weights the forward of sample s used (w^s,
+PipeDream-2BW-style weight stashing, the literal reading of eq. (8)) and replays with them,
+costing d_m + 1 copies of G_m's weights.
 delay=False sets d_m = 0 (delta used within the iteration) and tied_rule="sum": the replay then
 recomputes the very forward of step 1, so this is exact backprop of the HF model.
 
@@ -62,7 +70,7 @@ from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, 
 __all__ = ["split_modules", "ring_layout", "ModuleForward", "ModuleBackward", "SendHidden", "RecvHidden", "SendDelta",
            "RecvDelta", "UpdateModules", "Step", "rank_steps", "ouroboros_timetable", "format_timetable", "OuroborosModule",
            "build_modules", "lm_loss", "RngState", "capture_rng", "replay_rng", "module_forward", "module_backward",
-           "loss_backward", "OuroborosReference"]
+           "loss_backward", "OuroborosReference", "module_grad_sum", "swapped_weights"]
 
 
 # ----------------------------------------------------------------------------- module maths
@@ -98,10 +106,28 @@ class OuroborosModule(nn.Module):
         return h
 
 
-def build_modules(model: GPT2LMHeadModel, K: int) -> list[OuroborosModule]:
-    """Cut `model` into G_0..G_{K-1} (split_modules), sharing its parameters."""
-    return [OuroborosModule(m, K, model.transformer, blocks)
-            for m, blocks in enumerate(split_modules(model.config.n_layer, K))]
+def build_modules(model: GPT2LMHeadModel, K: int, split: list[range] | None = None) -> list[OuroborosModule]:
+    """Cut `model` into G_0..G_{K-1} (``split``, default ``split_modules(n_layer, K)``), sharing
+    its parameters."""
+    split = split or split_modules(model.config.n_layer, K)
+    return [OuroborosModule(m, K, model.transformer, blocks) for m, blocks in enumerate(split)]
+
+
+@contextmanager
+def swapped_weights(params: list[nn.Parameter], values: list[Tensor] | None) -> Iterator[None]:
+    """Inside the block ``params`` hold ``values`` (stashed weights); restored afterwards.
+    ``values=None``: the current weights (nothing swapped).  Backpropagate inside the block."""
+    if values is None:
+        yield
+        return
+    current = [p.data for p in params]
+    for p, v in zip(params, values):
+        p.data = v
+    try:
+        yield
+    finally:
+        for p, c in zip(params, current):
+            p.data = c
 
 
 def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -169,6 +195,27 @@ def loss_backward(module: OuroborosModule, x: Tensor, labels: Tensor) -> tuple[T
     return loss.detach(), grad_x, grads
 
 
+def module_grad_sum(p: nn.Parameter, modules: Iterable[nn.Module] | dict, grads: dict[int, list[Tensor]],
+                    tie_scale: float) -> Tensor | None:
+    """Step 4's gradient of ``p``: Σ over the modules holding p of their gradient (zero for a
+    module in warm-up, i.e. absent from ``grads``), times ``tie_scale`` when two modules hold p
+    (the tied V); None when no module holding p has a gradient yet.  ``modules``: index -> module
+    (or a list), ``grads``: index -> gradients in ``module.parameters()`` order."""
+    items = modules.items() if isinstance(modules, dict) else enumerate(modules)
+    total, holders, real = None, 0, False
+    for m, module in items:
+        params = list(module.parameters()) if isinstance(module, nn.Module) else module
+        for i, q in enumerate(params):
+            if q is p:
+                holders += 1
+                if m in grads:
+                    real = True
+                    total = grads[m][i].clone() if total is None else total + grads[m][i]
+    if not real:
+        return None
+    return total * (tie_scale if holders == 2 else 1.0)
+
+
 # ----------------------------------------------------------------------------- reference
 class OuroborosReference:
     """Single-process Ouroboros (the module docstring's contract), one step() per iteration.
@@ -181,7 +228,8 @@ class OuroborosReference:
     def __init__(self, model: GPT2LMHeadModel, K: int,
                  make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  delay: bool = True, tied_rule: Literal["mean", "sum"] | None = None,
-                 replay_dropout: bool = False) -> None:
+                 replay_dropout: bool = False, split: list[range] | None = None,
+                 recompute: Literal["current", "stashed"] = "current") -> None:
         cfg = model.config
         if max(cfg.embd_pdrop, cfg.resid_pdrop, cfg.attn_pdrop) > 0 and not replay_dropout:
             raise ValueError("OuroborosReference needs embd_pdrop = resid_pdrop = attn_pdrop = 0 "
@@ -189,10 +237,12 @@ class OuroborosReference:
         self.model = copy.deepcopy(model)
         self.K, self.delay, self.t = K, delay, 0
         self.tie_scale = 0.5 if (tied_rule or ("mean" if delay else "sum")) == "mean" else 1.0
-        self.parts = build_modules(self.model, K)
+        self.parts = build_modules(self.model, K, split)
+        self.recompute = recompute
         self.optimizer = make_optimizer(self.model.parameters())
         self.delays = [K - 1 - m if delay else 0 for m in range(K)]
-        self._stash: list[deque[tuple[int, Tensor, RngState]]] = [deque() for _ in range(K)]
+        # G_m's stash: (sample, input, RNG state of its forward, its weights if recompute="stashed")
+        self._stash: list[deque[tuple[int, Tensor, RngState, list[Tensor] | None]]] = [deque() for _ in range(K)]
         self._inbox: dict[int, tuple[int, Tensor]] = {}  # m -> (s, delta_m^s) received last iteration
         self.backward_samples: list[int | None] = [None] * K
 
@@ -201,7 +251,8 @@ class OuroborosReference:
         K, t = self.K, self.t
         h = input_ids
         for m in range(K - 1):  # 1. locked forward with w^t
-            self._stash[m].append((t, h, capture_rng(h.device)))
+            kept = [p.detach().clone() for p in self.parts[m].parameters()] if self.recompute == "stashed" else None
+            self._stash[m].append((t, h, capture_rng(h.device), kept))
             assert len(self._stash[m]) <= self.delays[m] + 1
             h = module_forward(self.parts[m], h)
         loss, delta, grads_last = loss_backward(self.parts[K - 1], h, labels)  # 2.
@@ -211,12 +262,12 @@ class OuroborosReference:
         for m in reversed(range(K - 1)):  # 3. replay backward, delayed or not
             received = self._inbox.get(m) if self.delay else outbox.get(m)
             if received is None:  # warm-up: nothing to backprop yet
-                grads[m] = [torch.zeros_like(p) for p in self.parts[m].parameters()]
                 continue
             s, delta_m = received
-            s_stash, x, rng = self._stash[m].popleft()
+            s_stash, x, rng, kept = self._stash[m].popleft()
             assert s_stash == s == t - self.delays[m], (m, s_stash, s, t)
-            grad_x, grads[m] = module_backward(self.parts[m], x, delta_m, rng)
+            with swapped_weights(list(self.parts[m].parameters()), kept):
+                grad_x, grads[m] = module_backward(self.parts[m], x, delta_m, rng)
             self.backward_samples[m] = s
             if m > 0:
                 outbox[m - 1] = (s, grad_x)
@@ -226,14 +277,9 @@ class OuroborosReference:
         return loss.item()
 
     def _apply(self, grads: dict[int, list[Tensor]]) -> None:
-        """p.grad = sum of the module gradients of p; the tied V (in G_0 and G_{K-1}) gets
-        tie_scale * (g_Vo + g_Vi). Then one optimizer step over all parameters."""
-        total: dict[int, Tensor] = {}  # id(p) -> summed gradient
-        count: dict[int, int] = {}  # id(p) -> number of modules holding p (2 for V only)
-        for m, part in enumerate(self.parts):
-            for p, g in zip(part.parameters(), grads[m]):
-                total[id(p)] = total[id(p)] + g if id(p) in total else g.clone()
-                count[id(p)] = count.get(id(p), 0) + 1
+        """p.grad = sum of the module gradients of p (a module in warm-up contributes zero); the
+        tied V (in G_0 and G_{K-1}) gets tie_scale * (g_Vo + g_Vi); a parameter whose modules are
+        all in warm-up gets None and is skipped. Then one optimizer step."""
         for p in self.model.parameters():
-            p.grad = total[id(p)] * (self.tie_scale if count[id(p)] == 2 else 1.0)
+            p.grad = module_grad_sum(p, self.parts, grads, self.tie_scale)
         self.optimizer.step()

@@ -3,30 +3,69 @@ at iteration t (the algebra is in ``ds_mp.schedules.ouroboros.algorithm``'s docs
 """
 from __future__ import annotations
 
-from typing import Iterator, Union
+from typing import Any, Iterator, Union
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
 
 
 
 # ----------------------------------------------------------------------------- split and layout
-def split_modules(n_layer: int, K: int) -> list[range]:
+def split_modules(n_layer: int, K: int, split: str | list[int] = "balanced", head_blocks: float = 0.0) -> list[range]:
     """Block indices of G_0..G_{K-1}, contiguous and in order.
 
-    Balanced per rank, since ranks are what run in parallel: the n_layer blocks are dealt to the
-    K-1 ranks as evenly as possible, the remainder to the last ranks (rank 0 also carries the
-    embedding and the head); rank 0's share b is split G_0 = b // 2, G_{K-1} = b - b // 2 blocks.
-    G_0 may thus hold the embedding alone. Needs K >= 2 and n_layer >= K-1 (a block per rank).
+    ``"balanced"`` (default): balanced per *rank*, since ranks are what run in parallel.  Ring
+    rank 0 runs G_0 and G_{K-1} plus the embedding and the LM head + loss, which cost about
+    ``head_blocks`` blocks (a block's matmuls are 12·C² MACs per token, the head's V·C, so
+    ``head_blocks ≈ V / (12 C)``); the blocks are dealt so the most expensive rank is as cheap as
+    possible (ties: the most even ranks, then fewer blocks on rank 0; remainders to the last
+    ranks), and rank 0's share b
+    is split G_0 = b // 2, G_{K-1} = b - b // 2.  G_0 may hold the embedding alone.
+    ``"equal"``: the paper's K modules of equal block counts (remainder to the middle modules).
+    A list: blocks per module (K non-negative counts summing to n_layer, ≥ 1 for 0 < m < K-1).
+    Needs K >= 2 and n_layer >= K-1 (a block per rank).
     """
     if K < 2 or n_layer < K - 1:
         raise ValueError(f"Ouroboros needs K >= 2 modules and n_layer >= K-1 (one block per rank); "
                          f"got K={K}, n_layer={n_layer}")
-    ranks = K - 1
-    base, extra = divmod(n_layer, ranks)
-    share = [base + (r >= ranks - extra) for r in range(ranks)]  # share[0] == base
-    sizes = [share[0] // 2, *share[1:], share[0] - share[0] // 2]
+    if isinstance(split, list):
+        sizes = list(split)
+        if len(sizes) != K or sum(sizes) != n_layer or any(n < 0 for n in sizes) or any(n < 1 for n in sizes[1:-1]):
+            raise ValueError(f"Ouroboros split {sizes}: need {K} block counts summing to {n_layer}, "
+                             "at least 1 for every middle module")
+    elif split == "equal":
+        base, extra = divmod(n_layer, K)
+        order = [*range(1, K - 1), 0, K - 1]  # remainder to the middle modules first
+        sizes = [base + (m in order[:extra]) for m in range(K)]
+    elif split == "balanced":
+        others = K - 2
+
+        def shares(c0: int) -> list[int]:
+            base, extra = divmod(n_layer - c0, others) if others else (0, 0)
+            return [c0, *(base + (r >= others - extra) for r in range(others))]
+
+        def costs(c: int) -> list[float]:
+            return [c + head_blocks, *shares(c)[1:]]
+
+        c0 = min(range(0 if others else n_layer, n_layer - others + 1),
+                 key=lambda c: (max(costs(c)), max(costs(c)) - min(costs(c)), c))
+        share = shares(c0)
+        sizes = [share[0] // 2, *share[1:], share[0] - share[0] // 2]
+    else:
+        raise ValueError(f"Ouroboros split {split!r}: use 'balanced', 'equal' or a list of {K} block counts")
     starts = [sum(sizes[:m]) for m in range(K)]
     return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def config_split(cfg: Any) -> list[range]:
+    """The module split of a validated ds_mp config (``ouroboros.split``, K = pipeline.stages + 1)."""
+    shape = cfg.shape
+    return split_modules(shape.n_layer, cfg.pp + 1, cfg.ouroboros.split,
+                         head_blocks=head_cost_in_blocks(shape.vocab_size, shape.n_embd))
+
+
+def head_cost_in_blocks(vocab: int, n_embd: int) -> float:
+    """The LM head's matmul cost in blocks: V·C / (12·C²) MACs per token."""
+    return vocab / (12 * n_embd)
 
 
 def ring_layout(K: int) -> list[list[int]]:
@@ -36,12 +75,12 @@ def ring_layout(K: int) -> list[list[int]]:
     return [[0, K - 1]] + [[m] for m in range(1, K - 1)]
 
 
-def ring_pipeline_layout(n_layer: int, K: int) -> tuple[list[str], list[int]]:
+def ring_pipeline_layout(mods: list[range]) -> tuple[list[str], list[int]]:
     """GPT-2's pipeline layers (``ds_mp.models.gpt2.pipeline_layers`` names) reordered so each ring
     rank's modules are contiguous: rank 0 holds ``wte, wpe, G_0's blocks, G_{K-1}'s blocks, ln_f,
     lm_head`` (the tied embedding used by both of its modules), rank r holds G_r's blocks.
     Returns ``(names, parts)``: rank r builds ``names[parts[r]:parts[r+1]]``."""
-    mods = split_modules(n_layer, K)
+    K = len(mods)
     blocks = [[f"h.{i}" for i in mods[m]] for m in range(K)]
     first = ["wte", "wpe", *blocks[0], *blocks[K - 1], "ln_f", "lm_head"]
     names, parts = list(first), [0, len(first)]
@@ -199,9 +238,9 @@ class OuroborosSchedule(PipeSchedule):
                    start=state.next_iteration(), delay=state.delay)
 
     @staticmethod
-    def pipeline_layout(n_layer: int, stages: int) -> tuple[list[str], list[int]]:
+    def pipeline_layout(cfg: Any) -> tuple[list[str], list[int]]:
         """The layer order and stage bounds the engine builds the model with (K = stages + 1)."""
-        return ring_pipeline_layout(n_layer, stages + 1)
+        return ring_pipeline_layout(config_split(cfg))
 
     def steps(self) -> Iterator[list[Step]]:
         for t in range(self.start, self.start + self.micro_batches):

@@ -353,12 +353,13 @@ def load_config(config: str | dict, world_size: int) -> tuple[DsMpConfig, dict]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{key}: must be a positive integer, got {v!r}")
     cfg = validate(parse_config(raw.get("ds_mp", {})), world_size)
-    if cfg.pipeline.schedule == "ouroboros":  # its engine sets fp32 gradients by hand
-        for key in ("fp16", "bf16"):
-            if (raw.get(key) or {}).get("enabled"):
-                raise ConfigError(f"{key}.enabled: the ouroboros schedule trains in fp32; remove the {key} block")
+    if cfg.pipeline.schedule == "ouroboros":  # its module gradients are set on .grad by hand
+        if (raw.get("fp16") or {}).get("enabled"):
+            raise ConfigError("fp16.enabled: the ouroboros schedule trains in fp32 or bf16 (fp16's loss scaling "
+                              "would have to scale every delayed module's replay); use the bf16 block instead")
         if (raw.get("zero_optimization") or {}).get("stage", 0):
-            raise ConfigError("zero_optimization.stage: the ouroboros schedule supports ZeRO stage 0; set it to 0")
+            raise ConfigError("zero_optimization.stage: the ouroboros schedule supports ZeRO stage 0 (its "
+                              "gradients are assembled by hand, outside ZeRO's reduction hooks); set it to 0")
     if cfg.training.noise_scale_interval:  # measured on p.grad: fp32, ZeRO 0, DeepSpeed's pipeline engine only
         mixed = any((raw.get(k) or {}).get("enabled") for k in ("fp16", "bf16"))
         if mixed or (raw.get("zero_optimization") or {}).get("stage", 0) or cfg.pipeline.schedule == "ouroboros":

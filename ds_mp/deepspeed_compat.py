@@ -55,6 +55,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
 ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
     Assumption("engine", "pipe_buffers", "dict 'inputs'/'labels'/'outputs' -> list of per-buffer slots"),
     Assumption("engine", "is_pipe_partitioned", "p2p sends 1/TP of an activation and all-gathers it"),
+    Assumption("engine", "using_bf16_optimizer", "True when the optimizer is DeepSpeed's BF16_Optimizer, whose "
+               "update_hp_grads() copies bf16 .grad into its fp32 gradient buffers"),
     Assumption("engine", "is_grad_partitioned", "p2p sends 1/TP of a gradient and all-gathers it"),
     Assumption("engine", "pipe_partition_input_meta_cache", "shape cache of partitioned activations"),
     Assumption("engine", "pipe_partition_output_meta_cache", "shape cache of partitioned outputs"),
@@ -104,6 +106,12 @@ def skip_op_build(name: str) -> None:
     deepspeed.ops.__compatible_ops__[name] = False
 
 
+def uses_bf16_optimizer(engine: Any) -> bool:
+    """DeepSpeed's ``BF16_Optimizer`` (bf16 with ZeRO 0) keeps fp32 master weights and gradients;
+    gradients set on the bf16 parameters reach them only through ``update_hp_grads``."""
+    return bool(getattr(engine, "using_bf16_optimizer", False))
+
+
 def next_batch(engine: Any) -> Any:
     return engine._next_batch()
 
@@ -134,5 +142,5 @@ def module_topology(module: Any) -> Any:
 
 
 __all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine",
-           "skip_op_build", "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations",
+           "skip_op_build", "uses_bf16_optimizer", "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations",
            "module_grid", "module_topology"]

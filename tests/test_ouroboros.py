@@ -125,6 +125,7 @@ def two_ranks(tmp_path_factory) -> dict:
                      "k2_dropout_sync": ("train", ds_cfg(2, delay=False), 1, 1, 2, 0.1),
                      "plain_dropout": ("train", {**ds_cfg(2), "ds_mp": {"data": {"seq_len": SEQ}}}, 1, 1, 2, 0.1),
                      "k3_resume": ("resume", ds_cfg(3, "Adam", lr=0.01, scheduler=WARMUP), ckpt, 3),
+                     "k3_bf16": ("train", {**ds_cfg(3), "bf16": {"enabled": True}}),
                      "k3_stashed": ("train", ds_cfg(3, ouroboros={"recompute": "stashed"})),
                      "k3_stashed_resume": ("resume", ds_cfg(3, ouroboros={"recompute": "stashed"}), ckpt + "_s", 3),
                      "k3_adamw_equal": ("train", ds_cfg(3, "AdamW", lr=0.01, weight_decay=0.1, torch_adam=True,
@@ -231,6 +232,19 @@ def test_stashed_weights_and_warm_up_skip_equal_reference(two_ranks):
     assert_same(two_ranks["k3_adamw_equal"][0], *reference(adamw, 3, DATA, split="equal"), weight_atol=ADAM_ATOL)
     for r in two_ranks["k3_stashed_resume"]:
         assert r["tail"] == r["losses"][r["resumed_at"]:]
+
+
+BF16_RTOL = 0.02  # bf16 weights/activations (8-bit mantissa), fp32 master weights and loss
+
+
+def test_bf16_stays_within_tolerance_of_the_fp32_reference(two_ranks):
+    """K=3 in bf16 (DeepSpeed's BF16_Optimizer: fp32 master weights): every iteration's loss within
+    BF16_RTOL of the fp32 reference's, and the weights (exported in fp32) within bf16 rounding."""
+    losses, weights = reference(lambda p: torch.optim.SGD(p, lr=0.1), 3, DATA)
+    got = two_ranks["k3_bf16"][0]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=BF16_RTOL, atol=0)
+    for name, p in weights.items():
+        torch.testing.assert_close(got["weights"][name], p.detach(), rtol=BF16_RTOL, atol=2e-2, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -381,7 +395,7 @@ def test_registered_schedule_unroll(K, delay):
 
 @pytest.mark.parametrize("change, match", [
     ({"ds_mp": {"pipeline": {"activation_checkpoint_interval": 1}}}, "activation_checkpoint_interval"),
-    ({"bf16": {"enabled": True}}, "bf16.enabled"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled"),
     ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
     ({"ds_mp": {"ouroboros": {"modules": 4}}}, "pipeline.stages to 3"),
 ])

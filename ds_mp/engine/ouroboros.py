@@ -144,8 +144,15 @@ class OuroborosState:
                 waiting.append(p)
         self.grads.clear()
         self.engine._exec_reduce_grads()
-        for p in waiting:  # DeepSpeed's DP reduce gives gradient-less parameters zeros: skip them again
-            p.grad = None
+        if compat.uses_bf16_optimizer(self.engine):
+            # bf16: DeepSpeed's BF16_Optimizer steps its fp32 master copies as one flat group and needs
+            # every gradient, so modules in warm-up step with zeros here (a plain optimizer skips them).
+            for p in waiting:
+                p.grad = torch.zeros_like(p)
+            self.engine.optimizer.update_hp_grads(clear_lp_grads=False)
+        else:
+            for p in waiting:  # DeepSpeed's DP reduce gives gradient-less parameters zeros: skip them again
+                p.grad = None
         self.engine._exec_optimizer_step()
 
     def _load_batch(self) -> Tensor:

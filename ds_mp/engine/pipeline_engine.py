@@ -180,8 +180,12 @@ class DsMpPipelineEngine(PipelineEngine):
         return grads.global_grad_norm(self.module, self.topology, self.device)
 
     def clip_fp32_gradients(self) -> None:
+        """fp32, no ZeRO: clip with ds_mp's global norm (DeepSpeed's fp32 ``clip_grad_norm_``
+        counts untagged parameters on pipeline stage 0 only) and report it through
+        DeepSpeed's public ``get_global_grad_norm()``, which this path otherwise leaves None."""
         norm = self.global_grad_norm()
         self.last_grad_norm = norm
+        self._global_grad_norm = norm
         grads.clip_(self.module.parameters(), norm, self.gradient_clipping())
 
     def instruction_times(self) -> dict[str, float]:

@@ -80,7 +80,10 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     if world != cfg.world_size:
         cfg, raw = load_config(raw, world)
     topology = Topology(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=torch.distributed.get_rank())
-    seed_everything(cfg.training.seed, topology.tp_rank)
+    # Offset per pipeline stage (Megatron-LM: seed + 100·pp_rank) so stages draw different dropout
+    # masks; Ouroboros keeps its own seeding (its modules move between ranks).
+    seed_everything(cfg.training.seed, topology.tp_rank,
+                    pp_rank=0 if cfg.pipeline.schedule == "ouroboros" else topology.pp_rank)
     src = weight_source(model, cfg, cfg.training.seed)
     if cfg.pipeline.schedule == "ouroboros":  # K-1 ring ranks with their own engine, not a PipelineModule
         from ds_mp.engine.ouroboros import build_ouroboros_engine

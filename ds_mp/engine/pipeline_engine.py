@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
@@ -80,9 +81,12 @@ class DsMpPipelineEngine(PipelineEngine):
                 if method is None:
                     raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}; "
                                        "register it with DsMpPipelineEngine.register_instruction")
+                if self.trace_enabled:  # GPU kernels are asynchronous: sync so each time is its own
+                    get_accelerator().synchronize()
                 start = time.perf_counter()
                 method(self, **cmd.kwargs)
                 if self.trace_enabled:
+                    get_accelerator().synchronize()
                     self.trace.append((type(cmd).__name__, cmd.kwargs.get("buffer_id", -1), start,
                                        time.perf_counter()))
 

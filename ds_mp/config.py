@@ -345,6 +345,28 @@ def read_json(config: str | dict) -> dict:
     return raw
 
 
+def _check_combination(raw: dict, cfg: DsMpConfig) -> None:
+    """Refuse the precision × optimizer-wrapper combinations that cannot run (one line each;
+    see README "What combines with what").
+
+    * ZeRO stage ≥ 2: every ds_mp layout (also TP-only) runs on DeepSpeed's PipelineEngine,
+      which asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism".
+    * fp16 where DeepSpeed's accelerator has no fp16 (the CPU here): DeepSpeed would refuse
+      it only after the process groups exist.
+    """
+    stage = (raw.get("zero_optimization") or {}).get("stage", 0)
+    if not isinstance(stage, bool) and isinstance(stage, int) and stage >= 2:
+        raise ConfigError(f"zero_optimization.stage: {stage}, but ds_mp runs on DeepSpeed's PipelineEngine, "
+                          "which supports ZeRO stages 0 and 1 only; set it to 1")
+    if (raw.get("fp16") or {}).get("enabled"):
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        if not acc.is_fp16_supported():
+            raise ConfigError(f"fp16.enabled: DeepSpeed's {acc.device_name()!r} accelerator has no fp16 "
+                              "support on this machine; use bf16 or fp32")
+
+
 def load_config(config: str | dict, world_size: int) -> tuple[DsMpConfig, dict]:
     """Return the validated ds_mp block and the full DeepSpeed dict (with ``ds_mp`` kept)."""
     raw = read_json(config)
@@ -353,6 +375,7 @@ def load_config(config: str | dict, world_size: int) -> tuple[DsMpConfig, dict]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{key}: must be a positive integer, got {v!r}")
     cfg = validate(parse_config(raw.get("ds_mp", {})), world_size)
+    _check_combination(raw, cfg)
     if cfg.pipeline.schedule == "ouroboros":  # its module gradients are set on .grad by hand
         if (raw.get("fp16") or {}).get("enabled"):
             raise ConfigError("fp16.enabled: the ouroboros schedule trains in fp32 or bf16 (fp16's loss scaling "

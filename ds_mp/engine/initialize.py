@@ -91,7 +91,9 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     if world != cfg.world_size:
         cfg, raw = load_config(raw, world)
     topology = Topology(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=torch.distributed.get_rank())
-    seed_everything(cfg.training.seed, topology.tp_rank)
+    # Offset per pipeline stage (Megatron-LM: seed + 100·pp_rank) so stages (and Ouroboros' ring
+    # ranks) draw different dropout masks.
+    seed_everything(cfg.training.seed, topology.tp_rank, pp_rank=topology.pp_rank)
     src = weight_source(model, cfg, cfg.training.seed)
     schedule = resolve(cfg.pipeline.schedule)
     layout = schedule.pipeline_layout(cfg) if hasattr(schedule, "pipeline_layout") else None

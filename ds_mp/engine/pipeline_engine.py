@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
@@ -82,9 +83,12 @@ class DsMpPipelineEngine(PipelineEngine):
                 if method is None:
                     raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}; "
                                        "register it with DsMpPipelineEngine.register_instruction")
+                if self.trace_enabled:  # GPU kernels are asynchronous: sync so each time is its own
+                    get_accelerator().synchronize()
                 start = time.perf_counter()
                 method(self, **cmd.kwargs)
                 if self.trace_enabled:
+                    get_accelerator().synchronize()
                     self.trace.append((type(cmd).__name__, cmd.kwargs.get("buffer_id", -1), start,
                                        time.perf_counter()))
 
@@ -198,8 +202,12 @@ class DsMpPipelineEngine(PipelineEngine):
         return grads.global_grad_norm(self.module, self.topology, self.device)
 
     def clip_fp32_gradients(self) -> None:
+        """fp32, no ZeRO: clip with ds_mp's global norm (DeepSpeed's fp32 ``clip_grad_norm_``
+        counts untagged parameters on pipeline stage 0 only) and report it through
+        DeepSpeed's public ``get_global_grad_norm()``, which this path otherwise leaves None."""
         norm = self.global_grad_norm()
         self.last_grad_norm = norm
+        self._global_grad_norm = norm
         grads.clip_(self.module.parameters(), norm, self.gradient_clipping())
 
     def instruction_times(self) -> dict[str, float]:

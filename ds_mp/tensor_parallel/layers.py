@@ -22,10 +22,24 @@ from ds_mp.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, re
 from ds_mp.tensor_parallel.sharding import shard
 
 
+#: ``tp_kind`` values whose tensors are split over the TP group (each rank holds a different part).
+SHARD_KINDS = frozenset({"column", "qkv", "row", "vocab"})
+
+
 def tp_parameter(full: torch.Tensor, kind: str, rank: int, size: int, **meta: int) -> nn.Parameter:
-    """An ``nn.Parameter`` holding this rank's shard of ``full``, tagged with ``tp_kind``."""
+    """An ``nn.Parameter`` holding this rank's shard of ``full``, tagged with ``tp_kind``.
+
+    Shards (``kind`` in :data:`SHARD_KINDS`) also carry DeepSpeed's (Megatron's) marking
+    ``tensor_model_parallel = True``: DeepSpeed's bf16/fp16 and ZeRO optimizers decide with
+    ``deepspeed.runtime.utils.is_model_parallel_parameter`` which parameters each TP rank
+    adds to the global gradient norm (a marked one on every TP rank, an unmarked one on TP
+    rank 0 only).  Without it TP rank 1 of a bf16 run has no gradients to norm (crash) and
+    ZeRO drops the other ranks' shards from the clip norm.  ``"replicated"`` tensors are
+    marked ``False`` (identical on every TP rank: counted once).
+    """
     p = nn.Parameter(shard(full.detach(), kind, rank, size, **meta).clone().contiguous())
     p.tp_kind = kind  # type: ignore[attr-defined]
+    p.tensor_model_parallel = kind in SHARD_KINDS  # type: ignore[attr-defined]
     return p
 
 

@@ -11,8 +11,10 @@ needs exactly one all-reduce forward and one backward.
 
 Sequence parallelism (Korthikanti et al.) replaces f/g around the LayerNorm/dropout regions
 by an all-gather along the sequence (forward; reduce-scatter backward) and a
-reduce-scatter (forward; all-gather backward).  gloo has no reduce-scatter, so it is an
-all-reduce followed by taking the local chunk there; results are identical.
+reduce-scatter (forward; all-gather backward).  On NCCL (any backend but gloo) these are
+``dist.reduce_scatter_tensor`` and ``dist.all_gather_into_tensor``; gloo has neither, so
+there the reduce-scatter is an all-reduce followed by taking the local chunk and the
+all-gather a list ``all_gather`` (identical results, more traffic; gloo is for CPU tests).
 """
 from __future__ import annotations
 
@@ -55,6 +57,10 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if n == 1:
         return x
     x = x.contiguous()
+    if _native_collectives(group):  # NCCL: one all_gather_into_tensor into (n, *x.shape)
+        out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=group)
+        return torch.cat(out.unbind(0), dim=dim)
     parts = [torch.empty_like(x) for _ in range(n)]
     if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
         fparts = [p.float() for p in parts]
@@ -65,10 +71,30 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def _native_collectives(group: Group) -> bool:
+    """True where the backend has ``reduce_scatter_tensor``/``all_gather_into_tensor``
+    (NCCL and friends); gloo has neither, so it takes the all-reduce emulation."""
+    return dist.get_backend(group) != "gloo"
+
+
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    if _world(group) == 1:
+    """Sum ``x`` over ``group`` and keep this rank's chunk along ``dim``.
+
+    NCCL (any non-gloo backend): one ``reduce_scatter_tensor`` (1/p of an all-reduce's
+    traffic) on the chunks laid out contiguously along dim 0.  gloo: an all-reduce followed
+    by taking the local chunk (same result, p× the traffic), gloo having no reduce-scatter.
+    """
+    n = _world(group)
+    if n == 1:
         return x
-    return _split(_all_reduce(x.clone(), group), dim, group)
+    if not _native_collectives(group):
+        return _split(_all_reduce(x.clone(), group), dim, group)
+    if x.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by {n} ranks")
+    stacked = torch.stack(x.chunk(n, dim=dim)).contiguous()  # (n, ..., T/n, ...): rank r's chunk at [r]
+    out = torch.empty_like(stacked[0])
+    dist.reduce_scatter_tensor(out, stacked, group=group)
+    return out
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """Model-parallel RNG, on DeepSpeed's RNG-states tracker.
 
 Two streams (Megatron-LM §3): the *default* stream, seeded identically on all TP ranks
-of a replica, drives dropout outside parallel regions (embedding, residual), so every TP
+of a pipeline stage (and offset by 100 per stage), drives dropout outside parallel regions (embedding, residual), so every TP
 rank drops the same activations; the *model-parallel* stream, seeded ``seed + 2718 +
 tp_rank``, drives dropout inside parallel regions (attention probabilities of the rank's
 own heads), so each rank draws its own mask.  DeepSpeed's activation checkpointing saves
@@ -18,8 +18,14 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 TP_STREAM = "model-parallel-rng"  # DeepSpeed's name for the model-parallel stream
 
 
-def seed_everything(seed: int, tp_rank: int) -> dict:
-    """Seed the default stream with ``seed`` and the TP stream with ``seed+2718+tp_rank``.
+def seed_everything(seed: int, tp_rank: int, pp_rank: int = 0) -> dict:
+    """Seed this rank's two streams, Megatron-LM style.
+
+    Default stream: ``seed + 100·pp_rank`` — equal on the TP ranks of a stage (dropout
+    outside parallel regions must agree over TP), different per pipeline stage (otherwise
+    stage s would draw the same masks as stage 0 for its own layers).  TP stream:
+    ``seed + 100·pp_rank + 2718 + tp_rank`` (differs over TP and over stages).  DP
+    replicas share the seeds (as in Megatron-LM; they see different data).
 
     Returns the seeds used (recorded in logs/checkpoints so runs reproduce).
     """
@@ -27,13 +33,14 @@ def seed_everything(seed: int, tp_rank: int) -> dict:
 
     import numpy as np
 
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    base = seed + 100 * pp_rank
+    random.seed(base)
+    np.random.seed(base % 2**32)
+    torch.manual_seed(base)
     tracker = ds_ckpt.get_cuda_rng_tracker()
     tracker.reset()
-    tracker.add(TP_STREAM, seed + 2718 + tp_rank)
-    return {"default": seed, "tensor_parallel": seed + 2718 + tp_rank}
+    tracker.add(TP_STREAM, base + 2718 + tp_rank)
+    return {"default": base, "tensor_parallel": base + 2718 + tp_rank}
 
 
 @contextlib.contextmanager
@@ -47,12 +54,28 @@ def parallel_region_rng() -> Iterator[None]:
         yield
 
 
+def _accelerator() -> object | None:
+    """DeepSpeed's accelerator when it has its own generator (not the CPU), else None."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    return None if acc.device_name() == "cpu" else acc
+
+
 def rng_state() -> dict:
-    """Both streams' states, for checkpoints."""
+    """Every stream's state, for checkpoints: the CPU generator, the accelerator's generator
+    (``"accelerator"``, None on a CPU accelerator) and the model-parallel tracker."""
+    acc = _accelerator()
     return {"torch": torch.get_rng_state(),
+            "accelerator": acc.get_rng_state() if acc is not None else None,
             "tracker": {k: v.clone() for k, v in ds_ckpt.get_cuda_rng_tracker().get_states().items()}}
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state`'s streams (an accelerator state saved on another kind of
+    device, or missing in an older checkpoint, is skipped)."""
     torch.set_rng_state(state["torch"])
+    acc = _accelerator()
+    if acc is not None and state.get("accelerator") is not None:
+        acc.set_rng_state(state["accelerator"])
     ds_ckpt.get_cuda_rng_tracker().set_states(state["tracker"])

@@ -92,7 +92,13 @@ def fit_cost_model(samples: Sequence[tuple[int, int, float]]) -> tuple[CostModel
 def profile_stage(fn: Callable[[int, int], object], lengths: Sequence[int],
                   contexts: Sequence[int], repeats: int = 3,
                   warmup: int = 1) -> list[tuple[int, int, float]]:
-    """Time fn(i, j) (one forward+backward of i tokens after j) for every i × j; median of repeats."""
+    """Time fn(i, j) (one forward+backward of i tokens after j) for every i × j; median of repeats.
+
+    The accelerator is synchronised before each clock read, so asynchronous GPU kernels
+    are inside the interval they belong to (a no-op on the CPU)."""
+    from deepspeed.accelerator import get_accelerator
+
+    sync = get_accelerator().synchronize
     out: list[tuple[int, int, float]] = []
     for i in lengths:
         for j in contexts:
@@ -100,8 +106,10 @@ def profile_stage(fn: Callable[[int, int], object], lengths: Sequence[int],
                 fn(i, j)
             times = []
             for _ in range(repeats):
+                sync()
                 t0 = time.perf_counter()
                 fn(i, j)
+                sync()
                 times.append(time.perf_counter() - t0)
             out.append((i, j, statistics.median(times)))
     return out

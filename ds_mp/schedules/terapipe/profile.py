@@ -144,7 +144,8 @@ def auto_plan(engine: Any) -> Plan:
 
 def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, float]]:
     """One process, TP = 1: time ⌈n_layer / stages⌉ randomly initialised blocks (a stage's
-    blocks; embedding and head are left out) at the micro-batch size."""
+    blocks; embedding and head are left out) at the micro-batch size, on DeepSpeed's
+    accelerator device (the GPU where there is one, else the CPU)."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     from ds_mp.models.gpt2 import Block, Ctx, WeightSource, hf_config_from
@@ -157,11 +158,16 @@ def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, fl
     blocks = [Block(src, i, ctx).eval() for i in range(math.ceil(hf.n_layer / cfg.pp))]
     stage = torch.nn.Sequential(*blocks)
 
+    from deepspeed.accelerator import get_accelerator
+
+    device = torch.device(get_accelerator().device_name())  # profile where training runs (GPU if any)
+    stage = stage.to(device)
+
     def make_input(i: int, j: int) -> torch.Tensor:
-        return torch.randn(micro_batch, i, hf.n_embd, requires_grad=True)
+        return torch.randn(micro_batch, i, hf.n_embd, device=device, requires_grad=True)
 
     lengths, contexts = profile_grid(cfg.data.seq_len, cfg.terapipe.granularity)
-    fn = _slice_timer(stage, blocks, make_input, micro_batch, hf.n_embd // hf.n_head, torch.float32, "cpu")
+    fn = _slice_timer(stage, blocks, make_input, micro_batch, hf.n_embd // hf.n_head, torch.float32, device)
     return profile_stage(fn, lengths, contexts, repeats=3, warmup=1)
 
 

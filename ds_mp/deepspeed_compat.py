@@ -47,6 +47,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("engine", "clip_fp32_gradients", "fp32 path of _take_model_step clips through this method"),
     Assumption("module", "_build", "PipelineModule builds its local layers here (after creating _grid)"),
     Assumption("module", "_partition_layers", "sets self.parts and the local layer bounds"),
+    Assumption("module", "_synchronize_tied_weights", "broadcasts tied weights in place from their first "
+               "owner; ds_mp runs it under no_grad"),
     Assumption("module", "_set_bounds", "_set_bounds(start, stop) makes layers [start, stop) local"),
     Assumption("ops", "__compatible_ops__", "dict op name -> bool; False skips the op's JIT build"),
 )

@@ -173,3 +173,22 @@ def test_partitions_differ() -> None:
 def test_user_schedule_unrolls(K: int, M: int) -> None:
     stages, _ = unroll(OneAtATime, M, K)
     assert all(sorted(s.forwards) == sorted(s.backwards) == list(range(M)) for s in stages)
+
+
+def _warnings_rank(rank: int) -> list[str]:
+    import warnings
+
+    import ds_mp
+
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=ds_config(pp=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.train_batch(iter(batches(2, 2, 16, 203)))
+    return [str(w.message) for w in caught]
+
+
+def test_no_collective_is_backpropagated_through():
+    """torch warns (and a future torch raises) when backward reaches a collective recorded by
+    autograd: DeepSpeed's construction-time broadcast of the tied wte did that on both stages."""
+    for messages in run_ranks(_warnings_rank, 2, timeout=180):
+        assert not [m for m in messages if "c10d::" in m], messages

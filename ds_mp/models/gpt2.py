@@ -366,6 +366,13 @@ class GPT2Pipeline(PipelineModule):
         self.ds_mp_topology.attach(module_grid(self))  # layers need the TP group at construction
         super()._build()
 
+    def _synchronize_tied_weights(self) -> None:
+        """DeepSpeed broadcasts the tied ``wte`` in place when the module is built; outside
+        no_grad autograd records that collective on the leaf, and torch then warns on every
+        backward that it backpropagates through ``c10d::broadcast_`` (a future error)."""
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
     def _partition_layers(self, method: str = "uniform") -> None:  # noqa: ARG002 - ours
         self.parts = self._ds_mp_parts
         stage = module_topology(self).get_coord(self.global_rank).pipe

@@ -118,28 +118,6 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):  # type: ignore[override]
-        ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):  # type: ignore[override]
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _split(grad, ctx.dim, ctx.group), None, None
-
-
 class _GatherSeqReduceScatterGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):  # type: ignore[override]
@@ -170,16 +148,6 @@ def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """g: forward all-reduce over ``group``, backward identity."""
     return x if _world(group) == 1 else _ReduceFromTP.apply(x, group)
-
-
-def scatter_to_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
-    """Forward: keep this rank's chunk along ``dim``; backward: all-gather."""
-    return x if _world(group) == 1 else _ScatterAlong.apply(x, dim, group)
-
-
-def gather_from_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
-    """Forward: all-gather along ``dim``; backward: keep this rank's chunk."""
-    return x if _world(group) == 1 else _GatherAlong.apply(x, dim, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:

@@ -55,6 +55,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
 
 # Instance attributes, set in PipelineEngine.__init__ (checked on a live engine).
 ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
+    Assumption("engine", "_global_grad_norm", "the value get_global_grad_norm() returns"),
     Assumption("engine", "pipe_buffers", "dict 'inputs'/'labels'/'outputs' -> list of per-buffer slots"),
     Assumption("engine", "is_pipe_partitioned", "p2p sends 1/TP of an activation and all-gathers it"),
     Assumption("engine", "using_bf16_optimizer", "True when the optimizer is DeepSpeed's BF16_Optimizer, whose "
@@ -114,6 +115,12 @@ def uses_bf16_optimizer(engine: Any) -> bool:
     return bool(getattr(engine, "using_bf16_optimizer", False))
 
 
+def set_global_grad_norm(engine: Any, norm: float) -> None:
+    """What DeepSpeed's public ``get_global_grad_norm()`` returns (its fp32 path leaves it None
+    when ds_mp computes the norm)."""
+    engine._global_grad_norm = norm
+
+
 def next_batch(engine: Any) -> Any:
     return engine._next_batch()
 
@@ -144,5 +151,5 @@ def module_topology(module: Any) -> Any:
 
 
 __all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine",
-           "skip_op_build", "uses_bf16_optimizer", "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations",
+           "skip_op_build", "set_global_grad_norm", "uses_bf16_optimizer", "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations",
            "module_grid", "module_topology"]

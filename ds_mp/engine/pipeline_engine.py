@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import math
 import time
 from typing import Any, Callable
 
@@ -186,15 +187,31 @@ class DsMpPipelineEngine(PipelineEngine):
     def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
         """Skip the update (weights stay finite) when any gradient is NaN/Inf anywhere.
 
-        fp16 runs keep DeepSpeed's own loss-scaler overflow handling instead.
+        fp32 without ZeRO (``p.grad`` holds the reduced gradients): ds_mp's global norm is
+        computed every step (one all-reduce over TP × PP; DP replicas agree), reported through
+        DeepSpeed's ``get_global_grad_norm()`` also when clipping is off, reused for clipping,
+        and a non-finite norm is the NaN verdict.  bf16/ZeRO: one fused finiteness check over
+        every rank (their optimizers compute and report the norm themselves).  fp16 keeps
+        DeepSpeed's own loss-scaler overflow handling.
         """
-        if not self.fp16_enabled():
+        if self.fp16_enabled():
+            return super()._exec_optimizer_step(lr_kwargs)
+        if self._fp32_grads():
+            norm = self.global_grad_norm()
+            self.last_grad_norm = norm
+            compat.set_global_grad_norm(self, norm)
+            self.last_step_nonfinite = not math.isfinite(norm)
+        else:
             self.last_step_nonfinite = grads.any_nonfinite(self.module.parameters(), self.device)
-            if self.last_step_nonfinite:
-                self.nonfinite_steps += 1
-                self.zero_grad()
-                return
+        if self.last_step_nonfinite:
+            self.nonfinite_steps += 1
+            self.zero_grad()
+            return
         super()._exec_optimizer_step(lr_kwargs)
+
+    def _fp32_grads(self) -> bool:
+        """True when the optimizer steps ``p.grad`` directly (no bf16/fp16 master copy, no ZeRO)."""
+        return not (self.bfloat16_enabled() or self.fp16_enabled() or self.zero_optimization())
 
     def global_grad_norm(self) -> float:
         """‖g‖₂ over the whole model: each TP shard once, each replicated or tied tensor
@@ -202,13 +219,9 @@ class DsMpPipelineEngine(PipelineEngine):
         return grads.global_grad_norm(self.module, self.topology, self.device)
 
     def clip_fp32_gradients(self) -> None:
-        """fp32, no ZeRO: clip with ds_mp's global norm (DeepSpeed's fp32 ``clip_grad_norm_``
-        counts untagged parameters on pipeline stage 0 only) and report it through
-        DeepSpeed's public ``get_global_grad_norm()``, which this path otherwise leaves None."""
-        norm = self.global_grad_norm()
-        self.last_grad_norm = norm
-        self._global_grad_norm = norm
-        grads.clip_(self.module.parameters(), norm, self.gradient_clipping())
+        """fp32, no ZeRO: clip with ds_mp's global norm of this step (DeepSpeed's fp32
+        ``clip_grad_norm_`` counts untagged parameters on pipeline stage 0 only)."""
+        grads.clip_(self.module.parameters(), self.last_grad_norm, self.gradient_clipping())
 
     def instruction_times(self) -> dict[str, float]:
         """Seconds spent per instruction type since the trace was last cleared."""

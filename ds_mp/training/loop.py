@@ -194,7 +194,7 @@ def _run(args: argparse.Namespace) -> int:
                         val_ppl="" if val_loss is None else f"{_ppl(val_loss):.4f}",
                         lr=engine.get_lr()[0], tokens_per_s=f"{tokens_per_step / mean_dt:.1f}",
                         tflops=f"{flops_per_step / mean_dt / 1e12:.4f}", bubble=f"{bubble(times, dt):.3f}",
-                        grad_norm="" if engine.last_grad_norm is None else f"{engine.last_grad_norm:.4f}",
+                        grad_norm=_fmt_norm(engine.get_global_grad_norm()),
                         noise_scale="" if noise is None else f"{noise:.2f}",
                         peak_mem_mib=f"{peak_memory_mib():.0f}", skipped=engine.nonfinite_steps + engine.skipped_steps,
                         elapsed_s=f"{time.time() - t_start:.1f}")
@@ -214,6 +214,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ds_mp: done: {tcfg.steps} steps; checkpoints in {ckpt_root}; HF model in "
               f"{os.path.join(tcfg.output_dir, 'hf')}; log {os.path.join(tcfg.output_dir, 'log.csv')}")
     return 0
+
+
+def _fmt_norm(norm: Any) -> str:
+    """DeepSpeed's ``get_global_grad_norm()`` (a float, a 0-d tensor, or None) for the log."""
+    return "" if norm is None else f"{float(norm):.4f}"
 
 
 def _ppl(loss: float) -> float:

@@ -226,14 +226,20 @@ def run(quick: bool, out_dir: str) -> dict:
     for c in cfgs:
         res[c.name].update(val_losses=val[c.name], train_losses=hist[c.name][0]["losses"],
                            instruction_s=[h["instruction_s"] for h in hist[c.name]])
-    return {"workload": shape.describe().replace("SGD", "AdamW") + f", {rows} rows × {shape.seq} tokens per step, "
+    from benchmarks.ouroboros_paper import experiments
+
+    paper = experiments(quick, out_dir, dataset_path())
+    summary += paper["summary"]
+    return {"paper_experiments": paper["raw"],
+            "workload": shape.describe().replace("SGD", "AdamW") + f", {rows} rows × {shape.seq} tokens per step, "
             f"{total_steps} steps ({total_steps * tokens:,} tokens) per configuration, embedded stdlib corpus",
             "configs": res, "ratios": ratios, "summary": summary, "repeats": rounds, "steps_per_repeat": steps,
-            "plots": [os.path.basename(plot)],
+            "plots": [os.path.basename(plot), *paper["plots"]],
             "tables": [table("throughput and final validation loss (same tokens)",
                              ["config", "tokens/s vs sync_m1", "step-time IQR", "CPU s/step vs sync_m1",
                               "final val loss", "val loss vs sync_m1"], throughput),
                        table("where the time goes (ms per step, per rank; p2p includes waiting for the peer; "
                              "Ouroboros runs G_2's forward inside its backward)",
                              ["config", "rank", *KINDS], [[n, str(r), *(f"{v:.0f}" for v in ms.values())]
-                                                          for n, ranks in busy.items() for r, ms in enumerate(ranks)])]}
+                                                          for n, ranks in busy.items() for r, ms in enumerate(ranks)]),
+                       *paper["tables"]]}

@@ -64,6 +64,7 @@ class OuroborosConfig:
     delay: bool = True  # False reduces to synchronous backprop (for testing)
     split: Union[str, list] = "balanced"  # "balanced" (rank costs, head included), "equal" (paper), [blocks per module]
     recompute: str = "current"  # replay delayed modules with the "current" weights or the "stashed" ones
+    repeat_dropout: bool = True  # the replay applies its forward's dropout masks (False: fresh masks, an ablation)
 
 
 @dataclass

@@ -123,6 +123,8 @@ def two_ranks(tmp_path_factory) -> dict:
                      "k2_lamb": ("train", ds_cfg(2, "Lamb", lr=0.01)),
                      "k2_dp2": ("train", ds_cfg(2, momentum=0.9, micro=1, gas=2), 2, 2, 1),
                      "k2_dropout_sync": ("train", ds_cfg(2, delay=False), 1, 1, 2, 0.1),
+                     "k2_fresh_masks": ("train", ds_cfg(2, delay=False, ouroboros={"repeat_dropout": False}),
+                                        1, 1, 2, 0.1),
                      "plain_dropout": ("train", {**ds_cfg(2), "ds_mp": {"data": {"seq_len": SEQ}}}, 1, 1, 2, 0.1),
                      "k3_resume": ("resume", ds_cfg(3, "Adam", lr=0.01, scheduler=WARMUP), ckpt, 3),
                      "k3_bf16": ("train", {**ds_cfg(3), "bf16": {"enabled": True}}),
@@ -297,6 +299,8 @@ def test_dropout_replay_equals_backprop_through_the_forward(two_ranks):
     A replay that drew fresh masks would give other gradients, hence other losses and weights."""
     ring, plain = two_ranks["k2_dropout_sync"][0], two_ranks["plain_dropout"][0]
     assert_same(ring, plain["losses"], plain["weights"])
+    fresh = two_ranks["k2_fresh_masks"][0]  # repeat_dropout=False (the paper's ablation): other gradients
+    assert fresh["losses"][0] == plain["losses"][0] and fresh["losses"][1:] != plain["losses"][1:]
 
 
 def test_nonfinite_updates_are_skipped(two_ranks):

@@ -65,6 +65,7 @@ class OuroborosState:
         self.engine, self.K, self.delay = engine, engine.num_stages + 1, cfg.ouroboros.delay
         self.tie_scale = 0.5 if self.delay else 1.0  # g_V = tie_scale (dV_o + dV_i)
         self.stash_weights = cfg.ouroboros.recompute == "stashed"
+        self.repeat_dropout = cfg.ouroboros.repeat_dropout
         self.iteration = 0
         self.owner = module_owner(self.K)
         funcs = engine.module.forward_funcs
@@ -126,7 +127,7 @@ class OuroborosState:
                 self.loss = out.detach()
             else:
                 with swapped_weights(params, kept):
-                    with _replayed(rng):
+                    with _replayed(rng if self.repeat_dropout else None):
                         out = self.run(m, x)
                     grads = torch.autograd.grad(out, wrt, grad_outputs=self.deltas.pop((m, s)),
                                                 materialize_grads=True)

@@ -302,13 +302,13 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
         raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} is not 'uniform', "
                           "'parameters' or a list of blocks per stage")
 
-    if pp.schedule == "terapipe":
-        if pp.activation_checkpoint_interval:
-            raise ConfigError("ds_mp.pipeline.activation_checkpoint_interval: terapipe caches keys/values in "
-                              "forward and cannot recompute blocks yet; set it to 0")
-        if tp.sequence_parallel and tp.size > 1:
-            raise ConfigError("ds_mp.tensor_parallel.sequence_parallel: not supported with terapipe "
-                              "(token slices need not divide by TP); set it to false")
+    if pp.schedule == "terapipe" and tp.sequence_parallel and tp.size > 1:
+        if isinstance(cfg.terapipe.slices, list) and any(n % tp.size for n in cfg.terapipe.slices):
+            raise ConfigError(f"ds_mp.terapipe.slices: {cfg.terapipe.slices} with sequence parallelism: every "
+                              f"slice is split over the {tp.size} TP ranks; make each a multiple of {tp.size}")
+        if cfg.terapipe.slices == "auto" and cfg.terapipe.granularity % tp.size:
+            raise ConfigError(f"ds_mp.terapipe.granularity: {cfg.terapipe.granularity} with sequence parallelism: "
+                              f"planned slices are split over {tp.size} TP ranks; use a multiple of {tp.size}")
 
     sl = cfg.terapipe.slices
     if isinstance(sl, list):

@@ -125,9 +125,11 @@ def test_plan_from_config(tmp_path, capsys) -> None:
 
 
 @pytest.mark.parametrize("block, key", [
-    ({"pipeline": {"activation_checkpoint_interval": 1}}, "activation_checkpoint_interval"),
-    ({"tensor_parallel": {"size": 2, "sequence_parallel": True}}, "sequence_parallel")])
+    ({"tensor_parallel": {"size": 2, "sequence_parallel": True}, "terapipe": {"slices": [5, 11]}}, "terapipe.slices"),
+    ({"tensor_parallel": {"size": 2, "sequence_parallel": True}, "terapipe": {"granularity": 3}},
+     "terapipe.granularity")])
 def test_unsupported_options_fail_with_one_line(block: dict, key: str) -> None:
+    """Sequence parallelism splits every slice over the TP ranks: uneven slices are refused."""
     from ds_mp.config import ConfigError, parse_config, validate
 
     raw = {**block, "pipeline": {**block.get("pipeline", {}), "schedule": "terapipe"}, "data": {"seq_len": SEQ}}
@@ -208,7 +210,7 @@ def _data(steps: int, per_step: int, micro: int) -> list[list]:
     return out
 
 
-def _case(tp: int, pp: int, micro: int, gas: int, terapipe: dict, out_dir: str = "") -> dict:
+def _case(tp: int, pp: int, micro: int, gas: int, terapipe: dict, out_dir: str = "", extra: dict | None = None) -> dict:
     """Two SGD steps (lr 0.5) through ds_mp.initialize; this rank's shards vs HF's."""
     import ds_mp
     from ds_mp.models.gpt2 import hf_param_name, tp_kind
@@ -216,7 +218,7 @@ def _case(tp: int, pp: int, micro: int, gas: int, terapipe: dict, out_dir: str =
 
     dp = int(os.environ["WORLD_SIZE"]) // (tp * pp)
     cfg = ds_config(tp=tp, pp=pp, micro=micro, gas=gas, lr=0.5, seq=SEQ, schedule="terapipe",
-                    terapipe=terapipe, training={"output_dir": out_dir or "runs/unused"})
+                    terapipe=terapipe, training={"output_dir": out_dir or "runs/unused"}, **(extra or {}))
     engine, *_ = ds_mp.initialize(model=tiny_gpt2(n_positions=32, vocab=VOCAB), config=cfg)
     steps = _data(2, gas * dp, micro)
     d = engine.topology.dp_rank
@@ -251,11 +253,20 @@ def _check(results: list[list[dict]], cases: list[dict]) -> None:
 def test_terapipe_equals_hf_on_4_ranks(tmp_path) -> None:
     """PP=2×DP=2 with explicit slices; TP=2×PP=2 with 2 uneven batch-slices (rows 2 + 1);
     PP=2×DP=2 with "auto": profiled at start-up (no profile yet), fitted and saved, planned on
-    rank 0 and agreed by every rank."""
+    rank 0 and agreed by every rank; PP=2×DP=2 with activation checkpointing; TP=2×PP=2 with
+    sequence parallelism and activation checkpointing."""
     auto = {"slices": "auto", "granularity": 4, "batch_slices": 2}
     cases = [dict(tp=1, pp=2, micro=2, gas=2, terapipe={"slices": SLICES}),
              dict(tp=2, pp=2, micro=3, gas=1, terapipe={"slices": SLICES, "batch_slices": 2}),
-             dict(tp=1, pp=2, micro=2, gas=1, terapipe=auto, out_dir=str(tmp_path))]
+             dict(tp=1, pp=2, micro=2, gas=1, terapipe=auto, out_dir=str(tmp_path)),
+             # activation checkpointing: each block's forward is recomputed in backward and must
+             # attend to the same cached keys/values (and reuse its own entry) as the first time
+             dict(tp=1, pp=2, micro=2, gas=2, terapipe={"slices": SLICES},
+                  extra={"pipeline": {"activation_checkpoint_interval": 1}}),
+             # sequence parallelism inside each slice (slices even), with activation checkpointing
+             dict(tp=2, pp=2, micro=2, gas=1, terapipe={"slices": [6, 2, 8]},
+                  extra={"tensor_parallel": {"sequence_parallel": True},
+                         "pipeline": {"activation_checkpoint_interval": 1}})]
     results = run_ranks(_ranks, 4, cases, timeout=300)
     _check(results, cases)
     plan = results[0][2]["plan"]

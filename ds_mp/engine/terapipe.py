@@ -66,17 +66,24 @@ def _exec_load_slice(self: Any, buffer_id: int, micro: int, rows: tuple[int, int
     self.note_loaded(buffer_id)
 
 
+def _attending(self: Any, micro: int, batch_slice: int, slice: int) -> Any:
+    """This stage's blocks attending to the cache of sequence (micro, batch_slice) as slice ``slice``."""
+    context = self.terapipe.context
+    context.key, context.slice = (micro, batch_slice), slice
+    context.requires_grad = torch.is_grad_enabled()
+    return attending_to(self.module.blocks(), context)
+
+
 def _exec_forward_slice(self: Any, buffer_id: int, micro: int, batch_slice: int, slice: int) -> None:
     compat.forget_partitioned_shapes(self)
-    context = self.terapipe.context
-    context.key = (micro, batch_slice)
-    with attending_to(self.module.blocks(), context):
+    with _attending(self, micro, batch_slice, slice):
         self._exec_forward_pass(buffer_id)
 
 
 def _exec_backward_slice(self: Any, buffer_id: int, micro: int, batch_slice: int, slice: int) -> None:
     compat.forget_partitioned_shapes(self)
-    self._exec_backward_pass(buffer_id)
+    with _attending(self, micro, batch_slice, slice):  # activation checkpointing recomputes the forward here
+        self._exec_backward_pass(buffer_id)
     if slice == 0:  # the sequence's first slice: no later backward needs its cache
         self.terapipe.context.release((micro, batch_slice))
 

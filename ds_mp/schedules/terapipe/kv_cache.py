@@ -55,21 +55,38 @@ class KVContext:
 
     ``Block.attention`` calls ``extend(index, k, v)`` with the current slice's (B, nh_l, l, hs)
     keys/values and gets ``(K̃, Ṽ, mask)``; the slice is then cached for the next slices.
+
+    ``slice`` (set by the engine with ``key``) numbers the slice within its sequence: a second
+    ``extend`` of a slice already cached — activation checkpointing recomputing its forward in
+    backward — attends to the same earlier entries and reuses its own entry (whose ``.grad``
+    later slices filled) instead of appending, so recomputation is exact.  ``requires_grad``
+    (set by the engine: grad mode of the training step) makes the cached copies leaves that
+    collect gradients even when the first forward runs without a graph (reentrant checkpoint).
     """
 
     def __init__(self) -> None:
         self.key: Hashable = None
+        self.slice: int | None = None  # None: append (profiling, unnumbered use)
+        self.requires_grad: bool | None = None  # None: as the keys/values themselves
         self._cache: dict[Hashable, dict[int, list[_Cached]]] = {}
 
     def extend(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
         cached = self._cache.setdefault(self.key, {}).setdefault(index, [])
-        entry = _Cached(k.detach().requires_grad_(k.requires_grad), v.detach().requires_grad_(v.requires_grad))
+        pos = len(cached) if self.slice is None else self.slice
+        if pos < len(cached):  # recomputation of a cached slice
+            entry = cached[pos]
+        elif pos == len(cached):
+            grad = k.requires_grad if self.requires_grad is None else self.requires_grad
+            entry = _Cached(k.detach().requires_grad_(grad), v.detach().requires_grad_(grad))
+            cached.append(entry)
+        else:
+            raise RuntimeError(f"terapipe: slice {pos} of sequence {self.key} arrived before slice {len(cached)}")
+        before = cached[:pos]
         k_own, v_own = _AddCachedGrad.apply(k, entry, "k"), _AddCachedGrad.apply(v, entry, "v")
-        c = sum(e.k.shape[2] for e in cached)
-        if cached:
-            k_own = torch.cat([e.k for e in cached] + [k_own], dim=2)  # (B, nh_l, c+l, hs)
-            v_own = torch.cat([e.v for e in cached] + [v_own], dim=2)
-        cached.append(entry)
+        c = sum(e.k.shape[2] for e in before)
+        if before:
+            k_own = torch.cat([e.k for e in before] + [k_own], dim=2)  # (B, nh_l, c+l, hs)
+            v_own = torch.cat([e.v for e in before] + [v_own], dim=2)
         return k_own, v_own, context_mask(k.shape[2], c, k.device)
 
     def prefill(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -53,7 +53,7 @@ class PipelineConfig:
 @dataclass
 class TeraPipeConfig:
     slices: Union[str, list] = "auto"  # "auto" (planner) or token lengths summing to seq_len
-    batch_slices: int = 1  # split each micro-batch into this many batch-slices
+    batch_slices: Union[int, str] = 1  # equal batch-slices per micro-batch, or "auto" (knapsack over sizes)
     granularity: int = 8  # planner slice lengths are multiples of this
     profile: str = ""  # cost-model JSON to reuse ("" = <output_dir>/terapipe_profile.json)
 
@@ -218,7 +218,6 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
                    ("tensor_parallel.vocab_pad_multiple", tp.vocab_pad_multiple),
                    ("data.seq_len", cfg.data.seq_len), ("training.steps", cfg.training.steps),
                    ("training.log_interval", cfg.training.log_interval),
-                   ("terapipe.batch_slices", cfg.terapipe.batch_slices),
                    ("terapipe.granularity", cfg.terapipe.granularity)):
         _positive(v, key)
     for key, v in (("training.eval_interval", cfg.training.eval_interval),
@@ -310,6 +309,15 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
             raise ConfigError(f"ds_mp.terapipe.granularity: {cfg.terapipe.granularity} with sequence parallelism: "
                               f"planned slices are split over {tp.size} TP ranks; use a multiple of {tp.size}")
 
+    bs = cfg.terapipe.batch_slices
+    if bs == "auto":
+        if cfg.terapipe.slices != "auto":
+            raise ConfigError("ds_mp.terapipe.batch_slices: 'auto' chooses the batch split together with the token "
+                              "slices; set terapipe.slices to 'auto' too, or give batch_slices a number")
+    elif isinstance(bs, str):
+        raise ConfigError(f"ds_mp.terapipe.batch_slices: {bs!r} is not a positive integer or 'auto'")
+    else:
+        _positive(bs, "terapipe.batch_slices")
     sl = cfg.terapipe.slices
     if isinstance(sl, list):
         if not sl or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sl):

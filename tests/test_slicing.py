@@ -125,3 +125,27 @@ def test_profile_stage_calls_and_shapes() -> None:
     out = profile_stage(lambda i, j: calls.append((i, j)), [4, 8], [0, 16], repeats=3, warmup=1)
     assert [(i, j) for i, j, _ in out] == [(4, 0), (4, 16), (8, 0), (8, 16)]
     assert all(t >= 0 for *_, t in out) and len(calls) == 4 * 4
+
+
+@pytest.mark.parametrize("M, want", [(1, [4, 4, 4, 4]), (16, [16])])
+def test_gradient_accumulation_is_planned_as_one_flush(M: int, want: list[int]) -> None:
+    """t(i) = 1 + i per slice (a fixed overhead), K=2, L=16: one micro-batch pays the fill once
+    per sequence, T(n) = n + 16 + 1 + 16/n, best n = 4; M=16 micro-batches in one flush pay
+    every slice 16 times and the fill once, T(n) = 16 n + 256 + 1 + 16/n, best n = 1."""
+    plan = plan_joint(1, 16, 2, lambda b, i, j: 1.0 + i, micro_batches=M)
+    assert plan == [(1, want)]
+    t = predicted_time_joint(plan, 2, lambda b, i, j: 1.0 + i, micro_batches=M)
+    n = len(want)
+    assert t == pytest.approx(M * (n + 16) + 1 + 16 / n)
+
+
+def test_joint_batch_split_by_knapsack_beats_equal_splits() -> None:
+    """A device whose time is flat up to 2 rows (2 rows cost what 1 does, 3 rows cost 3): B=3 is
+    best split 2 + 1, which no equal split (3 or 1 + 1 + 1) offers."""
+    def cost(b: int, i: int, j: int) -> float:
+        return 0.1 + (i if b <= 2 else i * b)
+
+    best = plan_joint(3, 8, 2, cost)
+    equal = [plan_joint(3, 8, 2, cost, batch_sizes=[3 // n]) for n in (1, 3)]
+    assert sorted(b for b, _ in best) == [1, 2]
+    assert all(predicted_time_joint(best, 2, cost) < predicted_time_joint(p, 2, cost) for p in equal)

@@ -109,10 +109,14 @@ def test_plan_from_config(tmp_path, capsys) -> None:
     cost.save(tmp_path / "cost.json")
     cfg = ds_config(pp=4, micro=4, seq=64, schedule="terapipe",
                     terapipe={"profile": str(tmp_path / "cost.json"), "granularity": 4, "batch_slices": 2})
-    out = plan_from_config(cfg, profile=False)
+    out = plan_from_config(cfg, profile=False)  # a step of gradient_accumulation_steps = 2 micro-batches
+    assert out["micro_batches"] == 2
     assert out["plan"] == [[b, s] for b, s in plan_joint(4, 64, 4, batch_cost(cost, 4, cost.c0),
-                                                          granularity=4, batch_sizes=[2])]
+                                                          granularity=4, batch_sizes=[2], micro_batches=2)]
     assert out["speedup_vs_no_slicing"] > 1.0 and out["speedup_vs_uniform"] >= 1.0
+    cfg["ds_mp"]["terapipe"].update(batch_slices="auto", slices="auto")  # the knapsack over batch splits
+    auto = plan_from_config(cfg, profile=False)
+    assert auto["predicted_time"] <= min(out["predicted_time"], auto["best_equal_split_time"]) * (1 + 1e-12)
     assert "terapipe plan" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="divide"):
         plan_for(cost, 4, 64, 4, 3, 4)

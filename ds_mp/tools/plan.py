@@ -35,18 +35,26 @@ def plan_from_config(config: str | dict, profile: bool = False) -> dict:
                           "or set ds_mp.terapipe.profile")
     else:
         cost = CostModel.load(path)
+    M = raw.get("gradient_accumulation_steps", 1)
     bc = batch_cost(cost, b_ref=B, overhead=cost.c0)
-    plan = plan_for(cost, B, L, K, n, g)
-    rows = uniform_slices(B, n)
-    uniform = min(([(b, uniform_slices(L, m)) for b in rows] for m in range(1, math.ceil(L / g) + 1)),
-                  key=lambda p: predicted_time_joint(p, K, bc))
-    t, t0, tu = (predicted_time_joint(p, K, bc) for p in (plan, [(b, [L]) for b in rows], uniform))
-    out = {"plan": [[b, s] for b, s in plan], "stages": K, "seq_len": L, "micro_batch": B, "profile": path,
-           "predicted_time": t, "no_slicing_time": t0, "best_uniform": [[b, s] for b, s in uniform],
-           "best_uniform_time": tu, "speedup_vs_no_slicing": t0 / t, "speedup_vs_uniform": tu / t}
-    print(f"terapipe plan for K={K} stages, micro-batch {B} x {L} tokens: {out['plan']}\n"
-          f"  predicted {t * 1e3:.3f} ms/micro-batch; {t0 / t:.2f}x vs no slicing ({t0 * 1e3:.3f} ms), "
-          f"{tu / t:.2f}x vs best uniform {out['best_uniform']} ({tu * 1e3:.3f} ms)")
+
+    def time_of(p: list) -> float:
+        return predicted_time_joint(p, K, bc, micro_batches=M)
+
+    plan = plan_for(cost, B, L, K, n, g, micro_batches=M)
+    whole = [(B, [L])]
+    uniform = min(([(B, uniform_slices(L, m))] for m in range(1, math.ceil(L / g) + 1)), key=time_of)
+    equal = min((plan_for(cost, B, L, K, k, g, micro_batches=M) for k in range(1, B + 1) if B % k == 0),
+                key=time_of)  # the best plan with equal batch-slices
+    t, t0, tu, te = (time_of(p) for p in (plan, whole, uniform, equal))
+    out = {"plan": [[b, s] for b, s in plan], "stages": K, "seq_len": L, "micro_batch": B, "micro_batches": M,
+           "profile": path, "predicted_time": t, "no_slicing_time": t0, "best_uniform": [[b, s] for b, s in uniform],
+           "best_uniform_time": tu, "best_equal_split": [[b, s] for b, s in equal], "best_equal_split_time": te,
+           "speedup_vs_no_slicing": t0 / t, "speedup_vs_uniform": tu / t, "speedup_vs_equal_split": te / t}
+    print(f"terapipe plan for K={K} stages, a step of {M} micro-batch(es) of {B} x {L} tokens: {out['plan']}\n"
+          f"  predicted {t * 1e3:.3f} ms/step; {t0 / t:.2f}x vs no slicing ({t0 * 1e3:.3f} ms), "
+          f"{tu / t:.2f}x vs best uniform {out['best_uniform']} ({tu * 1e3:.3f} ms), "
+          f"{te / t:.2f}x vs best equal batch split {out['best_equal_split']} ({te * 1e3:.3f} ms)")
     return out
 
 

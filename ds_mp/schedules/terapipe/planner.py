@@ -243,12 +243,14 @@ def _knapsack(S: dict[int, np.ndarray], B: int) -> tuple[np.ndarray, np.ndarray]
     return G[B], arg
 
 
-def _plan(Cs: dict[int, np.ndarray], B: int, K: int, eps: float) -> list[tuple[int, list[int]]]:
-    """Joint DP: min_τ [min_{Σ b = B} Σ_b S*_b(τ)] + (K − 1)·τ; returns [(b, cut indices)].
+def _plan(Cs: dict[int, np.ndarray], B: int, K: int, eps: float, M: int = 1) -> list[tuple[int, list[int]]]:
+    """Joint DP: min_τ M·[min_{Σ b = B} Σ_b S*_b(τ)] + (K − 1)·τ; returns [(b, cut indices)].
 
-    Early stop: for every τ' ≥ τ,  total(τ') ≥ G_∞ + (K − 1)·τ  (G_∞: the knapsack without cap,
-    a lower bound of every Σ_b S*_b(τ')), so once G_∞ + (K − 1)·τ ≥ best no larger cap can win.
-    This is tighter than the paper's (K − 1)·τ ≥ best, which it implies.
+    M micro-batches with the same plan run in one flush (gradient accumulation): every slice
+    is paid M times, the pipeline fill (K − 1)·τ once — so a larger M favours fewer, longer
+    slices.  Early stop: for every τ' ≥ τ, total(τ') ≥ M·G_∞ + (K − 1)·τ (G_∞: the knapsack
+    without cap, a lower bound of every Σ_b S*_b(τ')), so once M·G_∞ + (K − 1)·τ ≥ best no
+    larger cap can win.  This is tighter than the paper's (K − 1)·τ ≥ best, which it implies.
     """
     inf = np.array([np.inf])
     G_inf = float(_knapsack({b: _min_sums(C, inf) for b, C in Cs.items()}, B)[0][0])
@@ -270,15 +272,15 @@ def _plan(Cs: dict[int, np.ndarray], B: int, K: int, eps: float) -> list[tuple[i
             plan.append((b, _best_path(Cs[b], cap)))
             n -= b
         t = [Cs[b][p, q] for b, path in plan for p, q in zip(path[:-1], path[1:])]
-        return float(sum(t) + (K - 1) * max(t)), plan
+        return float(M * sum(t) + (K - 1) * max(t)), plan
 
     best_total, best_plan = realise(np.inf)
     for start in range(0, len(caps), _CHUNK):
         chunk = caps[start:start + _CHUNK]
-        if G_inf + (K - 1) * chunk[0] >= best_total:
+        if M * G_inf + (K - 1) * chunk[0] >= best_total:
             break
         G, _ = _knapsack({b: _min_sums(C, chunk) for b, C in Cs.items()}, B)
-        totals = G + (K - 1) * chunk
+        totals = M * G + (K - 1) * chunk
         k = int(np.argmin(totals))
         if totals[k] < best_total:  # realised total ≤ totals[k]: its max is ≤ the cap
             best_total, best_plan = realise(float(chunk[k]))
@@ -309,29 +311,30 @@ def plan_slices(L: int, K: int, cost: Cost, *, granularity: int = 1,
 
 
 def plan_joint(B: int, L: int, K: int, cost: BatchCost, *, granularity: int = 1,
-               eps: float = 0.0, batch_sizes: Sequence[int] | None = None
+               eps: float = 0.0, batch_sizes: Sequence[int] | None = None, micro_batches: int = 1
                ) -> list[tuple[int, list[int]]]:
     """Joint batch + token slicing (paper §3.4): [(b_k, token slices of that batch-slice)].
 
     The batch of B sequences is split into batch-slices b_1 + … = B (sizes from batch_sizes,
-    default 1 … B), each token-sliced on its own; all slices flow through one pipeline, so
-    T = Σ_all t + (K − 1)·max_all t with t = cost(b, i, j). For each cap τ, S*_b(τ) is the token
-    DP above and a knapsack over batch-slice sizes gives min Σ_k S*_{b_k}(τ). Same ε bound.
+    default 1 … B), each token-sliced on its own; all slices of the step's ``micro_batches``
+    micro-batches flow through one pipeline flush, so T = M·Σ_plan t + (K − 1)·max t with
+    t = cost(b, i, j). For each cap τ, S*_b(τ) is the token DP above and a knapsack over
+    batch-slice sizes gives min Σ_k S*_{b_k}(τ). Same ε bound.
     """
     sizes = sorted(set(batch_sizes or range(1, B + 1)))
     if K < 1 or B < 1 or not sizes or min(sizes) < 1:
         raise ValueError(f"need K >= 1, B >= 1 and positive batch_sizes, got K={K}, B={B}, {sizes}")
     pos = _positions(L, granularity)
     Cs = {b: _cost_matrix(lambda i, j, b=b: cost(b, i, j), pos) for b in sizes if b <= B}
-    plan = _plan(Cs, B, K, eps)
+    plan = _plan(Cs, B, K, eps, micro_batches)
     return sorted(((b, _to_slices(pos, path)) for b, path in plan), key=lambda p: -p[0])
 
 
 def predicted_time_joint(plan: Sequence[tuple[int, Sequence[int]]], K: int,
-                         cost: BatchCost) -> float:
-    """T = Σ over every (batch-slice, token-slice) of t + (K − 1)·max t."""
+                         cost: BatchCost, micro_batches: int = 1) -> float:
+    """T = M · Σ over every (batch-slice, token-slice) of t + (K − 1)·max t (one flush of M)."""
     t = [c for b, s in plan for c in slice_costs(s, lambda i, j, b=b: cost(b, i, j))]
-    return sum(t) + (K - 1) * max(t)
+    return micro_batches * sum(t) + (K - 1) * max(t)
 
 
 # ------------------------------------------------------------------ plans the engine runs
@@ -346,11 +349,18 @@ def explicit_plan(slices: Sequence[int], micro_batch: int, batch_slices: int) ->
     return [(rows, list(slices)) for rows in uniform_slices(micro_batch, batch_slices)]
 
 
-def plan_for(cost: CostModel, B: int, L: int, K: int, batch_slices: int, granularity: int) -> Plan:
-    """The planner's slicing of a micro-batch (B, L) on K stages into n equal batch-slices."""
-    if B % batch_slices:
+def plan_for(cost: CostModel, B: int, L: int, K: int, batch_slices: int | str, granularity: int,
+             micro_batches: int = 1) -> Plan:
+    """The planner's slicing of a micro-batch (B, L) on K stages for a step of ``micro_batches``
+    micro-batches: into n equal batch-slices, or (``batch_slices="auto"``) the knapsack's best
+    split over every batch-slice size 1 … B."""
+    if batch_slices == "auto":
+        sizes = None
+    elif B % batch_slices:
         raise ConfigError(f"ds_mp.terapipe.batch_slices: {batch_slices} does not divide the micro-batch "
-                          f"size {B}; with slices='auto' use a divisor of {B}")
+                          f"size {B}; with slices='auto' use a divisor of {B} or 'auto'")
+    else:
+        sizes = [B // batch_slices]
     plan = plan_joint(B, L, K, batch_cost(cost, b_ref=B, overhead=cost.c0), granularity=granularity,
-                      batch_sizes=[B // batch_slices])
+                      batch_sizes=sizes, micro_batches=micro_batches)
     return [(b, list(s)) for b, s in plan]

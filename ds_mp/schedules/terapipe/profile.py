@@ -7,7 +7,9 @@ own stage (every rank, its real layers and TP), takes for every (i, j) the slowe
 pipeline runs at its bottleneck stage), fits, and rank 0 saves the file.  A batch-slice of b
 rows costs ``batch_cost(t, b_ref=B, overhead=c0)``.  With ``batch_slices = n`` the micro-batch
 is cut into n equal batch-slices and the joint planner chooses their token slicing:
-``plan_joint(B, L, K, cost, batch_sizes=[B/n])``.  Rank 0 plans and broadcasts the plan.
+``plan_joint(B, L, K, cost, batch_sizes=[B/n])``; with ``"auto"`` it also chooses the split
+(a knapsack over batch-slice sizes 1 … B).  The plan is for a whole step: the M =
+``gradient_accumulation_steps`` micro-batches run in one flush.  Rank 0 plans and broadcasts.
 
 :func:`profile_blocks` times a stage's blocks on one process for ``ds-mp plan --profile``.
 """
@@ -131,7 +133,7 @@ def auto_plan(engine: Any) -> Plan:
                 cost.save(path)
             else:
                 cost = CostModel.load(path)
-            result[0] = plan_for(cost, B, L, K, tcfg.batch_slices, tcfg.granularity)
+            result[0] = plan_for(cost, B, L, K, tcfg.batch_slices, tcfg.granularity, engine.micro_batches)
         except (ConfigError, OSError, ValueError, TypeError) as e:
             result[0] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(result, src=0)  # the error too, so no rank hangs

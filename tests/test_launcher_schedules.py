@@ -66,7 +66,7 @@ def test_terapipe_auto_slices_writes_profile(tmp_path, data):
     run = os.path.join(str(tmp_path), "run")
     rows = read_log(run)
     assert [int(r["step"]) for r in rows] == [1, 2] and all(float(r["loss"]) > 0 for r in rows)
-    from ds_mp.schedules.terapipe.planner import CostModel
+    from ds_mp.schedules.terapipe.planner import load_cost_model
 
-    cost = CostModel.load(os.path.join(run, "terapipe_profile.json"))  # reusable via ds_mp.terapipe.profile
-    assert cost.c1 != 0.0 or cost.c2 != 0.0  # fitted from the profile, not the zero default
+    cost = load_cost_model(os.path.join(run, "terapipe_profile.json"))  # reusable via ds_mp.terapipe.profile
+    assert len(cost.lengths) > 3 and all(t > 0 for t in cost.times)  # the measured t(i, 0) table

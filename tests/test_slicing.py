@@ -149,3 +149,33 @@ def test_joint_batch_split_by_knapsack_beats_equal_splits() -> None:
     equal = [plan_joint(3, 8, 2, cost, batch_sizes=[3 // n]) for n in (1, 3)]
     assert sorted(b for b, _ in best) == [1, 2]
     assert all(predicted_time_joint(best, 2, cost) < predicted_time_joint(p, 2, cost) for p in equal)
+
+
+def test_table_cost_model_fits_the_papers_form(tmp_path) -> None:
+    """t(i, 0) read from a measured table (here flat to 32 tokens, then linear: what a GPU does
+    and a polynomial cannot express) plus a fitted a0 + a1 i + a2 j + a3 i j for j > 0."""
+    from ds_mp.schedules.terapipe.planner import fit_table_cost_model, load_cost_model
+
+    def alone(i: int) -> float:
+        return 1.0 if i <= 32 else 1.0 + (i - 32) / 32
+
+    def true(i: int, j: int) -> float:
+        return alone(i) + ((0.1 + 0.001 * i + 0.002 * j + 1e-4 * i * j) if j else 0.0)
+
+    samples = [(i, 0, alone(i)) for i in (8, 16, 24, 32, 48, 64, 96, 128)]
+    samples += [(i, j, true(i, j)) for i in (8, 32, 128) for j in (32, 64, 96)]
+    model, err = fit_table_cost_model(samples)
+    assert err < 1e-9
+    for i, j in [(8, 0), (20, 0), (40, 0), (128, 0), (16, 50), (100, 80)]:
+        assert model(i, j) == pytest.approx(true(i, j), rel=1e-9)
+    model.save(tmp_path / "cost.json")
+    assert load_cost_model(tmp_path / "cost.json") == model
+
+
+def test_flat_cost_table_gives_few_long_slices() -> None:
+    """With t(i, 0) flat to 32 tokens a slice shorter than 32 costs the same as 32: the planner
+    cuts L = 128 into slices of 32 (the knee), where the smooth model's linear part would cut finer."""
+    from ds_mp.schedules.terapipe.planner import TableCostModel
+
+    table = TableCostModel((8, 32, 128), (1.0, 1.0, 4.0))
+    assert plan_slices(128, 4, table, granularity=8).slices == [32, 32, 32, 32]

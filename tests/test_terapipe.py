@@ -22,7 +22,7 @@ from deepspeed.runtime.pipe import schedule as ds
 from dist_utils import run_ranks
 from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, LoadSlice
 from ds_mp.schedules.simulate import simulate, terapipe_timetable
-from ds_mp.schedules.terapipe.planner import CostModel, batch_cost, plan_joint
+from ds_mp.schedules.terapipe.planner import CostModel, batch_cost, load_cost_model, plan_joint
 from ds_mp.schedules.terapipe.kv_cache import KVContext, context_mask
 from ds_mp.schedules.terapipe.schedule import TeraPipeSchedule, plan_units
 from ds_mp.schedules.terapipe.planner import explicit_plan
@@ -125,7 +125,7 @@ def test_plan_from_config(tmp_path, capsys) -> None:
         plan_from_config(missing, profile=False)
     out = plan_from_config(missing, profile=True)  # times blocks here, then plans
     saved = json.loads((tmp_path / "none" / "terapipe_profile.json").read_text())
-    assert set(saved) == set(CostModel().to_dict()) and sum(out["plan"][0][1]) == SEQ
+    assert saved["kind"] == "table" and sum(out["plan"][0][1]) == SEQ
 
 
 @pytest.mark.parametrize("block, key", [
@@ -275,8 +275,8 @@ def test_terapipe_equals_hf_on_4_ranks(tmp_path) -> None:
     _check(results, cases)
     plan = results[0][2]["plan"]
     assert [b for b, _ in plan] == [1, 1] and all(sum(s) == SEQ and all(n % 4 == 0 for n in s) for _, s in plan)
-    cost = CostModel.load(os.path.join(tmp_path, "terapipe_profile.json"))
-    assert plan == [(b, list(s)) for b, s in plan_joint(2, SEQ, 2, batch_cost(cost, 2, cost.c0),
+    cost = load_cost_model(os.path.join(tmp_path, "terapipe_profile.json"))
+    assert plan == [(b, list(s)) for b, s in plan_joint(2, SEQ, 2, batch_cost(cost, 2, cost.overhead),
                                                         granularity=4, batch_sizes=[1])]
 
 

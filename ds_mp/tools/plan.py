@@ -7,8 +7,8 @@ import os
 import sys
 
 from ds_mp.config import ConfigError, load_config, parse_config, read_json
-from ds_mp.schedules.terapipe.planner import (CostModel, batch_cost, fit_cost_model, plan_for, predicted_time_joint,
-                                              uniform_slices)
+from ds_mp.schedules.terapipe.planner import (batch_cost, fit_table_cost_model, load_cost_model, plan_for,
+                                              predicted_time_joint, uniform_slices)
 from ds_mp.schedules.terapipe.profile import profile_blocks, profile_path
 
 
@@ -26,7 +26,7 @@ def plan_from_config(config: str | dict, profile: bool = False) -> dict:
     B, L, K = raw.get("train_micro_batch_size_per_gpu", 1), cfg.data.seq_len, cfg.pp
     n, g, path = cfg.terapipe.batch_slices, cfg.terapipe.granularity, profile_path(cfg)
     if profile:
-        cost, err = fit_cost_model(profile_blocks(cfg, B))
+        cost, err = fit_table_cost_model(profile_blocks(cfg, B))
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         cost.save(path)
         print(f"profiled {path} (fit mean relative error {err:.1%})")
@@ -34,9 +34,9 @@ def plan_from_config(config: str | dict, profile: bool = False) -> dict:
         raise ConfigError(f"ds_mp.terapipe.profile: no cost model at {path!r}; run with --profile "
                           "or set ds_mp.terapipe.profile")
     else:
-        cost = CostModel.load(path)
+        cost = load_cost_model(path)
     M = raw.get("gradient_accumulation_steps", 1)
-    bc = batch_cost(cost, b_ref=B, overhead=cost.c0)
+    bc = batch_cost(cost, b_ref=B, overhead=cost.overhead)
 
     def time_of(p: list) -> float:
         return predicted_time_joint(p, K, bc, micro_batches=M)

@@ -13,6 +13,7 @@ Everything here is a pure function of its arguments (no torch, no distributed st
 """
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import time
@@ -60,12 +61,91 @@ class CostModel:
     def from_dict(cls, d: dict[str, float]) -> "CostModel":
         return cls(**{k: float(v) for k, v in d.items()})
 
+    @property
+    def overhead(self) -> float:
+        """The per-slice cost that does not grow with the batch-slice's rows."""
+        return self.c0
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class TableCostModel:
+    """The paper's cost model (TeraPipe §3.3): t(i, j) = t(i, 0) + [j > 0]·(a0 + a1·i + a2·j + a3·i·j).
+
+    t(i, 0) is a *measured table* over slice lengths (linear interpolation between the measured
+    lengths, linear extrapolation past the ends), so it can be flat over a range of i and then
+    rise, or step — what accelerators do and a smooth polynomial cannot express; only the
+    context term is fitted.  Times include the stage's send of the slice's activation when the
+    profile measured it (see ``profile.py``).
+    """
+
+    lengths: tuple[int, ...]   # measured slice lengths, ascending
+    times: tuple[float, ...]   # t(i, 0) at those lengths, seconds
+    a0: float = 0.0            # fixed cost of a non-empty context
+    a1: float = 0.0            # per-token cost of a non-empty context
+    a2: float = 0.0            # per-context-token cost
+    a3: float = 0.0            # per (token × context-token) cost: attention to the context
+
+    def alone(self, i: int) -> float:
+        """t(i, 0) from the table."""
+        L, T = self.lengths, self.times
+        if len(L) == 1:
+            return T[0] * i / L[0]
+        k = min(max(bisect.bisect_left(L, i), 1), len(L) - 1)  # the segment [L[k-1], L[k]] (or an end one)
+        return T[k - 1] + (T[k] - T[k - 1]) * (i - L[k - 1]) / (L[k] - L[k - 1])
+
+    def __call__(self, i: int, j: int) -> float:
+        extra = (self.a0 + self.a1 * i + self.a2 * j + self.a3 * i * j) if j > 0 else 0.0
+        return self.alone(i) + extra
+
+    @property
+    def overhead(self) -> float:
+        """The intercept of t(i, 0) at i = 0 (the per-slice cost independent of the rows), ≥ 0."""
+        return max(0.0, self.alone(0))
+
+    def to_dict(self) -> dict:
+        return {"kind": "table", **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def load_cost_model(path: str | Path) -> CostModel | TableCostModel:
+    """A saved cost model of either form."""
+    d = json.loads(Path(path).read_text())
+    if d.pop("kind", None) == "table":
+        return TableCostModel(tuple(int(i) for i in d.pop("lengths")), tuple(float(t) for t in d.pop("times")),
+                              **{k: float(v) for k, v in d.items()})
+    return CostModel.from_dict(d)
+
+
+def fit_table_cost_model(samples: Sequence[tuple[int, int, float]]) -> tuple[TableCostModel, float]:
+    """The paper's fit: t(i, 0) = the measured times at j = 0 (a table), then least squares of the
+    rest, t(i, j) − t(i, 0), on [1, i, j, i·j] over the j > 0 samples (relative error, as
+    :func:`fit_cost_model`).  Returns (model, mean relative error over all samples)."""
+    alone: dict[int, list[float]] = {}
+    for i, j, t in samples:
+        if j == 0:
+            alone.setdefault(i, []).append(t)
+    if not alone:
+        raise ValueError("a table cost model needs samples with context 0")
+    lengths = tuple(sorted(alone))
+    table = TableCostModel(lengths, tuple(statistics.median(alone[i]) for i in lengths))
+    ctx = [(i, j, t) for i, j, t in samples if j > 0]
+    if ctx:
+        X = np.array([[1.0, i, j, i * j] for i, j, _ in ctx])
+        y = np.array([t - table.alone(i) for i, _, t in ctx])
+        w = 1.0 / np.maximum(np.array([t for *_, t in ctx]), 1e-12)
+        theta, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
+        table = TableCostModel(lengths, table.times, *(float(v) for v in theta))
+    err = float(np.mean([abs(table(i, j) - t) / max(t, 1e-12) for i, j, t in samples]))
+    return table, err
 
 
 def _features(i: int, j: int) -> list[float]:
@@ -349,7 +429,7 @@ def explicit_plan(slices: Sequence[int], micro_batch: int, batch_slices: int) ->
     return [(rows, list(slices)) for rows in uniform_slices(micro_batch, batch_slices)]
 
 
-def plan_for(cost: CostModel, B: int, L: int, K: int, batch_slices: int | str, granularity: int,
+def plan_for(cost: CostModel | TableCostModel, B: int, L: int, K: int, batch_slices: int | str, granularity: int,
              micro_batches: int = 1) -> Plan:
     """The planner's slicing of a micro-batch (B, L) on K stages for a step of ``micro_batches``
     micro-batches: into n equal batch-slices, or (``batch_slices="auto"``) the knapsack's best
@@ -361,6 +441,6 @@ def plan_for(cost: CostModel, B: int, L: int, K: int, batch_slices: int | str, g
                           f"size {B}; with slices='auto' use a divisor of {B} or 'auto'")
     else:
         sizes = [B // batch_slices]
-    plan = plan_joint(B, L, K, batch_cost(cost, b_ref=B, overhead=cost.c0), granularity=granularity,
+    plan = plan_joint(B, L, K, batch_cost(cost, b_ref=B, overhead=cost.overhead), granularity=granularity,
                       batch_sizes=sizes, micro_batches=micro_batches)
     return [(b, list(s)) for b, s in plan]

@@ -1,7 +1,8 @@
 """TeraPipe ``"slices": "auto"``: profile a stage, fit the cost model, run the planner.
 
-The cost model t(i, j) (``planner.CostModel``: one stage's forward+backward of i tokens after
-j cached tokens, at the micro-batch size B) comes from ``terapipe.profile`` or
+The cost model t(i, j) (``planner.TableCostModel``, the paper's form: a measured t(i, 0) table
+plus a fitted linear context term; one stage's forward+backward of i tokens after j cached
+tokens, at the micro-batch size B) comes from ``terapipe.profile`` or
 ``<training.output_dir>/terapipe_profile.json``; when neither exists the engine profiles its
 own stage (every rank, its real layers and TP), takes for every (i, j) the slowest rank (the
 pipeline runs at its bottleneck stage), fits, and rank 0 saves the file.  A batch-slice of b
@@ -25,7 +26,8 @@ import torch.distributed as dist
 from ds_mp.config import ConfigError, DsMpConfig
 from ds_mp.models.gpt2 import attending_to
 from ds_mp.schedules.terapipe.kv_cache import KVContext
-from ds_mp.schedules.terapipe.planner import CostModel, explicit_plan, fit_cost_model, plan_for, profile_stage
+from ds_mp.schedules.terapipe.planner import (explicit_plan, fit_table_cost_model, load_cost_model, plan_for,
+                                              profile_stage)
 from ds_mp.schedules.terapipe.schedule import Plan
 
 PROFILE_NAME = "terapipe_profile.json"
@@ -35,12 +37,22 @@ def profile_path(cfg: DsMpConfig) -> str:
     return cfg.terapipe.profile or os.path.join(cfg.training.output_dir, PROFILE_NAME)
 
 
-def profile_grid(L: int, granularity: int) -> tuple[list[int], list[int]]:
-    """Slice lengths g, 2g, 4g, … L and contexts 0, L/4, L/2, 3L/4 (rounded to g) to time."""
+def profile_grid(L: int, granularity: int) -> tuple[list[int], list[int], list[int]]:
+    """What to time: ``(table lengths, context lengths, contexts)``.
+
+    The t(i, 0) table: every multiple of g up to 8g (where costs are least linear), then
+    lengths growing by ~1.5× to L (≤ ~20 points).  The context term: lengths g, 2g, 4g, … L
+    after contexts L/4, L/2, 3L/4 (rounded to g).
+    """
     g = max(1, min(granularity, L))
-    lengths = sorted({min(L, g * 2 ** k) for k in range(int(math.log2(max(1, L // g))) + 1)} | {L})
-    contexts = sorted({g * round(L * q / 4 / g) for q in range(4)})
-    return lengths, contexts
+    table = {min(L, g * k) for k in range(1, 9)}
+    n = 8 * g
+    while n < L:
+        n = g * max(n // g + 1, round(1.5 * n / g))
+        table.add(min(L, n))
+    powers = sorted({min(L, g * 2 ** k) for k in range(int(math.log2(max(1, L // g))) + 1)} | {L})
+    contexts = sorted({g * round(L * q / 4 / g) for q in range(1, 4)} - {0})
+    return sorted(table), powers, contexts
 
 
 def engine_plan(engine: Any) -> Plan:
@@ -89,14 +101,19 @@ def profile_engine_stage(engine: Any, L: int, granularity: int) -> list[tuple[in
             return ids, pos.unsqueeze(0)
         return torch.randn(B, i, ctx.n_embd, dtype=p.dtype, device=p.device, requires_grad=True)
 
-    lengths, contexts = profile_grid(L, granularity)
     was_training = module.training
     module.eval()  # no dropout: profiling draws no random numbers from the training streams
     try:
-        return profile_stage(_slice_timer(module, blocks, make_input, B, hs, p.dtype, p.device),
-                             lengths, contexts, repeats=3, warmup=1)
+        return _profile(_slice_timer(module, blocks, make_input, B, hs, p.dtype, p.device), L, granularity)
     finally:
         module.train(was_training)
+
+
+def _profile(fn: Callable[[int, int], None], L: int, granularity: int) -> list[tuple[int, int, float]]:
+    """(i, j, seconds) over :func:`profile_grid`: the t(i, 0) table and the context samples."""
+    table, powers, contexts = profile_grid(L, granularity)
+    return (profile_stage(fn, table, [0], repeats=3, warmup=1)
+            + (profile_stage(fn, powers, contexts, repeats=3, warmup=0) if contexts else []))
 
 
 def _bottleneck(per_rank: list[list[tuple[int, int, float]]]) -> list[tuple[int, int, float]]:
@@ -128,11 +145,11 @@ def auto_plan(engine: Any) -> Plan:
     if rank == 0:
         try:
             if samples:
-                cost, _ = fit_cost_model(samples)
+                cost, _ = fit_table_cost_model(samples)
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 cost.save(path)
             else:
-                cost = CostModel.load(path)
+                cost = load_cost_model(path)
             result[0] = plan_for(cost, B, L, K, tcfg.batch_slices, tcfg.granularity, engine.micro_batches)
         except (ConfigError, OSError, ValueError, TypeError) as e:
             result[0] = f"{type(e).__name__}: {e}"
@@ -168,9 +185,8 @@ def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, fl
     def make_input(i: int, j: int) -> torch.Tensor:
         return torch.randn(micro_batch, i, hf.n_embd, device=device, requires_grad=True)
 
-    lengths, contexts = profile_grid(cfg.data.seq_len, cfg.terapipe.granularity)
     fn = _slice_timer(stage, blocks, make_input, micro_batch, hf.n_embd // hf.n_head, torch.float32, device)
-    return profile_stage(fn, lengths, contexts, repeats=3, warmup=1)
+    return _profile(fn, cfg.data.seq_len, cfg.terapipe.granularity)
 
 
 __all__ = ["engine_plan", "auto_plan", "profile_engine_stage", "profile_blocks", "profile_grid", "profile_path",

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, canonical_name, expected_shapes,
-                                      is_sharded_dir, open_safetensors)
+                                      is_sharded_dir, open_safetensors, slice_reader)
 from ds_mp.models.gpt2 import WeightSource, hf_param_name, tp_kind
-from ds_mp.tensor_parallel.sharding import unshard
+from ds_mp.tensor_parallel.sharding import read_shard, shard, unshard
 
 # Buffers older GPT-2 checkpoints carry (causal mask); recomputed by every implementation.
 _IGNORED = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
@@ -63,6 +63,7 @@ class HFReader:
         self.config = read_hf_config(path)
         self._where: dict[str, tuple[Any, str]] = {}  # canonical name -> (source, stored key)
         self._shape: dict[str, tuple[int, ...]] = {}
+        self.elements_read = [0]  # tensor elements read through get_shard (safetensors slices)
         for file in self._weight_files():
             self._index(file)
         self._validate()
@@ -133,6 +134,20 @@ class HFReader:
             raise CheckpointError(f"{self.path}: no tensor {name!r} in this GPT-2 checkpoint")
         return self._raw(name)
 
+    def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
+                  padded_vocab: int = 0) -> torch.Tensor:
+        """``shard(get(name), kind, rank, size, ...)``: from safetensors only the rows/columns
+        of this shard are read (``get_slice``; the three q|k|v column ranges of ``c_attn``,
+        the vocab rows); a ``pytorch_model.bin`` is memory-mapped and cut after a full read."""
+        name = canonical_name(name)
+        if name not in self._where:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in this GPT-2 checkpoint")
+        handle, key = self._where[name]
+        if not isinstance(handle, str):
+            return shard(handle[key], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab).clone()
+        read = slice_reader(open_safetensors(handle), key, self.elements_read)
+        return read_shard(read, self._shape[name], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab)
+
 
 def open_reader(path: str) -> HFReader | ShardedReader:
     """An :class:`HFReader` or a :class:`ShardedReader`, whichever ``path`` holds."""
@@ -146,14 +161,18 @@ def directory_source(path: str) -> WeightSource:
 
     Names are accepted with or without the ``transformer.`` prefix; floating tensors
     are returned as fp32 (training keeps fp32 master weights; bf16 is DeepSpeed's cast).
+    ``get_shard`` reads only the shard's slices (see ``HFReader.get_shard`` /
+    ``ShardedReader.get_shard``).
     """
     reader = open_reader(path)
 
-    def get(name: str) -> torch.Tensor:
-        t = reader.get(name)
+    def fp32(t: torch.Tensor) -> torch.Tensor:
         return t.float() if t.is_floating_point() else t
 
-    return WeightSource(get, reader.config)
+    def get_shard(name: str, kind: str, rank: int, size: int, **meta: int) -> torch.Tensor:
+        return fp32(reader.get_shard(name, kind, rank, size, **meta))
+
+    return WeightSource(lambda name: fp32(reader.get(name)), reader.config, get_shard)
 
 
 def copy_tokenizer(tokenizer_dir: str, out: str) -> None:

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ds_mp.models.gpt2 import GPT2_TP_PLAN, layer_index, pipeline_layers, tp_kind
-from ds_mp.tensor_parallel.sharding import shard, unshard
+from ds_mp.models.gpt2 import GPT2_TP_PLAN, layer_index, param_shapes, pipeline_layers, tp_kind
+from ds_mp.tensor_parallel.sharding import locate, read_shard, shard, shard_ranges, unshard
 
 FORMAT, VERSION = "ds_mp.sharded", 1
 META = "ds_mp_meta.json"
@@ -46,17 +46,7 @@ def canonical_name(name: str) -> str:
     return name if name.startswith("transformer.") else "transformer." + name
 
 
-def expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
-    """Every GPT-2 parameter (HF name, HF order) and its full shape for ``cfg``."""
-    C, inner = cfg.n_embd, getattr(cfg, "n_inner", None) or 4 * cfg.n_embd
-    size = {"wte.weight": (cfg.vocab_size, C), "wpe.weight": (cfg.n_positions, C),
-            "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,), "attn.c_proj.weight": (C, C),
-            "mlp.c_fc.weight": (C, inner), "mlp.c_fc.bias": (inner,), "mlp.c_proj.weight": (inner, C)}
-    out = {f"transformer.{k}": size[k] for k in _TOP}
-    for i in range(cfg.n_layer):
-        out.update({f"transformer.h.{i}.{k}": size.get(k, (C,)) for k in BLOCK_KEYS})
-    out.update({f"transformer.{k}": (C,) for k in _FINAL})
-    return out
+expected_shapes = param_shapes  # every GPT-2 parameter (HF name, HF order) and its full shape
 
 
 def stage_of(name: str, layers: list[str], parts: list[int]) -> int:
@@ -111,6 +101,22 @@ def write_sharded(get: Any, cfg: Any, out: str, tp: int, parts: list[int], padde
     write_meta(out, make_meta(cfg, tp, parts, padded_vocab))
 
 
+def slice_reader(handle: Any, key: str, counter: list[int] | None = None) -> Any:
+    """``read(dim, lo, hi)`` over the stored tensor ``key`` of an open safetensors file:
+    only that index range is read (``get_slice``); ``counter[0]`` adds the elements read."""
+    sl = handle.get_slice(key)
+    ndim = len(sl.get_shape())
+
+    def read(dim: int, lo: int, hi: int) -> torch.Tensor:
+        t = sl[lo:hi] if dim == 0 else sl[(slice(None),) * dim + (slice(lo, hi),)]
+        if counter is not None:
+            counter[0] += t.numel()
+        return t
+
+    assert ndim >= 1
+    return read
+
+
 def open_safetensors(path: str) -> Any:
     """``safe_open`` with a one-line error naming the file (missing, truncated, corrupt)."""
     if not os.path.isfile(path):
@@ -147,6 +153,7 @@ class ShardedReader:
         self.config = GPT2Config.from_dict(meta["hf_config"])
         self.shapes = expected_shapes(self.config)
         self.state_keys: dict[str, list[str]] = {}
+        self.elements_read = [0]  # tensor elements read through get_shard / get_state_shard
         for s in range(meta["pp"]):
             want = {n for n in self.shapes if self.stage_of(n) == s}
             for r in range(self.tp):
@@ -198,6 +205,53 @@ class ShardedReader:
         s = self.stage_of(name)
         shards = [self._open("model", s, r).get_tensor(name) for r in range(self.tp)]
         return unshard(shards, tp_kind(name), n_head=self.config.n_head, vocab=self.config.vocab_size)
+
+    def _read_range(self, prefix: str, key: str, name: str, kind: str, dim: int, lo: int, hi: int) -> torch.Tensor:
+        """The full tensor's range ``[lo, hi)`` along ``dim``, read from the overlapping saved
+        shard files only (each through a slice)."""
+        s, n_head, padded = self.stage_of(name), self.config.n_head, self.meta["padded_vocab"]
+        full = self.shapes[name]
+        pieces: list[tuple[int, torch.Tensor]] = []
+        for k in range(1 if kind == "replicated" else self.tp):
+            _, ranges, _ = shard_ranges(kind, k, self.tp, full, n_head=n_head, padded_vocab=padded)
+            spans = locate(lo, hi, ranges)
+            if spans:
+                read = slice_reader(self._open(prefix, s, k), key, self.elements_read)
+                pieces += [(glo, read(dim, llo, lhi)) for llo, lhi, glo in spans]
+        pieces.sort(key=lambda p: p[0])
+        return pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in pieces], dim=dim)
+
+    def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
+                  padded_vocab: int = 0) -> torch.Tensor:
+        """``shard(get(name), kind, rank, size, ...)`` for another layout, reading only the
+        overlapping slices of the saved shard files (never the full tensor)."""
+        name = canonical_name(name)
+        if name not in self.shapes:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in a GPT-2 with this config")
+        return read_shard(lambda d, lo, hi: self._read_range("model", name, name, kind, d, lo, hi),
+                          self.shapes[name], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab)
+
+    def get_state_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
+                        padded_vocab: int = 0) -> dict[str, Any]:
+        """:meth:`get_state` cut for one TP shard, reading only the slices it needs: state
+        tensors shaped like the parameter follow its shard rule, others (Adam's ``step``)
+        are read as stored, non-tensor entries come from the JSON metadata."""
+        name = canonical_name(name)
+        s = self.stage_of(name)
+        out: dict[str, Any] = {}
+        for key in self.state_keys.get(name, []):
+            stored = f"{name}::{key}"
+            f = self._open("optim", s, 0)
+            if tuple(f.get_slice(stored).get_shape()) == self.local_shape(name):
+                out[key] = read_shard(lambda d, lo, hi: self._read_range("optim", stored, name, kind, d, lo, hi),
+                                      self.shapes[name], kind, rank, size, n_head=n_head,
+                                      padded_vocab=padded_vocab)
+            else:
+                out[key] = f.get_tensor(stored)
+        if self.meta.get("has_optimizer"):
+            extras = json.loads((self._open("optim", s, 0).metadata() or {}).get("extras", "{}"))
+            out.update(extras.get(name, {}))
+        return out
 
     def get_state(self, name: str) -> dict[str, Any]:
         """Optimizer state of parameter ``name``: tensors shaped like the parameter merged

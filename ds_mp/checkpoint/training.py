@@ -37,7 +37,6 @@ from ds_mp.atomic import commit_dir, fresh_dir, write_text_atomic
 from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, make_meta, shard_file,
                                       write_meta)
 from ds_mp.models.gpt2 import hf_param_name, tp_kind
-from ds_mp.tensor_parallel.sharding import shard
 
 TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest"
@@ -241,8 +240,8 @@ def latest_tag(ckpt_root: str) -> str:
 def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict:
     """Load weights, optimizer, scheduler and counters saved at any layout; return client_state.
 
-    Each rank merges the saved TP shards of its own parameters and cuts them for its
-    own (TP rank, padded vocab); optimizer state follows the same rule.
+    Each rank reads only the slices of the saved TP shards that overlap its own (TP rank,
+    padded vocab) shard; optimizer state follows the same rule.
     """
     opt, topo = _optimizer(engine), engine.topology
     tag = tag or latest_tag(ckpt_root)
@@ -268,21 +267,15 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict
         raise CheckpointError(f"{path}: saved with optimizer {trainer['optimizer']} ({len(trainer['param_groups'])} "
                               f"groups), the engine has {type(opt).__name__} ({len(opt.param_groups)}); "
                               "resume with the same optimizer config")
-    n_head, padded = engine.hf_config.n_head, engine.module.ds_mp_ctx.padded_vocab
-
-    def cut(full: torch.Tensor, kind: str) -> torch.Tensor:
-        return shard(full, kind, topo.tp_rank, topo.tp, n_head=n_head, padded_vocab=padded).clone()
-
-    with torch.no_grad():
+    meta = {"n_head": engine.hf_config.n_head, "padded_vocab": engine.module.ds_mp_ctx.padded_vocab}
+    with torch.no_grad():  # each rank reads only the slices of its own shards
         for name, p in _params(engine):
             kind = tp_kind(name)
-            p.copy_(cut(reader.get(name), kind))
+            p.copy_(reader.get_shard(name, kind, topo.tp_rank, topo.tp, **meta))
             if opt is None:
                 continue
-            state = {}
-            for key, v in reader.get_state(name).items():
-                full_shaped = torch.is_tensor(v) and tuple(v.shape) == reader.shapes[name]
-                state[key] = cut(v, kind).to(p.device) if full_shaped else v
+            state = reader.get_state_shard(name, kind, topo.tp_rank, topo.tp, **meta)
+            state = {k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v for k, v in state.items()}
             opt.state.pop(p, None)
             if state:
                 opt.state[p] = state

@@ -1,7 +1,7 @@
 """Tensor-parallel layers built from full Hugging Face (``Conv1D``-layout) tensors.
 
 Each layer is constructed from the *full* weight (``[in, out]``, as GPT-2's ``Conv1D``
-stores it) and keeps only this rank's shard (:mod:`ds_mp.tensor_parallel.sharding`), so
+stores it), or a lazy weight that yields only this rank's shard, and keeps only this rank's shard (:mod:`ds_mp.tensor_parallel.sharding`), so
 the same classes serve freshly initialised and ``from_pretrained`` models.  Every
 parameter carries ``tp_kind`` (how it is sharded) for clipping and checkpointing.
 
@@ -22,9 +22,14 @@ from ds_mp.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, re
 from ds_mp.tensor_parallel.sharding import shard
 
 
-def tp_parameter(full: torch.Tensor, kind: str, rank: int, size: int, **meta: int) -> nn.Parameter:
-    """An ``nn.Parameter`` holding this rank's shard of ``full``, tagged with ``tp_kind``."""
-    p = nn.Parameter(shard(full.detach(), kind, rank, size, **meta).clone().contiguous())
+def tp_parameter(full: Any, kind: str, rank: int, size: int, **meta: int) -> nn.Parameter:
+    """An ``nn.Parameter`` holding this rank's shard of ``full``, tagged with ``tp_kind``.
+
+    ``full`` is the full tensor, or a lazy weight with ``shard(kind, rank, size, **meta)``
+    that produces this rank's shard without the full tensor (a sliced read, a sliced init)."""
+    local = (shard(full.detach(), kind, rank, size, **meta) if isinstance(full, torch.Tensor)
+             else full.shard(kind, rank, size, **meta))
+    p = nn.Parameter(local.clone().contiguous())
     p.tp_kind = kind  # type: ignore[attr-defined]
     return p
 

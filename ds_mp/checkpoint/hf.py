@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, canonical_name, expected_shapes,
-                                      is_sharded_dir, open_safetensors, slice_reader)
+                                      is_sharded_dir, open_safetensors, slice_reader, st_dtype,
+                                      write_safetensors_streaming)
 from ds_mp.models.gpt2 import WeightSource, hf_param_name, tp_kind
 from ds_mp.tensor_parallel.sharding import read_shard, shard, unshard
 
@@ -134,6 +135,11 @@ class HFReader:
             raise CheckpointError(f"{self.path}: no tensor {name!r} in this GPT-2 checkpoint")
         return self._raw(name)
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        handle, key = self._where[canonical_name(name)]
+        return st_dtype(open_safetensors(handle).get_slice(key).get_dtype()) if isinstance(handle, str) \
+            else handle[key].dtype
+
     def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
                   padded_vocab: int = 0) -> torch.Tensor:
         """``shard(get(name), kind, rank, size, ...)``: from safetensors only the rows/columns
@@ -209,6 +215,28 @@ def write_hf_files(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokeniz
     cfg.save_pretrained(out)
     GenerationConfig.from_model_config(cfg).save_pretrained(out)
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer_dir:
+        copy_tokenizer(tokenizer_dir, out)
+
+
+def write_hf_streaming(reader: Any, cfg: Any, out: str, tokenizer_dir: str | None = None) -> None:
+    """:func:`write_hf_files` from a reader (``get`` and ``dtype_of`` by HF name), one tensor
+    at a time: ``model.safetensors`` is streamed, so peak memory is one full tensor."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    shapes = expected_shapes(cfg)
+    specs = {n: (shape, reader.dtype_of(n)) for n, shape in shapes.items()}
+    if not getattr(cfg, "tie_word_embeddings", True):
+        specs["lm_head.weight"] = specs["transformer.wte.weight"]
+    cfg = copy.deepcopy(cfg)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    cfg.dtype = str(specs["transformer.wte.weight"][1]).removeprefix("torch.")
+    cfg.save_pretrained(out)
+    GenerationConfig.from_model_config(cfg).save_pretrained(out)
+    write_safetensors_streaming(os.path.join(out, "model.safetensors"), specs,
+                                lambda n: reader.get("transformer.wte.weight" if n == "lm_head.weight" else n))
     if tokenizer_dir:
         copy_tokenizer(tokenizer_dir, out)
 

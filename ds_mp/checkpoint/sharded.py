@@ -81,23 +81,57 @@ def write_meta(path: str, meta: dict) -> None:
         json.dump(meta["hf_config"], f, indent=2, sort_keys=True)
 
 
-def write_sharded(get: Any, cfg: Any, out: str, tp: int, parts: list[int], padded_vocab: int) -> None:
-    """Cut every full tensor ``get(hf_name)`` into TP shards and write the model files.
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+_FROM_ST = {v: k for k, v in _DTYPES.items()}
 
-    Works stage by stage, so at most one stage's tensors are in memory at once.
-    """
-    from safetensors.torch import save_file
 
-    names = list(expected_shapes(cfg))
+def st_dtype(code: str) -> torch.dtype:
+    """torch dtype of a safetensors dtype code (``get_slice(k).get_dtype()``: ``"F32"``...)."""
+    if code not in _FROM_ST:
+        raise CheckpointError(f"safetensors dtype {code!r} is not supported by ds_mp; convert the weights to fp32")
+    return _FROM_ST[code]
+
+
+def write_safetensors_streaming(path: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                                produce: Any, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file tensor by tensor: the header from ``specs`` (name -> (shape,
+    dtype), in file order), then ``produce(name)`` for each name, written and dropped before
+    the next, so peak memory is one tensor (``safetensors.torch.save_file`` needs them all)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, (shape, dtype) in specs.items():
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, (shape, dtype) in specs.items():
+            t = produce(name).detach().to(dtype).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"{path}: {name} produced shape {list(t.shape)}, expected {list(shape)}")
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            del t
+
+
+def write_sharded(reader: Any, cfg: Any, out: str, tp: int, parts: list[int], padded_vocab: int) -> None:
+    """Write the model files of a sharded directory from ``reader`` (``get_shard`` and
+    ``dtype_of`` by HF name: an :class:`~ds_mp.checkpoint.hf.HFReader` or a
+    :class:`ShardedReader` of another layout), one (stage, TP rank) file at a time and one
+    shard at a time (read as slices, streamed to disk): peak memory is one shard."""
+    layers = pipeline_layers(cfg.n_layer)
+    shapes = expected_shapes(cfg)
     for s in range(len(parts) - 1):
-        per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-        for name in (n for n in names if stage_of(n, pipeline_layers(cfg.n_layer), parts) == s):
-            full = get(name)
-            for r in range(tp):
-                piece = shard(full, tp_kind(name), r, tp, n_head=cfg.n_head, padded_vocab=padded_vocab)
-                per_rank[r][name] = piece.clone().contiguous()
+        names = [n for n in shapes if stage_of(n, layers, parts) == s]
         for r in range(tp):
-            save_file(per_rank[r], shard_file(out, "model", s, r), metadata={"format": "pt"})
+            specs = {n: (shard_shape(shapes[n], tp_kind(n), tp, cfg.n_head, padded_vocab), reader.dtype_of(n))
+                     for n in names}
+            write_safetensors_streaming(
+                shard_file(out, "model", s, r), specs,
+                lambda n, r=r: reader.get_shard(n, tp_kind(n), r, tp, n_head=cfg.n_head, padded_vocab=padded_vocab))
     write_meta(out, make_meta(cfg, tp, parts, padded_vocab))
 
 
@@ -220,6 +254,10 @@ class ShardedReader:
                 pieces += [(glo, read(dim, llo, lhi)) for llo, lhi, glo in spans]
         pieces.sort(key=lambda p: p[0])
         return pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in pieces], dim=dim)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        name = canonical_name(name)
+        return st_dtype(self._open("model", self.stage_of(name), 0).get_slice(name).get_dtype())
 
     def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
                   padded_vocab: int = 0) -> torch.Tensor:

@@ -153,3 +153,89 @@ def module_topology(module: Any) -> Any:
 __all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine",
            "skip_op_build", "set_global_grad_norm", "uses_bf16_optimizer", "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations",
            "module_grid", "module_topology"]
+
+
+# --- fp32 master weights and optimizer state of DeepSpeed's flat-buffer optimizers -----------
+# bf16 (``BF16_Optimizer``) and ZeRO 1/2 (``DeepSpeedZeroOptimizer``) keep, per parameter group,
+# one flat fp32 partition per DP rank (the wrapped torch optimizer's only parameter) and link
+# every model parameter to its fragment of it: ``p._hp_mapping`` (None when the fragment lies
+# in another DP rank's partition) with ``lp_fragment_address`` / ``hp_fragment_address``
+# (start, numel in the flattened parameter / in the partition) and ``param_group_index``, and
+# ``p._dp_group``.  DeepSpeed's public ``safe_get_full_optimizer_state`` needs the optimizer
+# state already created and linked (after a first step); these work before it too.
+FLAT_PARTITIONS = ("fp32_groups_flat_partition", "single_partition_of_fp32_groups")
+
+
+def flat_partitions(optimizer: Any) -> list:
+    """The flat fp32 master partitions of a bf16/ZeRO optimizer, one per parameter group."""
+    for attr in FLAT_PARTITIONS:
+        if hasattr(optimizer, attr):
+            return getattr(optimizer, attr)
+    raise DeepSpeedIncompatible(f"{type(optimizer).__name__} has none of {FLAT_PARTITIONS}: ds_mp cannot read its "
+                                "fp32 master weights; install a DeepSpeed 0.19.x")
+
+
+def full_flat_state(param: Any, optimizer: Any, key: str) -> Any:
+    """Collective over ``param``'s DP group: the optimizer state ``key`` of ``param`` (its
+    shape, fp32) assembled from every DP rank's partition (zeros where no rank holds one)."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(param.numel(), dtype=torch.float32)
+    m = param._hp_mapping
+    if m is not None:
+        state = optimizer.optimizer.state.get(flat_partitions(optimizer)[m.param_group_index], {})
+        if key in state:
+            lp, hp = m.lp_fragment_address, m.hp_fragment_address
+            buf.narrow(0, lp.start, lp.numel).copy_(state[key].narrow(0, hp.start, hp.numel))
+    dist.all_reduce(buf, group=param._dp_group)
+    return buf.view(param.shape)
+
+
+def set_flat_state(param: Any, optimizer: Any, key: str, value: Any) -> None:
+    """Write ``value`` (``param``'s shape) into this DP rank's fragment of the optimizer state
+    ``key``, creating the state (zeros) if the optimizer has not stepped yet."""
+    import torch
+
+    m = param._hp_mapping
+    if m is None:
+        return
+    flat = flat_partitions(optimizer)[m.param_group_index]
+    state = optimizer.optimizer.state[flat]
+    if key not in state:
+        state[key] = torch.zeros_like(flat)
+    lp, hp = m.lp_fragment_address, m.hp_fragment_address
+    state[key].narrow(0, hp.start, hp.numel).copy_(value.reshape(-1).narrow(0, lp.start, lp.numel))
+
+
+def flat_state_extras(param: Any, optimizer: Any) -> dict:
+    """State entries of ``param``'s flat partition that are not per-element (Adam's ``step``)."""
+    m = getattr(param, "_hp_mapping", None)
+    groups = [m.param_group_index] if m is not None else range(len(flat_partitions(optimizer)))
+    for g in groups:
+        flat = flat_partitions(optimizer)[g]
+        state = optimizer.optimizer.state.get(flat, {})
+        if state:
+            return {k: v.clone() if hasattr(v, "clone") else v for k, v in state.items()
+                    if not (hasattr(v, "shape") and v.shape == flat.shape)}
+    return {}
+
+
+def flat_state_keys(param: Any, optimizer: Any) -> list[str]:
+    """Per-element state keys of ``param``'s partition (``exp_avg``...; [] before the first step)."""
+    m = getattr(param, "_hp_mapping", None)
+    groups = [m.param_group_index] if m is not None else range(len(flat_partitions(optimizer)))
+    for g in groups:
+        flat = flat_partitions(optimizer)[g]
+        state = optimizer.optimizer.state.get(flat, {})
+        if state:
+            return sorted(k for k, v in state.items() if hasattr(v, "shape") and v.shape == flat.shape)
+    return []
+
+
+def set_flat_state_extras(optimizer: Any, extras: dict) -> None:
+    """Put non-per-element entries (``step``) into every flat partition's state."""
+    for flat in flat_partitions(optimizer):
+        state = optimizer.optimizer.state[flat]
+        for k, v in extras.items():
+            state[k] = v.clone() if hasattr(v, "clone") else v

@@ -251,3 +251,35 @@ def test_dataset_shorter_than_one_sequence(tmp_path):
         ChunkSampler(small, seq_len=8, micro_batch=1)
     with pytest.raises(DataError, match="dp_rank"):
         ChunkSampler(small, seq_len=2, micro_batch=1, dp_rank=2, dp_size=2)
+
+
+def test_resume_at_another_dp_repeats_and_skips_nothing(ds):
+    """Issue 16: 5 steps at DP 2 (global batch 8), resume from the checkpointed client state
+    at DP 3 (global batch 12): every sample consumed before and after is distinct and together
+    they are exactly the stream's prefix (``set_step`` alone would restart at 5 × 12 = 60)."""
+    from ds_mp.training.loop import restore_sampler
+
+    mb, ga = 2, 2
+    before = [ChunkSampler(ds, SEQ, mb, ga, r, 2, seed=3) for r in range(2)]
+    taken = []
+    for _ in range(5):
+        for s in before:
+            taken += chunk_ids(s.next_step())
+    client = json.loads(json.dumps({"step": 5, "sampler": before[0].state_dict()}))
+    assert client["sampler"]["consumed_samples"] == 40
+    after = [ChunkSampler(ds, SEQ, mb, ga, r, 3, seed=3) for r in range(3)]
+    for s in after:
+        restore_sampler(s, client, client["step"])
+    for _ in range(4):  # 48 more samples: 88 of 96, one epoch
+        for s in after:
+            taken += chunk_ids(s.next_step())
+    assert len(taken) == len(set(taken)) == 88
+    stream = ChunkSampler(ds, SEQ, 88, 1, seed=3)
+    assert sorted(taken) == sorted(chunk_ids(stream.next_step()))
+    legacy = ChunkSampler(ds, SEQ, mb, ga, 0, 3, seed=3)
+    restore_sampler(legacy, {"step": 5}, 5)  # an old checkpoint: step × the new global batch
+    assert legacy.consumed_samples == 60
+    mid = ChunkSampler(ds, SEQ, mb, ga, 0, 2, seed=3)
+    next(mid)  # one micro-batch into a step
+    with pytest.raises(DataError, match="mid-step"):
+        ChunkSampler(ds, SEQ, mb, ga, 0, 3, seed=3).load_state_dict(mid.state_dict())

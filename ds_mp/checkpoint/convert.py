@@ -1,8 +1,14 @@
 """``ds-mp convert hf-to-ds | ds-to-hf``: HF ⇄ sharded conversion, verified by logits.
 
 Both directions write into a temporary sibling of OUT, verify there, and rename only on
-success, so a crash or a failed check leaves no OUT behind.  Verification runs two HF
-``GPT2LMHeadModel``s on a fixed input and compares logits (max |Δ| ≤ ``--atol``):
+success, so a crash or a failed check leaves no OUT behind.  Conversion streams: every
+shard is read as safetensors slices and written straight to its file, one tensor at a
+time, so peak memory is one tensor (one full tensor for ds-to-hf), not one model.
+
+Verification (default) re-reads the output one tensor at a time and compares it with the
+source, bit-exact (padding dropped), which also streams.  ``--verify-logits`` additionally
+runs two HF ``GPT2LMHeadModel``s on a fixed input and compares logits (max |Δ| ≤ ``--atol``)
+— this holds two whole models in memory:
 
 * hf-to-ds: the source model vs a model rebuilt from the written shards (every tensor
   merged back with ``unshard``), which checks the cut and the vocab padding;
@@ -21,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from ds_mp.atomic import atomic_dir
-from ds_mp.checkpoint.hf import HFReader, open_reader, write_hf_files
+from ds_mp.checkpoint.hf import HFReader, open_reader, write_hf_streaming
 from ds_mp.checkpoint.sharded import CheckpointError, ShardedReader, expected_shapes, is_sharded_dir, write_sharded
 from ds_mp.models.gpt2 import stage_parts
 from ds_mp.tensor_parallel.sharding import padded_vocab_size
@@ -53,8 +59,18 @@ def _check(diff: float, atol: float, what: str) -> str:
     return f"verified: max |Δlogits| = {diff:.3e} (atol {atol:.1e})"
 
 
+def _check_tensors(src: Any, out: Any, cfg: Any) -> str:
+    """Compare every tensor of two readers, one at a time (bit-exact, true vocab)."""
+    for name in expected_shapes(cfg):
+        a, b = src.get(name), out.get(name)
+        if a.dtype != b.dtype or not torch.equal(a, b):
+            raise CheckpointError(f"verification failed: {name} differs between the source and the written "
+                                  "checkpoint (output not written)")
+    return f"verified: all {len(expected_shapes(cfg))} tensors bit-exact"
+
+
 def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str = "uniform", vocab_pad_multiple: int = 128,
-             verify: bool = True, atol: float = 1e-5, overwrite: bool = False) -> str:
+             verify: bool = True, atol: float = 1e-5, overwrite: bool = False, verify_logits: bool = False) -> str:
     """Write ``src`` (HF or sharded dir) as a sharded directory for TP=``tp``, PP=``pp``."""
     reader = open_reader(src)
     cfg = reader.config
@@ -67,16 +83,18 @@ def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str = "uniform", v
     parts = stage_parts(cfg.n_layer, pp, partition, cfg.n_embd, cfg.vocab_size)
     padded = padded_vocab_size(cfg.vocab_size, tp, vocab_pad_multiple)
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        write_sharded(reader.get, cfg, tmp, tp, parts, padded)
+        write_sharded(reader, cfg, tmp, tp, parts, padded)
         msg = f"wrote {out} (tp={tp}, pp={pp}, parts={parts}, vocab {cfg.vocab_size} padded to {padded})"
         if verify:
+            msg += "; " + _check_tensors(reader, ShardedReader(tmp), cfg)
+        if verify_logits:
             diff = max_logit_diff(model_from(reader), model_from(ShardedReader(tmp)), cfg.vocab_size, cfg.n_positions)
             msg += "; " + _check(diff, atol, "source vs shards")
     return msg
 
 
 def ds_to_hf(src: str, out: str, tokenizer_dir: str | None = None, verify: bool = True, atol: float = 1e-5,
-             overwrite: bool = False) -> str:
+             overwrite: bool = False, verify_logits: bool = False) -> str:
     """Write the sharded directory ``src`` as an HF GPT-2 directory (vocab padding removed)."""
     from transformers import GPT2LMHeadModel
 
@@ -85,9 +103,11 @@ def ds_to_hf(src: str, out: str, tokenizer_dir: str | None = None, verify: bool 
     reader = ShardedReader(src)
     cfg = reader.config
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        write_hf_files({n: reader.get(n) for n in expected_shapes(cfg)}, cfg, tmp, tokenizer_dir)
+        write_hf_streaming(reader, cfg, tmp, tokenizer_dir)
         msg = f"wrote {out} (from tp={reader.tp}, pp={len(reader.parts) - 1})"
         if verify:
+            msg += "; " + _check_tensors(reader, HFReader(tmp), cfg)
+        if verify_logits:
             hf = GPT2LMHeadModel.from_pretrained(tmp, dtype=torch.float32).eval()
             diff = max_logit_diff(model_from(reader), hf, cfg.vocab_size, cfg.n_positions)
             msg += "; " + _check(diff, atol, "shards vs from_pretrained")
@@ -110,8 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("out", metavar="OUT")
     b.add_argument("--tokenizer", metavar="DIR", help="copy tokenizer files from this directory")
     for sp in (a, b):
-        sp.add_argument("--no-verify", action="store_true", help="skip the logits comparison")
-        sp.add_argument("--atol", type=float, default=1e-5, help="max |Δlogits| accepted by the verification")
+        sp.add_argument("--no-verify", action="store_true", help="skip the tensor-by-tensor comparison")
+        sp.add_argument("--verify-logits", action="store_true",
+                        help="also compare logits of two HF models (holds two whole models in memory)")
+        sp.add_argument("--atol", type=float, default=1e-5, help="max |Δlogits| accepted by --verify-logits")
         sp.add_argument("--force", action="store_true", help="replace OUT if it exists")
     return p
 
@@ -119,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 def convert_cli(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ds-mp convert``; returns the exit code (0 ok, 1 error)."""
     args = build_parser().parse_args(argv)
-    common = {"verify": not args.no_verify, "atol": args.atol, "overwrite": args.force}
+    common = {"verify": not args.no_verify, "atol": args.atol, "overwrite": args.force,
+              "verify_logits": args.verify_logits}
     try:
         if args.direction == "hf-to-ds":
             msg = hf_to_ds(args.src, args.out, args.tp, args.pp, args.partition, args.vocab_pad_multiple, **common)

@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, canonical_name, expected_shapes,
-                                      is_sharded_dir, open_safetensors)
+                                      is_sharded_dir, open_safetensors, slice_reader, st_dtype,
+                                      write_safetensors_streaming)
 from ds_mp.models.gpt2 import WeightSource, hf_param_name, tp_kind
-from ds_mp.tensor_parallel.sharding import unshard
+from ds_mp.tensor_parallel.sharding import read_shard, shard, unshard
 
 # Buffers older GPT-2 checkpoints carry (causal mask); recomputed by every implementation.
 _IGNORED = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
@@ -63,6 +64,7 @@ class HFReader:
         self.config = read_hf_config(path)
         self._where: dict[str, tuple[Any, str]] = {}  # canonical name -> (source, stored key)
         self._shape: dict[str, tuple[int, ...]] = {}
+        self.elements_read = [0]  # tensor elements read through get_shard (safetensors slices)
         for file in self._weight_files():
             self._index(file)
         self._validate()
@@ -133,6 +135,25 @@ class HFReader:
             raise CheckpointError(f"{self.path}: no tensor {name!r} in this GPT-2 checkpoint")
         return self._raw(name)
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        handle, key = self._where[canonical_name(name)]
+        return st_dtype(open_safetensors(handle).get_slice(key).get_dtype()) if isinstance(handle, str) \
+            else handle[key].dtype
+
+    def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
+                  padded_vocab: int = 0) -> torch.Tensor:
+        """``shard(get(name), kind, rank, size, ...)``: from safetensors only the rows/columns
+        of this shard are read (``get_slice``; the three q|k|v column ranges of ``c_attn``,
+        the vocab rows); a ``pytorch_model.bin`` is memory-mapped and cut after a full read."""
+        name = canonical_name(name)
+        if name not in self._where:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in this GPT-2 checkpoint")
+        handle, key = self._where[name]
+        if not isinstance(handle, str):
+            return shard(handle[key], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab).clone()
+        read = slice_reader(open_safetensors(handle), key, self.elements_read)
+        return read_shard(read, self._shape[name], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab)
+
 
 def open_reader(path: str) -> HFReader | ShardedReader:
     """An :class:`HFReader` or a :class:`ShardedReader`, whichever ``path`` holds."""
@@ -146,14 +167,18 @@ def directory_source(path: str) -> WeightSource:
 
     Names are accepted with or without the ``transformer.`` prefix; floating tensors
     are returned as fp32 (training keeps fp32 master weights; bf16 is DeepSpeed's cast).
+    ``get_shard`` reads only the shard's slices (see ``HFReader.get_shard`` /
+    ``ShardedReader.get_shard``).
     """
     reader = open_reader(path)
 
-    def get(name: str) -> torch.Tensor:
-        t = reader.get(name)
+    def fp32(t: torch.Tensor) -> torch.Tensor:
         return t.float() if t.is_floating_point() else t
 
-    return WeightSource(get, reader.config)
+    def get_shard(name: str, kind: str, rank: int, size: int, **meta: int) -> torch.Tensor:
+        return fp32(reader.get_shard(name, kind, rank, size, **meta))
+
+    return WeightSource(lambda name: fp32(reader.get(name)), reader.config, get_shard)
 
 
 def copy_tokenizer(tokenizer_dir: str, out: str) -> None:
@@ -190,6 +215,28 @@ def write_hf_files(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokeniz
     cfg.save_pretrained(out)
     GenerationConfig.from_model_config(cfg).save_pretrained(out)
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer_dir:
+        copy_tokenizer(tokenizer_dir, out)
+
+
+def write_hf_streaming(reader: Any, cfg: Any, out: str, tokenizer_dir: str | None = None) -> None:
+    """:func:`write_hf_files` from a reader (``get`` and ``dtype_of`` by HF name), one tensor
+    at a time: ``model.safetensors`` is streamed, so peak memory is one full tensor."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    shapes = expected_shapes(cfg)
+    specs = {n: (shape, reader.dtype_of(n)) for n, shape in shapes.items()}
+    if not getattr(cfg, "tie_word_embeddings", True):
+        specs["lm_head.weight"] = specs["transformer.wte.weight"]
+    cfg = copy.deepcopy(cfg)
+    cfg.architectures = ["GPT2LMHeadModel"]
+    cfg.dtype = str(specs["transformer.wte.weight"][1]).removeprefix("torch.")
+    cfg.save_pretrained(out)
+    GenerationConfig.from_model_config(cfg).save_pretrained(out)
+    write_safetensors_streaming(os.path.join(out, "model.safetensors"), specs,
+                                lambda n: reader.get("transformer.wte.weight" if n == "lm_head.weight" else n))
     if tokenizer_dir:
         copy_tokenizer(tokenizer_dir, out)
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ds_mp.models.gpt2 import GPT2_TP_PLAN, layer_index, pipeline_layers, tp_kind
-from ds_mp.tensor_parallel.sharding import shard, unshard
+from ds_mp.models.gpt2 import GPT2_TP_PLAN, layer_index, param_shapes, pipeline_layers, tp_kind
+from ds_mp.tensor_parallel.sharding import locate, read_shard, shard, shard_ranges, unshard
 
 FORMAT, VERSION = "ds_mp.sharded", 1
 META = "ds_mp_meta.json"
@@ -46,17 +46,7 @@ def canonical_name(name: str) -> str:
     return name if name.startswith("transformer.") else "transformer." + name
 
 
-def expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
-    """Every GPT-2 parameter (HF name, HF order) and its full shape for ``cfg``."""
-    C, inner = cfg.n_embd, getattr(cfg, "n_inner", None) or 4 * cfg.n_embd
-    size = {"wte.weight": (cfg.vocab_size, C), "wpe.weight": (cfg.n_positions, C),
-            "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,), "attn.c_proj.weight": (C, C),
-            "mlp.c_fc.weight": (C, inner), "mlp.c_fc.bias": (inner,), "mlp.c_proj.weight": (inner, C)}
-    out = {f"transformer.{k}": size[k] for k in _TOP}
-    for i in range(cfg.n_layer):
-        out.update({f"transformer.h.{i}.{k}": size.get(k, (C,)) for k in BLOCK_KEYS})
-    out.update({f"transformer.{k}": (C,) for k in _FINAL})
-    return out
+expected_shapes = param_shapes  # every GPT-2 parameter (HF name, HF order) and its full shape
 
 
 def stage_of(name: str, layers: list[str], parts: list[int]) -> int:
@@ -91,24 +81,74 @@ def write_meta(path: str, meta: dict) -> None:
         json.dump(meta["hf_config"], f, indent=2, sort_keys=True)
 
 
-def write_sharded(get: Any, cfg: Any, out: str, tp: int, parts: list[int], padded_vocab: int) -> None:
-    """Cut every full tensor ``get(hf_name)`` into TP shards and write the model files.
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+_FROM_ST = {v: k for k, v in _DTYPES.items()}
 
-    Works stage by stage, so at most one stage's tensors are in memory at once.
-    """
-    from safetensors.torch import save_file
 
-    names = list(expected_shapes(cfg))
+def st_dtype(code: str) -> torch.dtype:
+    """torch dtype of a safetensors dtype code (``get_slice(k).get_dtype()``: ``"F32"``...)."""
+    if code not in _FROM_ST:
+        raise CheckpointError(f"safetensors dtype {code!r} is not supported by ds_mp; convert the weights to fp32")
+    return _FROM_ST[code]
+
+
+def write_safetensors_streaming(path: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                                produce: Any, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file tensor by tensor: the header from ``specs`` (name -> (shape,
+    dtype), in file order), then ``produce(name)`` for each name, written and dropped before
+    the next, so peak memory is one tensor (``safetensors.torch.save_file`` needs them all)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, (shape, dtype) in specs.items():
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, (shape, dtype) in specs.items():
+            t = produce(name).detach().to(dtype).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"{path}: {name} produced shape {list(t.shape)}, expected {list(shape)}")
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            del t
+
+
+def write_sharded(reader: Any, cfg: Any, out: str, tp: int, parts: list[int], padded_vocab: int) -> None:
+    """Write the model files of a sharded directory from ``reader`` (``get_shard`` and
+    ``dtype_of`` by HF name: an :class:`~ds_mp.checkpoint.hf.HFReader` or a
+    :class:`ShardedReader` of another layout), one (stage, TP rank) file at a time and one
+    shard at a time (read as slices, streamed to disk): peak memory is one shard."""
+    layers = pipeline_layers(cfg.n_layer)
+    shapes = expected_shapes(cfg)
     for s in range(len(parts) - 1):
-        per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-        for name in (n for n in names if stage_of(n, pipeline_layers(cfg.n_layer), parts) == s):
-            full = get(name)
-            for r in range(tp):
-                piece = shard(full, tp_kind(name), r, tp, n_head=cfg.n_head, padded_vocab=padded_vocab)
-                per_rank[r][name] = piece.clone().contiguous()
+        names = [n for n in shapes if stage_of(n, layers, parts) == s]
         for r in range(tp):
-            save_file(per_rank[r], shard_file(out, "model", s, r), metadata={"format": "pt"})
+            specs = {n: (shard_shape(shapes[n], tp_kind(n), tp, cfg.n_head, padded_vocab), reader.dtype_of(n))
+                     for n in names}
+            write_safetensors_streaming(
+                shard_file(out, "model", s, r), specs,
+                lambda n, r=r: reader.get_shard(n, tp_kind(n), r, tp, n_head=cfg.n_head, padded_vocab=padded_vocab))
     write_meta(out, make_meta(cfg, tp, parts, padded_vocab))
+
+
+def slice_reader(handle: Any, key: str, counter: list[int] | None = None) -> Any:
+    """``read(dim, lo, hi)`` over the stored tensor ``key`` of an open safetensors file:
+    only that index range is read (``get_slice``); ``counter[0]`` adds the elements read."""
+    sl = handle.get_slice(key)
+    ndim = len(sl.get_shape())
+
+    def read(dim: int, lo: int, hi: int) -> torch.Tensor:
+        t = sl[lo:hi] if dim == 0 else sl[(slice(None),) * dim + (slice(lo, hi),)]
+        if counter is not None:
+            counter[0] += t.numel()
+        return t
+
+    assert ndim >= 1
+    return read
 
 
 def open_safetensors(path: str) -> Any:
@@ -147,6 +187,7 @@ class ShardedReader:
         self.config = GPT2Config.from_dict(meta["hf_config"])
         self.shapes = expected_shapes(self.config)
         self.state_keys: dict[str, list[str]] = {}
+        self.elements_read = [0]  # tensor elements read through get_shard / get_state_shard
         for s in range(meta["pp"]):
             want = {n for n in self.shapes if self.stage_of(n) == s}
             for r in range(self.tp):
@@ -198,6 +239,57 @@ class ShardedReader:
         s = self.stage_of(name)
         shards = [self._open("model", s, r).get_tensor(name) for r in range(self.tp)]
         return unshard(shards, tp_kind(name), n_head=self.config.n_head, vocab=self.config.vocab_size)
+
+    def _read_range(self, prefix: str, key: str, name: str, kind: str, dim: int, lo: int, hi: int) -> torch.Tensor:
+        """The full tensor's range ``[lo, hi)`` along ``dim``, read from the overlapping saved
+        shard files only (each through a slice)."""
+        s, n_head, padded = self.stage_of(name), self.config.n_head, self.meta["padded_vocab"]
+        full = self.shapes[name]
+        pieces: list[tuple[int, torch.Tensor]] = []
+        for k in range(1 if kind == "replicated" else self.tp):
+            _, ranges, _ = shard_ranges(kind, k, self.tp, full, n_head=n_head, padded_vocab=padded)
+            spans = locate(lo, hi, ranges)
+            if spans:
+                read = slice_reader(self._open(prefix, s, k), key, self.elements_read)
+                pieces += [(glo, read(dim, llo, lhi)) for llo, lhi, glo in spans]
+        pieces.sort(key=lambda p: p[0])
+        return pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in pieces], dim=dim)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        name = canonical_name(name)
+        return st_dtype(self._open("model", self.stage_of(name), 0).get_slice(name).get_dtype())
+
+    def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
+                  padded_vocab: int = 0) -> torch.Tensor:
+        """``shard(get(name), kind, rank, size, ...)`` for another layout, reading only the
+        overlapping slices of the saved shard files (never the full tensor)."""
+        name = canonical_name(name)
+        if name not in self.shapes:
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in a GPT-2 with this config")
+        return read_shard(lambda d, lo, hi: self._read_range("model", name, name, kind, d, lo, hi),
+                          self.shapes[name], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab)
+
+    def get_state_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
+                        padded_vocab: int = 0) -> dict[str, Any]:
+        """:meth:`get_state` cut for one TP shard, reading only the slices it needs: state
+        tensors shaped like the parameter follow its shard rule, others (Adam's ``step``)
+        are read as stored, non-tensor entries come from the JSON metadata."""
+        name = canonical_name(name)
+        s = self.stage_of(name)
+        out: dict[str, Any] = {}
+        for key in self.state_keys.get(name, []):
+            stored = f"{name}::{key}"
+            f = self._open("optim", s, 0)
+            if tuple(f.get_slice(stored).get_shape()) == self.local_shape(name):
+                out[key] = read_shard(lambda d, lo, hi: self._read_range("optim", stored, name, kind, d, lo, hi),
+                                      self.shapes[name], kind, rank, size, n_head=n_head,
+                                      padded_vocab=padded_vocab)
+            else:
+                out[key] = f.get_tensor(stored)
+        if self.meta.get("has_optimizer"):
+            extras = json.loads((self._open("optim", s, 0).metadata() or {}).get("extras", "{}"))
+            out.update(extras.get(name, {}))
+        return out
 
     def get_state(self, name: str) -> dict[str, Any]:
         """Optimizer state of parameter ``name``: tensors shaped like the parameter merged

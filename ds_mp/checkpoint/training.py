@@ -16,34 +16,36 @@ Only DP replica 0 writes (replicas are identical); every rank loads and cuts its
 shard.  The save is atomic: ranks write into ``<tag>.tmp``, rank 0 renames it to ``<tag>``
 after every rank reported success, and only then replaces the ``latest`` pointer.
 
-DeepSpeed's own ``engine.save_checkpoint`` is not used for fp32: its pipeline checkpoints
-keep one file per layer per model-parallel rank and the optimizer state per model-parallel
-rank in flat parameter order, and it re-splits only Megatron-named tensors when the degree
-changes, so a GPT-2 checkpoint saved there cannot resume at another TP degree.  With bf16
-or ZeRO (DeepSpeed's flat-buffer optimizers) it *is* used, written atomically the same
-way, and such a checkpoint resumes at the same TP × PP × DP only (checked on load).
+DeepSpeed's own ``engine.save_checkpoint`` is not used: its pipeline checkpoints keep one
+file per layer per model-parallel rank and the optimizer state per model-parallel rank in
+flat parameter order, and it re-splits only Megatron-named tensors when the degree changes.
+With bf16 or ZeRO (DeepSpeed's flat-buffer optimizers) the model files hold the fp32
+master weights and the optimizer files the fp32 state, gathered per parameter from the DP
+partitions (``deepspeed.utils.safe_get_full_fp32_param`` and the fragment maps, see
+``deepspeed_compat``) and set back the same way on load, so these checkpoints are
+layout-free too (and interchangeable with fp32 ones for the same torch optimizer).
+Nothing is unpickled beyond ``weights_only=True``.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import commit_dir, fresh_dir, write_text_atomic
 from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, make_meta, shard_file,
                                       write_meta)
 from ds_mp.models.gpt2 import hf_param_name, tp_kind
-from ds_mp.tensor_parallel.sharding import shard
 
 TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest"
 
 
-NATIVE = "ds_mp_native.json"  # marks a DeepSpeed-format (same-layout) checkpoint
+NATIVE = "ds_mp_native.json"  # marked the DeepSpeed-format checkpoints of older ds_mp (refused)
 
 
 def _optimizer(engine: Any) -> torch.optim.Optimizer | None:
@@ -51,42 +53,20 @@ def _optimizer(engine: Any) -> torch.optim.Optimizer | None:
 
 
 def _is_native(engine: Any) -> bool:
-    """bf16/fp16/ZeRO wrap the optimizer in DeepSpeed's flat-buffer classes."""
+    """bf16/fp16/ZeRO wrap the optimizer in DeepSpeed's flat-buffer classes (fp32 master
+    weights and optimizer state partitioned over DP in flat buffers)."""
     return engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer)
+
+
+def _base_optimizer(engine: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer doing the update (the one a bf16/ZeRO wrapper holds)."""
+    opt = engine.optimizer
+    return opt.optimizer if _is_native(engine) else opt
 
 
 def _layout(engine: Any) -> dict:
     t = engine.topology
     return {"tp": t.tp, "pp": t.pp, "dp": t.dp}
-
-
-def _save_native(engine: Any, final: str, tag: str, client_state: dict) -> None:
-    """DeepSpeed's own checkpoint of ``engine``, written into ``<final>.tmp`` then renamed."""
-    tmp_root = final + ".tmp"
-    rank0 = engine.topology.rank == 0
-    _everywhere(f"save_checkpoint({final!r}): preparing", lambda: fresh_dir(tmp_root) if rank0 else None)
-    engine.save_checkpoint(tmp_root, tag=tag, client_state={"ds_mp": client_state}, save_latest=False)
-
-    def commit() -> None:
-        if rank0:
-            write_text_atomic(os.path.join(tmp_root, tag, NATIVE), json.dumps(_layout(engine)))
-            commit_dir(os.path.join(tmp_root, tag), final, overwrite=True)
-            shutil.rmtree(tmp_root)  # DeepSpeed may leave bookkeeping files beside the tag
-            write_text_atomic(os.path.join(os.path.dirname(final), LATEST), tag + "\n")
-
-    _everywhere(f"save_checkpoint({final!r}): committing", commit)
-
-
-def _load_native(engine: Any, ckpt_root: str, tag: str) -> dict:
-    path = os.path.join(ckpt_root, tag)
-    with open(os.path.join(path, NATIVE)) as f:
-        saved = json.load(f)
-    if saved != _layout(engine):
-        raise CheckpointError(f"{path}: a bf16/ZeRO (DeepSpeed-format) checkpoint saved at tp×pp×dp = "
-                              f"{saved['tp']}×{saved['pp']}×{saved['dp']} resumes only at that layout; relaunch "
-                              "with it, or convert the weights with ds-mp convert and start with init_from")
-    _, client = engine.load_checkpoint(ckpt_root, tag=tag)
-    return (client or {}).get("ds_mp", {})
 
 
 def _params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
@@ -110,29 +90,48 @@ def _everywhere(what: str, fn: Callable[[], None]) -> None:
         raise CheckpointError(f"{what} failed: {'; '.join(bad)}")
 
 
-def _write_rank_files(engine: Any, opt: torch.optim.Optimizer | None, tmp: str) -> None:
-    from safetensors.torch import save_file
-
-    topo = engine.topology
+def _rank_tensors(engine: Any, opt: Any) -> tuple[dict, dict, dict]:
+    """This rank's (model, optimizer state, non-tensor extras) by HF name, in ds_mp's
+    layout-free format.  For bf16/ZeRO the model tensors are the fp32 master weights and the
+    state is gathered from the DP partitions (collective over each parameter's DP group:
+    every DP rank calls it)."""
+    topo, native = engine.topology, _is_native(engine)
     model: dict[str, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     extras: dict[str, dict[str, Any]] = {}
     for name, p in _params(engine):
+        if native:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            master = safe_get_full_fp32_param(p)  # collective over the DP group
+            entries = {k: compat.full_flat_state(p, opt, k) for k in compat.flat_state_keys(p, opt)}
+            entries.update(compat.flat_state_extras(p, opt))
+        else:
+            master = p
+            entries = dict(opt.state.get(p, {})) if opt is not None else {}
         if name == "transformer.wte.weight" and topo.pp_rank != 0:
             continue  # the tied copy on the last stage is identical; stored once on stage 0
-        model[name] = p.detach().cpu().contiguous()
-        for key, value in (opt.state.get(p, {}) if opt is not None else {}).items():
+        model[name] = master.detach().float().cpu().contiguous() if native else master.detach().cpu().contiguous()
+        for key, value in entries.items():
             if torch.is_tensor(value):
                 state[f"{name}::{key}"] = value.detach().cpu().contiguous()
             else:
                 extras.setdefault(name, {})[key] = value
+    return model, state, extras
+
+
+def _write_rank_files(tmp: str, topo: Any, tensors: tuple[dict, dict, dict], has_optimizer: bool) -> None:
+    from safetensors.torch import save_file
+
+    model, state, extras = tensors
     save_file(model, shard_file(tmp, "model", topo.pp_rank, topo.tp_rank), metadata={"format": "pt"})
-    if opt is not None:
+    if has_optimizer:
         save_file(state, shard_file(tmp, "optim", topo.pp_rank, topo.tp_rank),
                   metadata={"format": "pt", "extras": json.dumps(extras)})
 
 
 def _trainer_state(engine: Any, opt: torch.optim.Optimizer | None, client_state: dict) -> dict:
+    """``opt``: the torch optimizer doing the update (for bf16/ZeRO the wrapped one)."""
     topo, sched = engine.topology, engine.lr_scheduler
     return {"optimizer": type(opt).__name__ if opt is not None else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt else [],
@@ -156,18 +155,17 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
     opt, topo = _optimizer(engine), engine.topology
     final = os.path.join(os.path.abspath(ckpt_root), tag)
     tmp = final + ".tmp"
-    if _is_native(engine):
-        _save_native(engine, final, tag, client_state or {})
-        return final
 
     def prepare() -> None:
         if topo.rank == 0:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             fresh_dir(tmp)
 
+    tensors = _rank_tensors(engine, opt)  # collective for bf16/ZeRO (DP gathers), before any write
+
     def write() -> None:
         if topo.dp_rank == 0:
-            _write_rank_files(engine, opt, tmp)
+            _write_rank_files(tmp, topo, tensors, opt is not None)
         extra = _schedule_state(engine)
         if extra is not None:  # work a schedule keeps in flight across steps (Ouroboros), per rank
             torch.save({"layout": _layout(engine), "state": extra}, _extra_file(tmp, topo))
@@ -176,7 +174,8 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
                              engine.module.ds_mp_ctx.padded_vocab, has_optimizer=opt is not None,
                              layers=engine.module.layer_names)
             write_meta(tmp, meta)
-            torch.save(_trainer_state(engine, opt, client_state or {}), os.path.join(tmp, TRAINER_STATE))
+            torch.save(_trainer_state(engine, _base_optimizer(engine), client_state or {}),
+                       os.path.join(tmp, TRAINER_STATE))
 
     def commit() -> None:
         if topo.rank == 0:
@@ -241,19 +240,18 @@ def latest_tag(ckpt_root: str) -> str:
 def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict:
     """Load weights, optimizer, scheduler and counters saved at any layout; return client_state.
 
-    Each rank merges the saved TP shards of its own parameters and cuts them for its
-    own (TP rank, padded vocab); optimizer state follows the same rule.
+    Each rank reads only the slices of the saved TP shards that overlap its own (TP rank,
+    padded vocab) shard; optimizer state follows the same rule.
     """
     opt, topo = _optimizer(engine), engine.topology
     tag = tag or latest_tag(ckpt_root)
     path = os.path.join(ckpt_root, tag)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: checkpoint directory not found; check ckpt_root and tag")
-    if os.path.exists(os.path.join(path, NATIVE)) or _is_native(engine):
-        if not os.path.exists(os.path.join(path, NATIVE)):
-            raise CheckpointError(f"{path}: an fp32 checkpoint cannot be resumed by a bf16/ZeRO engine; start "
-                                  "from its weights with ds_mp.training.init_from instead")
-        return _load_native(engine, ckpt_root, tag)
+    if os.path.exists(os.path.join(path, NATIVE)):
+        raise CheckpointError(f"{path}: a DeepSpeed-format bf16/ZeRO checkpoint of an older ds_mp; this ds_mp "
+                              "reads only its layout-free format: resume it with the ds_mp that wrote it, or "
+                              "start from its exported HF weights (runs/x/hf) with init_from")
     reader = ShardedReader(path)
     if expected_shapes(reader.config) != expected_shapes(engine.hf_config):
         raise CheckpointError(f"{path}: saved model shape (n_layer={reader.config.n_layer}, n_embd="
@@ -263,30 +261,37 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict
         raise CheckpointError(f"{path}: holds weights only (no optimizer state); start from it with "
                               "ds_mp.training.init_from instead of resuming")
     trainer = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=True)
-    if opt is not None and (trainer["optimizer"] != type(opt).__name__
-                            or len(trainer["param_groups"]) != len(opt.param_groups)):
+    base = _base_optimizer(engine)
+    if base is not None and (trainer["optimizer"] != type(base).__name__
+                             or len(trainer["param_groups"]) != len(base.param_groups)):
         raise CheckpointError(f"{path}: saved with optimizer {trainer['optimizer']} ({len(trainer['param_groups'])} "
-                              f"groups), the engine has {type(opt).__name__} ({len(opt.param_groups)}); "
+                              f"groups), the engine has {type(base).__name__} ({len(base.param_groups)}); "
                               "resume with the same optimizer config")
-    n_head, padded = engine.hf_config.n_head, engine.module.ds_mp_ctx.padded_vocab
-
-    def cut(full: torch.Tensor, kind: str) -> torch.Tensor:
-        return shard(full, kind, topo.tp_rank, topo.tp, n_head=n_head, padded_vocab=padded).clone()
-
-    with torch.no_grad():
+    meta = {"n_head": engine.hf_config.n_head, "padded_vocab": engine.module.ds_mp_ctx.padded_vocab}
+    native = _is_native(engine)
+    with torch.no_grad():  # each rank reads only the slices of its own shards
         for name, p in _params(engine):
             kind = tp_kind(name)
-            p.copy_(cut(reader.get(name), kind))
+            weight = reader.get_shard(name, kind, topo.tp_rank, topo.tp, **meta)
+            p.copy_(weight)  # a bf16 module weight: the master rounded, as DeepSpeed keeps it
             if opt is None:
                 continue
-            state = {}
-            for key, v in reader.get_state(name).items():
-                full_shaped = torch.is_tensor(v) and tuple(v.shape) == reader.shapes[name]
-                state[key] = cut(v, kind).to(p.device) if full_shaped else v
+            state = reader.get_state_shard(name, kind, topo.tp_rank, topo.tp, **meta)
+            if native:  # fp32 master + state into this DP rank's fragments of the flat partitions
+                from deepspeed.utils import safe_set_full_fp32_param
+
+                safe_set_full_fp32_param(p, weight.float())
+                for key, v in state.items():
+                    if torch.is_tensor(v) and v.shape == p.shape:
+                        compat.set_flat_state(p, opt, key, v.float())
+                compat.set_flat_state_extras(opt, {k: v for k, v in state.items()
+                                                   if not (torch.is_tensor(v) and v.shape == p.shape)})
+                continue
+            state = {k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v for k, v in state.items()}
             opt.state.pop(p, None)
             if state:
                 opt.state[p] = state
-    for group, saved in zip(opt.param_groups if opt is not None else [], trainer["param_groups"]):
+    for group, saved in zip(base.param_groups if base is not None else [], trainer["param_groups"]):
         group.update(saved)
     if engine.lr_scheduler is not None and trainer["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])

@@ -164,20 +164,37 @@ class ChunkSampler:
             self._consumed += self.global_batch
         return self._pending.pop(0)
 
+    @property
+    def consumed_samples(self) -> int:
+        """Samples of the stream taken by the steps started so far (all DP ranks together)."""
+        return self._consumed
+
     def state_dict(self) -> dict:
-        """``{"epoch", "position", "micro_step", ...}``: where the next sample comes from."""
+        """``{"epoch", "position", "consumed_samples", "micro_step", "global_batch", ...}``: where the
+        next sample comes from.  Between steps (``micro_step`` 0) the state is independent of
+        the layout: a sampler with another DP size or micro-batch resumes from the same stream
+        position (the stream is one seeded permutation per epoch, whatever the global batch)."""
         micro_step = (self.grad_accum - len(self._pending)) % self.grad_accum
         start = self._consumed - (self.global_batch if self._pending else 0)
         epoch, position = divmod(start, self.num_chunks)
-        return {"epoch": epoch, "position": position, "micro_step": micro_step, "seed": self.seed,
-                "num_chunks": self.num_chunks, "seq_len": self.seq_len}
+        return {"epoch": epoch, "position": position, "consumed_samples": start, "micro_step": micro_step,
+                "global_batch": self.global_batch, "seed": self.seed, "num_chunks": self.num_chunks,
+                "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue exactly where the sampler that produced ``state`` stopped."""
+        """Continue exactly where the sampler that produced ``state`` stopped.
+
+        At a step boundary any DP size / global batch may resume (no sample repeated or
+        skipped); in the middle of a step (``micro_step`` > 0) only the same global batch can.
+        """
         for key in ("seed", "num_chunks", "seq_len"):
             if state[key] != getattr(self, key):
                 raise DataError(f"sampler state has {key}={state[key]} but this run has {getattr(self, key)}; "
                                 f"resume with the same dataset, seq_len and data seed")
+        if state.get("micro_step", 0) and state.get("global_batch", self.global_batch) != self.global_batch:
+            raise DataError(f"sampler state was saved {state['micro_step']} micro-batches into a step of global batch "
+                            f"{state['global_batch']}; this run's global batch is {self.global_batch}: resume "
+                            "mid-step with the same micro_batch × grad_accum × DP, or from a step checkpoint")
         self._consumed = state["epoch"] * self.num_chunks + state["position"]
         self._pending = []
         if state.get("micro_step", 0):

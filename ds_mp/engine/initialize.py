@@ -56,15 +56,12 @@ def weight_source(model: Any, cfg: DsMpConfig, seed: int) -> WeightSource:
         from ds_mp.checkpoint.hf import directory_source
 
         return directory_source(path)
-    from transformers import GPT2LMHeadModel
+    from ds_mp.optim.init import fresh_source
 
-    from ds_mp.optim import init_gpt2_weights
-
-    # Identical fresh weights on every rank (each keeps its shard): N(0, 0.02), residual
-    # output projections N(0, 0.02/sqrt(2 n_layer)), biases 0, LayerNorm 1/0.
-    model = GPT2LMHeadModel(hf_config_from(cfg.shape))
-    init_gpt2_weights(model, cfg.shape.n_layer, generator=torch.Generator().manual_seed(seed))
-    return WeightSource.from_model(model)
+    # GPT-2's init (N(0, 0.02), residual output projections N(0, 0.02/sqrt(2 n_layer)), biases 0,
+    # LayerNorm 1/0), drawn per parameter name and row block: the same full weights at every
+    # layout, and each rank creates only the shards it keeps (no whole model anywhere).
+    return fresh_source(hf_config_from(cfg.shape), seed)
 
 
 def build_engine(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None):

@@ -31,6 +31,7 @@ from ds_mp.deepspeed_compat import module_grid, module_topology
 from ds_mp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    padded_vocab_size, vocab_parallel_cross_entropy)
 from ds_mp.tensor_parallel.random import parallel_region_rng
+from ds_mp.tensor_parallel.sharding import shard
 from ds_mp.topology import Topology
 
 # HF parameter name (suffix after "transformer." / "h.<i>.") -> how TP shards it.
@@ -94,6 +95,20 @@ def hf_config_from(shape: Any) -> Any:
                       bos_token_id=0, eos_token_id=0)
 
 
+def param_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Every GPT-2 parameter (HF name, HF order) and its full shape for the ``GPT2Config`` ``cfg``."""
+    C, inner = cfg.n_embd, getattr(cfg, "n_inner", None) or 4 * cfg.n_embd
+    size = {"wte.weight": (cfg.vocab_size, C), "wpe.weight": (cfg.n_positions, C),
+            "attn.c_attn.weight": (C, 3 * C), "attn.c_attn.bias": (3 * C,), "attn.c_proj.weight": (C, C),
+            "mlp.c_fc.weight": (C, inner), "mlp.c_fc.bias": (inner,), "mlp.c_proj.weight": (inner, C)}
+    top, final = ("wte.weight", "wpe.weight"), ("ln_f.weight", "ln_f.bias")
+    out = {f"transformer.{k}": size[k] for k in top}
+    for i in range(cfg.n_layer):
+        out.update({f"transformer.h.{i}.{k}": size.get(k, (C,)) for k in GPT2_TP_PLAN if k not in top + final})
+    out.update({f"transformer.{k}": (C,) for k in final})
+    return out
+
+
 def tp_kind(hf_name: str) -> str:
     """Shard kind of an HF GPT-2 parameter name (``transformer.h.3.attn.c_attn.weight``)."""
     key = re.sub(r"^(transformer\.)?(h\.\d+\.)?", "", hf_name)
@@ -102,19 +117,46 @@ def tp_kind(hf_name: str) -> str:
     return GPT2_TP_PLAN[key]
 
 
-class WeightSource:
-    """Full HF-layout tensors by name: ``get("transformer.h.0.ln_1.weight")``."""
+ShardGetter = Callable[..., torch.Tensor]  # (name, kind, rank, size, n_head=, padded_vocab=) -> shard
 
-    def __init__(self, getter: Callable[[str], torch.Tensor], hf_config: Any) -> None:
-        self._get, self.config = getter, hf_config
+
+class WeightSource:
+    """HF-layout tensors by name: ``get("transformer.h.0.ln_1.weight")`` (the full tensor) and
+    ``get_shard(name, kind, rank, size, n_head=, padded_vocab=)`` (one TP shard, equal to
+    ``shard(get(name), ...)``).  A source that can read or create a shard without the full
+    tensor (safetensors slices, sliced init) passes ``shard_getter``; the layers ask for
+    shards through :meth:`lazy`, so a rank materialises only what it keeps."""
+
+    def __init__(self, getter: Callable[[str], torch.Tensor], hf_config: Any,
+                 shard_getter: ShardGetter | None = None) -> None:
+        self._get, self.config, self._get_shard = getter, hf_config, shard_getter
 
     def get(self, name: str) -> torch.Tensor:
         return self._get(name)
+
+    def get_shard(self, name: str, kind: str, rank: int, size: int, **meta: int) -> torch.Tensor:
+        if self._get_shard is not None:
+            return self._get_shard(name, kind, rank, size, **meta)
+        return shard(self.get(name), kind, rank, size, **meta).clone()
+
+    def lazy(self, name: str) -> "LazyWeight":
+        """The weight ``name`` as the TP layers take it (``tp_parameter`` asks for its shard)."""
+        return LazyWeight(self, name)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "WeightSource":
         sd = model.state_dict()
         return cls(lambda n: sd[n], model.config)
+
+
+class LazyWeight:
+    """One named weight of a :class:`WeightSource`, read or created shard by shard."""
+
+    def __init__(self, src: WeightSource, name: str) -> None:
+        self.src, self.name = src, name
+
+    def shard(self, kind: str, rank: int, size: int, **meta: int) -> torch.Tensor:
+        return self.src.get_shard(self.name, kind, rank, size, **meta)
 
 
 class Ctx:
@@ -168,14 +210,14 @@ class Block(nn.Module):
         g, r, n = ctx.group, ctx.tp_rank, ctx.tp
         self.ctx, self.index = ctx, index
         self.ln_1 = _layer_norm(src, p + "ln_1", ctx)
-        self.c_attn = ColumnParallelLinear(src.get(p + "attn.c_attn.weight"), src.get(p + "attn.c_attn.bias"),
+        self.c_attn = ColumnParallelLinear(src.lazy(p + "attn.c_attn.weight"), src.lazy(p + "attn.c_attn.bias"),
                                            g, r, n, kind="qkv", n_head=ctx.n_head, sequence_parallel=ctx.sp)
-        self.attn_proj = RowParallelLinear(src.get(p + "attn.c_proj.weight"), src.get(p + "attn.c_proj.bias"),
+        self.attn_proj = RowParallelLinear(src.lazy(p + "attn.c_proj.weight"), src.lazy(p + "attn.c_proj.bias"),
                                            g, r, n, sequence_parallel=ctx.sp)
         self.ln_2 = _layer_norm(src, p + "ln_2", ctx)
-        self.c_fc = ColumnParallelLinear(src.get(p + "mlp.c_fc.weight"), src.get(p + "mlp.c_fc.bias"),
+        self.c_fc = ColumnParallelLinear(src.lazy(p + "mlp.c_fc.weight"), src.lazy(p + "mlp.c_fc.bias"),
                                          g, r, n, kind="column", sequence_parallel=ctx.sp)
-        self.mlp_proj = RowParallelLinear(src.get(p + "mlp.c_proj.weight"), src.get(p + "mlp.c_proj.bias"),
+        self.mlp_proj = RowParallelLinear(src.lazy(p + "mlp.c_proj.weight"), src.lazy(p + "mlp.c_proj.bias"),
                                           g, r, n, sequence_parallel=ctx.sp)
         self.act = ACT2FN[ctx.act]
         self.n_head_local = ctx.n_head // n
@@ -222,7 +264,7 @@ class TokenEmbedding(nn.Module):
     def __init__(self, src: WeightSource, ctx: Ctx) -> None:
         super().__init__()
         self.ctx = ctx
-        self.wte = VocabParallelEmbedding(src.get("transformer.wte.weight"), ctx.group, ctx.tp_rank, ctx.tp,
+        self.wte = VocabParallelEmbedding(src.lazy("transformer.wte.weight"), ctx.group, ctx.tp_rank, ctx.tp,
                                           ctx.padded_vocab, sequence_parallel=ctx.sp)
 
 
@@ -428,6 +470,6 @@ def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str
 
 
 
-__all__ = ["GPT2_TP_PLAN", "tp_kind", "pipeline_layers", "layer_index", "hf_param_name", "hf_config_from",
-           "WeightSource", "build_gpt2_pipeline", "GPT2Pipeline", "Block", "attending_to", "LMLoss", "shift_labels",
+__all__ = ["GPT2_TP_PLAN", "tp_kind", "param_shapes", "pipeline_layers", "layer_index", "hf_param_name", "hf_config_from",
+           "WeightSource", "LazyWeight", "build_gpt2_pipeline", "GPT2Pipeline", "Block", "attending_to", "LMLoss", "shift_labels",
            "stage_parts"]

@@ -1,7 +1,7 @@
 """Tensor-parallel layers built from full Hugging Face (``Conv1D``-layout) tensors.
 
 Each layer is constructed from the *full* weight (``[in, out]``, as GPT-2's ``Conv1D``
-stores it) and keeps only this rank's shard (:mod:`ds_mp.tensor_parallel.sharding`), so
+stores it), or a lazy weight that yields only this rank's shard, and keeps only this rank's shard (:mod:`ds_mp.tensor_parallel.sharding`), so
 the same classes serve freshly initialised and ``from_pretrained`` models.  Every
 parameter carries ``tp_kind`` (how it is sharded) for clipping and checkpointing.
 
@@ -26,8 +26,11 @@ from ds_mp.tensor_parallel.sharding import shard
 SHARD_KINDS = frozenset({"column", "qkv", "row", "vocab"})
 
 
-def tp_parameter(full: torch.Tensor, kind: str, rank: int, size: int, **meta: int) -> nn.Parameter:
+def tp_parameter(full: Any, kind: str, rank: int, size: int, **meta: int) -> nn.Parameter:
     """An ``nn.Parameter`` holding this rank's shard of ``full``, tagged with ``tp_kind``.
+
+    ``full`` is the full tensor, or a lazy weight with ``shard(kind, rank, size, **meta)``
+    that produces this rank's shard without the full tensor (a sliced read, a sliced init).
 
     Shards (``kind`` in :data:`SHARD_KINDS`) also carry DeepSpeed's (Megatron's) marking
     ``tensor_model_parallel = True``: DeepSpeed's bf16/fp16 and ZeRO optimizers decide with
@@ -37,7 +40,9 @@ def tp_parameter(full: torch.Tensor, kind: str, rank: int, size: int, **meta: in
     ZeRO drops the other ranks' shards from the clip norm.  ``"replicated"`` tensors are
     marked ``False`` (identical on every TP rank: counted once).
     """
-    p = nn.Parameter(shard(full.detach(), kind, rank, size, **meta).clone().contiguous())
+    local = (shard(full.detach(), kind, rank, size, **meta) if isinstance(full, torch.Tensor)
+             else full.shard(kind, rank, size, **meta))
+    p = nn.Parameter(local.clone().contiguous())
     p.tp_kind = kind  # type: ignore[attr-defined]
     p.tensor_model_parallel = kind in SHARD_KINDS  # type: ignore[attr-defined]
     return p

@@ -15,6 +15,8 @@ shard is cut the same way when training and when converting.  GPT-2's ``Conv1D``
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 KINDS = ("column", "qkv", "row", "vocab", "replicated")
@@ -78,3 +80,65 @@ def unshard(shards: list[torch.Tensor], kind: str, *, n_head: int = 0, vocab: in
         full = torch.cat(shards, dim=0)
         return full[: vocab or full.shape[0]]
     raise ValueError(f"unknown shard kind {kind!r}; expected one of {KINDS}")
+
+
+def shard_ranges(kind: str, rank: int, size: int, shape: tuple[int, ...], *, n_head: int = 0,
+                 padded_vocab: int = 0) -> tuple[int, list[tuple[int, int]], int]:
+    """Where :func:`shard` takes its shard from: ``(dim, ranges, length)``.
+
+    The shard is the concatenation along ``dim`` of the full tensor's index ranges
+    ``[lo, hi)`` in ``ranges``, zero-padded along ``dim`` to ``length`` (only ``vocab``
+    pads).  ``dim`` depends on the kind only (``column``/``qkv``: last, ``row``/``vocab``/
+    ``replicated``: 0), also at ``size`` 1, so ranges of two layouts of one tensor can be
+    intersected: a reader reads exactly these ranges instead of the whole tensor.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown shard kind {kind!r}; expected one of {KINDS}")
+    last = len(shape) - 1
+    if kind == "replicated":
+        return 0, [(0, shape[0])], shape[0]
+    if kind in ("column", "row"):
+        dim = last if kind == "column" else 0
+        per = shape[dim] // size
+        return dim, [(rank * per, (rank + 1) * per)], per
+    if kind == "qkv":
+        if n_head % size:
+            raise ValueError(f"n_head={n_head} not divisible by tp={size}")
+        C, per = shape[last] // 3, shape[last] // 3 // size
+        return last, [(j * C + rank * per, j * C + (rank + 1) * per) for j in range(3)], 3 * per
+    rows = padded_vocab or shape[0]
+    if rows < shape[0] or rows % size:
+        raise ValueError(f"padded vocab {rows} must be >= {shape[0]} and divisible by {size}")
+    per = rows // size
+    lo, hi = rank * per, min((rank + 1) * per, shape[0])
+    return 0, ([(lo, hi)] if hi > lo else []), per
+
+
+def read_shard(read: Callable[[int, int, int], torch.Tensor], shape: tuple[int, ...], kind: str, rank: int,
+               size: int, *, n_head: int = 0, padded_vocab: int = 0,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's shard of a full tensor of ``shape`` that is never materialised:
+    ``read(dim, lo, hi)`` returns the full tensor's index range ``[lo, hi)`` along ``dim``
+    (e.g. a safetensors ``get_slice``).  Equal to ``shard(full, ...)`` (a fresh tensor)."""
+    dim, ranges, length = shard_ranges(kind, rank, size, shape, n_head=n_head, padded_vocab=padded_vocab)
+    pieces = [read(dim, lo, hi) for lo, hi in ranges]
+    got = sum(p.shape[dim] for p in pieces)
+    if got < length or not pieces:  # vocab padding rows
+        out_shape = list(shape)
+        out_shape[dim] = length - got
+        ref_dtype = pieces[0].dtype if pieces else (dtype or torch.float32)
+        pieces.append(torch.zeros(out_shape, dtype=ref_dtype))
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+    return out.contiguous() if dtype is None else out.to(dtype).contiguous()
+
+
+def locate(lo: int, hi: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Pieces of the full-tensor range ``[lo, hi)`` inside a shard made of ``ranges`` (as
+    from :func:`shard_ranges`): ``(local_lo, local_hi, global_lo)`` offsets into the shard."""
+    out, offset = [], 0
+    for a, b in ranges:
+        s, e = max(lo, a), min(hi, b)
+        if e > s:
+            out.append((offset + s - a, offset + e - a, s))
+        offset += b - a
+    return out

@@ -23,8 +23,8 @@ def hf_model_dir(path: str, tmp: str) -> str:
 
     path = resolve_checkpoint(path)  # a checkpoint root: follow its pointer
     if os.path.isfile(os.path.join(path, NATIVE)):
-        raise CheckpointError(f"{path}: a bf16/ZeRO checkpoint in DeepSpeed's own format cannot be exported "
-                              "offline; use the HF directory training wrote to <output_dir>/hf")
+        raise CheckpointError(f"{path}: a bf16/ZeRO checkpoint in DeepSpeed's own format (written by an older "
+                              "ds_mp) cannot be exported offline; use the HF directory training wrote to <output_dir>/hf")
     if is_sharded_dir(path):
         out = os.path.join(tmp, "hf")
         ds_to_hf(path, out, verify=False)

@@ -150,14 +150,15 @@ def _run(args: argparse.Namespace) -> int:
     if resume_tag is not None:
         state = load_checkpoint(engine, ckpt_root, resume_tag)
         start_step = int(state["step"])
-        sampler.set_step(start_step)
+        restore_sampler(sampler, state, start_step)
         if state.get("rng") is not None and state.get("layout") == _layout(topo):
             set_rng_state(state["rng"])
     log = CsvLog(os.path.join(tcfg.output_dir, "log.csv"), resume=resume_tag is not None) if rank0 else None
 
     def save(step: int, tag: str | None = None) -> None:
         save_checkpoint(engine, ckpt_root, tag or f"step{step}",
-                        {"step": step, "data": data_path, "rng": rng_state(), "layout": _layout(topo)})
+                        {"step": step, "data": data_path, "rng": rng_state(), "layout": _layout(topo),
+                         "sampler": sampler.state_dict()})
 
     tokens_per_step = micro * gas * topo.dp * cfg.data.seq_len
     flops_per_step = megatron_flops(cfg.data.seq_len, cfg.shape.n_layer, cfg.shape.n_embd, cfg.shape.vocab_size,
@@ -219,6 +220,18 @@ def _run(args: argparse.Namespace) -> int:
 def _fmt_norm(norm: Any) -> str:
     """DeepSpeed's ``get_global_grad_norm()`` (a float, a 0-d tensor, or None) for the log."""
     return "" if norm is None else f"{float(norm):.4f}"
+
+
+def restore_sampler(sampler: Any, client_state: dict, step: int) -> None:
+    """Put ``sampler`` where the checkpointed run stopped: at its consumed-sample count and
+    data order (``client_state["sampler"]``, saved by global rank 0, a consuming rank), so a
+    resume at another DP size (another global batch) repeats and skips nothing.  Checkpoints
+    from before that field fall back to ``step × global batch`` (right only at the same DP)."""
+    saved = client_state.get("sampler")
+    if saved is not None:
+        sampler.load_state_dict(saved)
+    else:
+        sampler.set_step(step)
 
 
 def _ppl(loss: float) -> float:

@@ -31,7 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "simulator": "benchmarks.simulator",
     "ouroboros": "benchmarks.ouroboros",
     "timelines": "benchmarks.timelines",
-    "memory": "benchmarks.memory",
+    "scale": "benchmarks.scale",
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

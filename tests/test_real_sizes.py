@@ -162,15 +162,15 @@ def test_tp2_pp2_build_reads_only_its_shards(dirs, tmp_path):
 BF16_TOL = 1e-3  # bf16 activations: reduction order differs with PP/DP (measured 1.2e-4; fp32 runs: 1e-5)
 
 
-def _bf16_config(pp: int, dp: int) -> dict:
-    cfg = ds_config(pp=pp, optimizer="Adam", lr=0.01, micro=2, gas=4 // dp)
+def _bf16_config(tp: int, pp: int, dp: int) -> dict:
+    cfg = ds_config(tp=tp, pp=pp, optimizer="Adam", lr=0.01, micro=2, gas=4 // dp)
     cfg["optimizer"]["params"]["weight_decay"] = 0.0
     cfg["bf16"] = {"enabled": True}
     cfg["zero_optimization"] = {"stage": 1}
     return cfg
 
 
-def _bf16_phase(rank: int, pp: int, dp: int, model: str, root: str, steps: list, resume: bool) -> dict:
+def _bf16_phase(rank: int, tp: int, pp: int, dp: int, model: str, root: str, steps: list, resume: bool) -> dict:
     import ds_mp
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -178,15 +178,14 @@ def _bf16_phase(rank: int, pp: int, dp: int, model: str, root: str, steps: list,
     from ds_mp.checkpoint.sharded import ShardedReader
     from ds_mp.checkpoint.training import _params
 
-    engine, *_ = ds_mp.initialize(model=model, config=_bf16_config(pp, dp))
+    engine, *_ = ds_mp.initialize(model=model, config=_bf16_config(tp, pp, dp))
     mismatch = None
     if resume:
         load_checkpoint(engine, root)
         reader = ShardedReader(os.path.join(root, "step2"))
-        pad = engine.module.ds_mp_ctx.padded_vocab  # TP=1 here: the shard is the padded full tensor
-        mismatch = max(float((safe_get_full_fp32_param(p) - reader.get_shard(n, tp_kind(n), 0, 1, n_head=4,
-                                                                             padded_vocab=pad)).abs().max())
-                       for n, p in _params(engine))
+        pad, topo = engine.module.ds_mp_ctx.padded_vocab, engine.topology
+        mismatch = max(float((safe_get_full_fp32_param(p) - reader.get_shard(
+            n, tp_kind(n), topo.tp_rank, topo.tp, n_head=4, padded_vocab=pad)).abs().max()) for n, p in _params(engine))
     d = engine.topology.dp_rank
     losses = []
     for i, s in enumerate(steps):
@@ -196,24 +195,27 @@ def _bf16_phase(rank: int, pp: int, dp: int, model: str, root: str, steps: list,
     return {"losses": losses, "mismatch": mismatch, "dtype": str(next(engine.module.parameters()).dtype)}
 
 
-def test_bf16_zero1_checkpoint_resumes_at_other_pp_and_dp(tmp_path):
+def test_bf16_zero1_checkpoint_resumes_at_other_layouts(tmp_path):
+    """bf16 + ZeRO-1 + Adam saved at PP=2×DP=2 and at TP=2×PP=2, resumed at 1×1 and at PP=4:
+    the fp32 master weights restored exactly, the next losses those of the uninterrupted run."""
     from helpers import batches
 
     hf, root = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     tiny_gpt2().save_pretrained(hf)
     mbs = batches(16, 2, 16, 203, seed=3)
     steps = [mbs[i * 4:(i + 1) * 4] for i in range(4)]  # 4 steps × 4 micro-batches of 2
-    full = run_ranks(_bf16_phase, 4, 2, 2, hf, root, steps, False, timeout=300)
-    assert full[0]["dtype"] == "torch.bfloat16"
-    assert not os.path.exists(os.path.join(root, "step2", "ds_mp_native.json"))
-    reader = ShardedReader(os.path.join(root, "step2"))
-    assert reader.meta["has_optimizer"] and reader.get("wte.weight").dtype == torch.float32  # fp32 master
-    uninterrupted = full[-1]["losses"]
-    for pp, n in ((1, 1), (4, 4)):
-        res = run_ranks(_bf16_phase, n, pp, 1, hf, root, steps[2:], True, timeout=300)
-        assert all(r["mismatch"] == 0.0 for r in res), [r["mismatch"] for r in res]  # master restored exactly
-        got = res[-1]["losses"]
-        assert max(abs(a - b) for a, b in zip(got, uninterrupted[2:])) < BF16_TOL, (pp, got, uninterrupted)
+    for tp, pp, dp in ((1, 2, 2), (2, 2, 1)):
+        full = run_ranks(_bf16_phase, 4, tp, pp, dp, hf, root, steps, False, timeout=300)
+        assert full[0]["dtype"] == "torch.bfloat16"
+        assert not os.path.exists(os.path.join(root, "step2", "ds_mp_native.json"))
+        reader = ShardedReader(os.path.join(root, "step2"))
+        assert reader.meta["has_optimizer"] and reader.get("wte.weight").dtype == torch.float32  # fp32 master
+        uninterrupted = full[-1]["losses"]
+        for new_pp, n in ((1, 1), (4, 4)):
+            res = run_ranks(_bf16_phase, n, 1, new_pp, 1, hf, root, steps[2:], True, timeout=300)
+            assert all(r["mismatch"] == 0.0 for r in res), [r["mismatch"] for r in res]  # master restored exactly
+            got = res[-1]["losses"]
+            assert max(abs(a - b) for a, b in zip(got, uninterrupted[2:])) < BF16_TOL, (tp, pp, new_pp, got)
 
 
 # ----------------------------------------------------------------------------- ds-mp convert

@@ -8,6 +8,9 @@ steps; layout-free checkpoints every ``checkpoint_interval`` steps and at the en
 (``--resume`` continues from the latest, at any TP × PP × DP); an HF directory is
 exported to ``<output_dir>/hf`` at the end.
 
+Every metric row also goes to DeepSpeed's monitors (the JSON's ``"tensorboard"``, ``"wandb"``,
+``"csv_monitor"``, ``"comet"`` blocks) as ``ds_mp/<column>`` events (:func:`monitor_metrics`).
+
 Metrics (per log interval):
   tokens/s   = global batch × seq_len / mean step time
   TFLOP/s    = F / step time, with Megatron-LM's count for a GPT of l layers, hidden h,
@@ -190,14 +193,16 @@ def _run(args: argparse.Namespace) -> int:
             if log is not None:
                 probe = getattr(engine, "noise_scale", None)  # the Ouroboros engine has none
                 noise = None if probe is None else probe.value
-                log.row(step=step, loss=f"{loss:.6f}", val_loss="" if val_loss is None else f"{val_loss:.6f}",
-                        val_ppl="" if val_loss is None else f"{_ppl(val_loss):.4f}",
-                        lr=engine.get_lr()[0], tokens_per_s=f"{tokens_per_step / mean_dt:.1f}",
-                        tflops=f"{flops_per_step / mean_dt / 1e12:.4f}", bubble=f"{bubble(times, dt):.3f}",
-                        grad_norm=_fmt_norm(engine.get_global_grad_norm()),
-                        noise_scale="" if noise is None else f"{noise:.2f}",
-                        peak_mem_mib=f"{peak_memory_mib():.0f}", skipped=engine.nonfinite_steps + engine.skipped_steps,
-                        elapsed_s=f"{time.time() - t_start:.1f}")
+                norm = engine.get_global_grad_norm()
+                metrics = {"loss": loss, "val_loss": val_loss, "val_ppl": None if val_loss is None else _ppl(val_loss),
+                           "lr": engine.get_lr()[0], "tokens_per_s": tokens_per_step / mean_dt,
+                           "tflops": flops_per_step / mean_dt / 1e12, "bubble": bubble(times, dt),
+                           "grad_norm": None if norm is None else float(norm), "noise_scale": noise,
+                           "peak_mem_mib": peak_memory_mib(),
+                           "skipped": engine.nonfinite_steps + engine.skipped_steps,
+                           "elapsed_s": time.time() - t_start}
+                log.row(step=step, **{k: _fmt(k, v) for k, v in metrics.items()})
+                monitor_metrics(engine, step, metrics)
                 msg = f"step {step} loss {loss:.4f}"
                 if val_loss is not None:
                     msg += f" val {val_loss:.4f} (ppl {_ppl(val_loss):.2f})"
@@ -216,9 +221,30 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt_norm(norm: Any) -> str:
-    """DeepSpeed's ``get_global_grad_norm()`` (a float, a 0-d tensor, or None) for the log."""
-    return "" if norm is None else f"{float(norm):.4f}"
+# log.csv cell format per metric (None -> empty cell)
+_FORMATS = {"loss": "{:.6f}", "val_loss": "{:.6f}", "val_ppl": "{:.4f}", "lr": "{}", "tokens_per_s": "{:.1f}",
+            "tflops": "{:.4f}", "bubble": "{:.3f}", "grad_norm": "{:.4f}", "noise_scale": "{:.2f}",
+            "peak_mem_mib": "{:.0f}", "skipped": "{}", "elapsed_s": "{:.1f}"}
+
+MONITOR_PREFIX = "ds_mp/"
+
+
+def _fmt(key: str, value: Any) -> str:
+    return "" if value is None else _FORMATS[key].format(value)
+
+
+def monitor_metrics(engine: Any, step: int, metrics: dict[str, float | None]) -> list[tuple[str, float, int]]:
+    """Send one log row through DeepSpeed's monitor (``"tensorboard"``/``"wandb"``/``"csv_monitor"``/
+    ``"comet"`` blocks of the JSON): one event ``("ds_mp/<column>", value, step)`` per ``log.csv``
+    column that has a value, x axis = optimizer step (DeepSpeed's own ``Train/Samples/*`` events
+    use samples).  Call on rank 0 only (``MonitorMaster`` writes on rank 0 anyway); returns the
+    events written (empty when no monitor is enabled)."""
+    monitor = getattr(engine, "monitor", None)
+    if monitor is None or not monitor.enabled:
+        return []
+    events = [(MONITOR_PREFIX + k, float(v), step) for k, v in metrics.items() if v is not None]
+    monitor.write_events(events)
+    return events
 
 
 def _ppl(loss: float) -> float:

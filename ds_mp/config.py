@@ -88,6 +88,7 @@ class TrainingConfig:
     init_from: str = ""  # HF dir or ds_mp checkpoint to initialise weights from
     export_hf: bool = True  # write an HF directory at the end of training
     noise_scale_interval: int = 0  # steps between gradient-noise-scale measurements (0 = off; needs DP > 1)
+    trace_steps: list = field(default_factory=list)  # [first, last]: record a timeline of these steps ([] = off)
 
 
 @dataclass
@@ -227,6 +228,11 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
                    ("pipeline.activation_checkpoint_interval", pp.activation_checkpoint_interval)):
         if v < 0:
             raise ConfigError(f"ds_mp.{key}: must be >= 0, got {v}")
+    ts = cfg.training.trace_steps
+    if ts and (len(ts) != 2 or any(isinstance(n, bool) or not isinstance(n, int) for n in ts)
+               or not 1 <= ts[0] <= ts[1] <= cfg.training.steps):
+        raise ConfigError(f"ds_mp.training.trace_steps: {ts} must be [first, last] steps with 1 <= first <= last <= "
+                          f"training.steps={cfg.training.steps} (e.g. [10, 12]), or [] for no trace")
     if cfg.training.on_nan not in ("stop", "skip"):
         raise ConfigError(f"ds_mp.training.on_nan: must be 'stop' or 'skip', got {cfg.training.on_nan!r}")
     if pp.schedule not in SCHEDULES:

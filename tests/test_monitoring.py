@@ -42,7 +42,8 @@ def _monitor_files(root: str) -> dict[str, dict[int, float]]:
 def run(tmp_path_factory, data) -> dict:
     tmp = str(tmp_path_factory.mktemp("monitored_run"))
     monitor_dir = os.path.join(tmp, "monitor")
-    cfg = train_config(tmp, data, pp=2, steps=4, training={"checkpoint_interval": 0, "export_hf": False},
+    cfg = train_config(tmp, data, pp=2, steps=4, training={"checkpoint_interval": 0, "export_hf": False,
+                                                          "trace_steps": [2, 3]},
                        ds={"csv_monitor": {"enabled": True, "output_path": monitor_dir, "job_name": "job"}})
     path = os.path.join(tmp, "config.json")
     with open(path, "w") as f:
@@ -70,3 +71,23 @@ def test_every_log_csv_metric_reaches_deepspeeds_monitor(run):
     logged = {k for r in rows for k, v in r.items() if v and k != "step"}
     assert {"val_loss", "val_ppl", "tokens_per_s", "tflops", "bubble", "grad_norm", "lr", "skipped"} <= logged
     assert checked >= 4 * 8
+
+
+def test_trace_steps_write_a_timeline_that_ds_mp_timeline_renders(run, tmp_path, capsys):
+    from ds_mp.tools.cli import main as ds_mp_cli
+    from ds_mp.tools.viz import load_trace
+
+    path = os.path.join(run["run"], "trace.json")
+    with open(path) as f:
+        assert json.load(f)["traceEvents"]          # Chrome-trace JSON
+    traces = load_trace(path)
+    assert sorted(traces) == [0, 1]                  # every rank
+    for rank, trace in traces.items():
+        steps = [n for n, _, _, _ in trace if n == "OptimizerStep"]
+        assert len(steps) == 2, f"rank {rank}: steps 2 and 3 make 2 optimizer steps, got {len(steps)}"
+        # 2 micro-batches per step: 4 forwards and 4 backwards per rank over the 2 steps
+        assert sum(n == "ForwardPass" for n, *_ in trace) == 4 and sum(n == "BackwardPass" for n, *_ in trace) == 4
+    png = str(tmp_path / "timeline.png")
+    assert ds_mp_cli(["timeline", path, "--out", png]) == 0
+    assert os.path.getsize(png) > 1000
+    assert "bubble fraction" in capsys.readouterr().out

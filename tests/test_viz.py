@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ds_mp import viz
+from ds_mp.tools import viz
 from ds_mp.tools.cli import main as cli_main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -167,6 +167,8 @@ def _run(args: argparse.Namespace) -> int:
                                     micro * gas * topo.dp)
     bar = _progress(rank0, start_step, tcfg.steps)
     engine.trace_enabled = True
+    trace_first, trace_last = tcfg.trace_steps or (0, 0)
+    recorded: list = []  # the trace_steps window's instructions on this rank
     window: list[float] = []
     t_start = time.time()
     for step in range(start_step + 1, tcfg.steps + 1):
@@ -175,6 +177,10 @@ def _run(args: argparse.Namespace) -> int:
         loss = float(engine.train_batch(sampler))
         dt = time.perf_counter() - t0
         window.append(dt)
+        if trace_first <= step <= trace_last:
+            recorded.extend(engine.trace)
+            if step == trace_last:
+                _write_trace(engine, recorded, os.path.join(tcfg.output_dir, "trace.json"), bar)
         if not math.isfinite(loss) or engine.last_step_nonfinite:  # the update was skipped
             if tcfg.on_nan == "stop":
                 save(step, f"nan-step{step}")
@@ -219,6 +225,16 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ds_mp: done: {tcfg.steps} steps; checkpoints in {ckpt_root}; HF model in "
               f"{os.path.join(tcfg.output_dir, 'hf')}; log {os.path.join(tcfg.output_dir, 'log.csv')}")
     return 0
+
+
+def _write_trace(engine: Any, recorded: list, path: str, bar: Any) -> None:
+    """Collective: gather every rank's recorded steps; rank 0 writes them to ``path`` (Chrome trace)."""
+    from ds_mp.training.trace import gather_trace, write_chrome_trace
+
+    traces = gather_trace(engine, recorded)
+    if traces is not None:
+        write_chrome_trace(traces, path)
+        bar.write(f"timeline of training.trace_steps written: {path} (ds-mp timeline {path} --out timeline.png)")
 
 
 # log.csv cell format per metric (None -> empty cell)

@@ -93,7 +93,7 @@ class TrainingConfig:
 
 @dataclass
 class DsMpConfig:
-    model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir or inline shape
+    model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir, Hub id, or inline shape
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     terapipe: TeraPipeConfig = field(default_factory=TeraPipeConfig)
@@ -182,6 +182,12 @@ def parse_config(raw: dict) -> DsMpConfig:
 def _model_shape(cfg: DsMpConfig) -> InlineModel:
     if isinstance(cfg.model, InlineModel):
         return cfg.model
+    from ds_mp.hub import HubError, resolve_model
+
+    try:
+        cfg.model = resolve_model(cfg.model, "ds_mp.model")  # a Hub id becomes its cached snapshot dir
+    except HubError as e:
+        raise ConfigError(str(e)) from None
     path = os.path.join(cfg.model, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"ds_mp.model: {cfg.model!r} has no config.json; give an HF GPT-2 "

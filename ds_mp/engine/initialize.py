@@ -54,8 +54,9 @@ def weight_source(model: Any, cfg: DsMpConfig, seed: int) -> WeightSource:
     path = model if isinstance(model, str) else (cfg.model if isinstance(cfg.model, str) else None)
     if path:
         from ds_mp.checkpoint.hf import directory_source
+        from ds_mp.hub import resolve_model
 
-        return directory_source(path)
+        return directory_source(resolve_model(path))  # a Hub id: its cached snapshot
     from transformers import GPT2LMHeadModel
 
     from ds_mp.optim import init_gpt2_weights

@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", required=True,
                    help="DeepSpeed JSON with a \"ds_mp\" block")
     p.add_argument("--resume", action="store_true", help="continue from <output_dir>/checkpoints/latest")
-    p.add_argument("--model", default=None, help="HF GPT-2 directory to fine-tune (overrides ds_mp.model)")
+    p.add_argument("--model", default=None, help="HF GPT-2 directory or Hub id (gpt2, org/name@rev) to fine-tune (overrides ds_mp.model)")
     p.add_argument("--data", default=None, help="prepared dataset dir (overrides ds_mp.data.path)")
     p.add_argument("--steps", type=int, default=None, help="override ds_mp.training.steps")
     p.add_argument("--output_dir", default=None, help="override ds_mp.training.output_dir")
@@ -110,11 +110,12 @@ def evaluate(engine: Any, val_batches: Any) -> float:
 def main(argv: list[str] | None = None) -> int:
     from ds_mp.checkpoint import CheckpointError
     from ds_mp.data import DataError
+    from ds_mp.hub import HubError
 
     args = parse_args(argv)
     try:
         return _run(args)
-    except (ConfigError, DataError, CheckpointError, NonFiniteLoss) as e:
+    except (ConfigError, DataError, CheckpointError, HubError, NonFiniteLoss) as e:
         print(f"ds_mp: error: {e}", file=sys.stderr)
         return 3 if isinstance(e, NonFiniteLoss) else 2
 
@@ -124,6 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     from ds_mp.checkpoint import directory_source, load_checkpoint, save_checkpoint
     from ds_mp.checkpoint.training import read_latest
     from ds_mp.data import ChunkSampler, ValidationBatches, datasets_for
+    from ds_mp.hub import resolve_model
     from ds_mp.training.metrics import NoiseScaleProbe, bubble, megatron_flops
     from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
@@ -134,7 +136,9 @@ def _run(args: argparse.Namespace) -> int:
     data_path, train_ds, val_ds = datasets_for(cfg)
     if os.path.exists(tcfg.output_dir) and not os.path.isdir(tcfg.output_dir):
         raise ConfigError(f"ds_mp.training.output_dir: {tcfg.output_dir!r} is a file; choose a directory")
-    init = tcfg.init_from or (cfg.model if isinstance(cfg.model, str) else None)
+    init = tcfg.init_from or (cfg.model if isinstance(cfg.model, str) else None)  # cfg.model: Hub id resolved
+    if tcfg.init_from:
+        init = resolve_model(tcfg.init_from, "ds_mp.training.init_from")
     if init:
         directory_source(init)  # config, files, keys and shapes: fails before any collective
     ckpt_root = os.path.join(tcfg.output_dir, "checkpoints")

@@ -91,6 +91,17 @@ class TrainingConfig:
     trace_steps: list = field(default_factory=list)  # [first, last]: record a timeline of these steps ([] = off)
 
 
+LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")  # PEFT-style names of GPT-2's Conv1Ds
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0  # rank of the low-rank update (0 = LoRA off: full fine-tuning)
+    alpha: float = 16.0  # scaling = alpha / r (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the LoRA branch's input (PEFT's lora_dropout)
+    target_modules: list = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"])  # c_proj = attn + mlp
+
+
 @dataclass
 class DsMpConfig:
     model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir, Hub id, or inline shape
@@ -100,6 +111,7 @@ class DsMpConfig:
     ouroboros: OuroborosConfig = field(default_factory=OuroborosConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Filled by validate(): the degrees and the model shape actually used.
     world_size: int = field(default=1, repr=False)
     dp: int = field(default=1, repr=False)
@@ -331,6 +343,7 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
     elif sl != "auto":
         raise ConfigError(f"ds_mp.terapipe.slices: {sl!r} is not 'auto' or a list of lengths")
 
+    _validate_lora(cfg)
     model_ranks = tp.size * pp.stages
     if world_size % model_ranks:
         raise ConfigError(f"ds_mp: world size {world_size} is not divisible by tensor_parallel.size "
@@ -338,6 +351,28 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
                           f"multiple of {model_ranks} ranks or change the degrees")
     cfg.world_size, cfg.dp, cfg.shape = world_size, world_size // model_ranks, shape
     return cfg
+
+
+def _validate_lora(cfg: DsMpConfig) -> None:
+    lo = cfg.lora
+    if lo.r < 0:
+        raise ConfigError(f"ds_mp.lora.r: must be >= 0 (0 = off), got {lo.r}")
+    if not lo.r:
+        return
+    if lo.alpha <= 0:
+        raise ConfigError(f"ds_mp.lora.alpha: must be > 0, got {lo.alpha}")
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"ds_mp.lora.dropout: must be in [0, 1), got {lo.dropout}")
+    bad = [t for t in lo.target_modules if t not in LORA_TARGETS]
+    if not lo.target_modules or bad:
+        raise ConfigError(f"ds_mp.lora.target_modules: {bad or lo.target_modules} not GPT-2 Conv1D names; "
+                          f"choose from {', '.join(LORA_TARGETS)}")
+    if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1:
+        raise ConfigError("ds_mp.lora: not supported with tensor_parallel.sequence_parallel (the replicated LoRA "
+                          "factors would see only a slice of tokens); set sequence_parallel to false")
+    if cfg.pipeline.schedule == "ouroboros":
+        raise ConfigError("ds_mp.lora: not supported with the ouroboros schedule (it assembles every module's "
+                          "gradients by hand); use 1f1b, gpipe or terapipe")
 
 
 def read_json(config: str | dict) -> dict:

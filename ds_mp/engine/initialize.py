@@ -102,7 +102,8 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
                               sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                               vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,
                               activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
-                              dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout)
+                              dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout,
+                              lora=cfg.lora, seed=cfg.training.seed)
     ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
     ds_dict.setdefault("train_micro_batch_size_per_gpu", 1)
     ds_dict.setdefault("gradient_accumulation_steps", 1)

@@ -85,3 +85,44 @@ def test_lora_equals_peft(tp, pp, reference, tmp_path):
     with torch.no_grad():
         assert (loaded(input_ids=ids).logits - want).abs().max() < 1e-4
         assert (merged(input_ids=ids).logits - want).abs().max() < 1e-4
+
+
+def _loop_rank(rank: int, config_path: str, *extra: str) -> int:
+    from ds_mp.training import loop
+
+    return loop.main(["--deepspeed_config", config_path, *extra])
+
+
+def test_training_loop_with_lora_checkpoints_and_exports(tmp_path):
+    """launch/finetune.py's loop on 2 ranks (TP=2) with ds_mp.lora: trains, checkpoints, writes <out>/adapter (PEFT) and <out>/hf (merged) that agree."""
+    import json
+    import os
+
+    from peft import PeftModel
+    from transformers import GPT2LMHeadModel
+
+    from launcher_utils import tiny_dataset, train_config
+
+    data = tiny_dataset(str(tmp_path))
+    base_dir = str(tmp_path / "base")
+    tiny_gpt2(seed=0, n_layer=2, n_embd=32, n_head=4, vocab=512).save_pretrained(base_dir)
+    cfg = train_config(str(tmp_path), data, tp=2, pp=1, steps=4, lr=1e-2, model=base_dir,
+                       lora={"r": 4, "alpha": 8, "dropout": 0.05, "target_modules": ["c_attn", "c_proj"]})
+    path = str(tmp_path / "config.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    assert run_ranks(_loop_rank, 2, path, timeout=240) == [0, 0]
+    out = tmp_path / "run"
+    assert os.path.isdir(out / "checkpoints" / "step4")
+    # resume is refused before any collective (one line), not crashed into
+    assert run_ranks(_loop_rank, 2, path, "--resume", "--steps", "6", timeout=120) == [2, 2]
+    adapter = json.load(open(out / "adapter" / "adapter_config.json"))
+    assert adapter["r"] == 4 and adapter["fan_in_fan_out"] and adapter["base_model_name_or_path"] == base_dir
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    base = GPT2LMHeadModel.from_pretrained(base_dir).eval()
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        merged = GPT2LMHeadModel.from_pretrained(str(out / "hf")).eval()(input_ids=ids).logits
+        peft = PeftModel.from_pretrained(base, str(out / "adapter")).eval()(input_ids=ids).logits
+    assert (merged - peft).abs().max() < 1e-4 and (merged - before).abs().max() > 1e-4
+    assert os.path.isfile(out / "hf" / "tokenizer.json")

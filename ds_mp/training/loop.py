@@ -145,6 +145,9 @@ def _run(args: argparse.Namespace) -> int:
     resume_tag = read_latest(ckpt_root) if args.resume else None
     if args.resume and resume_tag is None:
         raise ConfigError(f"--resume: no finished checkpoint under {ckpt_root}; run without --resume first")
+    if resume_tag is not None and cfg.lora.r:  # the sharded reader knows GPT-2's HF tensors only
+        raise ConfigError("--resume: not supported yet with ds_mp.lora (the sharded checkpoint reader does not "
+                          "know the LoRA factors); start a new run, or merge <output_dir>/hf and fine-tune from it")
 
     engine, _, _, _ = ds_mp.initialize(model=init, config=raw)
     topo, rank0 = engine.topology, torch.distributed.get_rank() == 0
@@ -222,7 +225,10 @@ def _run(args: argparse.Namespace) -> int:
             save(step)
     if start_step < tcfg.steps:
         save(tcfg.steps)
-    if tcfg.export_hf:
+    if tcfg.export_hf and cfg.lora.r:  # the PEFT adapter, and the merged model as the HF directory
+        ds_mp.save_lora(engine, os.path.join(tcfg.output_dir, "adapter"), base_model=init)
+        ds_mp.save_lora(engine, os.path.join(tcfg.output_dir, "hf"), merge=True, tokenizer_dir=train_ds.info.tokenizer_dir)
+    elif tcfg.export_hf:
         ds_mp.save_hf(engine, os.path.join(tcfg.output_dir, "hf"), tokenizer_dir=train_ds.info.tokenizer_dir)
     if rank0:
         bar.close()

@@ -12,7 +12,7 @@ from ds_mp.schedules.registry import SCHEDULES, register_schedule
 __version__ = "0.1.0"
 
 __all__ = ["initialize", "ConfigError", "DsMpConfig", "load_config", "SCHEDULES", "register_schedule",
-           "save_hf", "__version__"]
+           "save_hf", "save_lora", "__version__"]
 
 
 def initialize(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None):
@@ -39,3 +39,12 @@ def save_hf(engine, out_dir: str, tokenizer_dir: str | None = None) -> None:
     from ds_mp.checkpoint.hf import save_hf as _save_hf
 
     _save_hf(engine, out_dir, tokenizer_dir=tokenizer_dir)
+
+
+def save_lora(engine, out_dir: str, merge: bool = False, tokenizer_dir: str | None = None,
+              base_model: str | None = None) -> None:
+    """Collective: rank 0 writes the LoRA adapter in PEFT's format (``adapter_config.json`` +
+    ``adapter_model.safetensors``), or with ``merge`` the merged HF GPT-2 directory."""
+    from ds_mp.checkpoint.lora import save_lora as _save_lora
+
+    _save_lora(engine, out_dir, merge=merge, tokenizer_dir=tokenizer_dir, base_model=base_model)

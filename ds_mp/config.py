@@ -89,17 +89,30 @@ class TrainingConfig:
     init_from: str = ""  # HF dir or ds_mp checkpoint to initialise weights from
     export_hf: bool = True  # write an HF directory at the end of training
     noise_scale_interval: int = 0  # steps between gradient-noise-scale measurements (0 = off; needs DP > 1)
+    trace_steps: list = field(default_factory=list)  # [first, last]: record a timeline of these steps ([] = off)
+
+
+LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")  # PEFT-style names of GPT-2's Conv1Ds
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0  # rank of the low-rank update (0 = LoRA off: full fine-tuning)
+    alpha: float = 16.0  # scaling = alpha / r (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the LoRA branch's input (PEFT's lora_dropout)
+    target_modules: list = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"])  # c_proj = attn + mlp
 
 
 @dataclass
 class DsMpConfig:
-    model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir or inline shape
+    model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir, Hub id, or inline shape
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     terapipe: TeraPipeConfig = field(default_factory=TeraPipeConfig)
     ouroboros: OuroborosConfig = field(default_factory=OuroborosConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Filled by validate(): the degrees and the model shape actually used.
     world_size: int = field(default=1, repr=False)
     dp: int = field(default=1, repr=False)
@@ -182,6 +195,12 @@ def parse_config(raw: dict) -> DsMpConfig:
 def _model_shape(cfg: DsMpConfig) -> InlineModel:
     if isinstance(cfg.model, InlineModel):
         return cfg.model
+    from ds_mp.hub import HubError, resolve_model
+
+    try:
+        cfg.model = resolve_model(cfg.model, "ds_mp.model")  # a Hub id becomes its cached snapshot dir
+    except HubError as e:
+        raise ConfigError(str(e)) from None
     path = os.path.join(cfg.model, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"ds_mp.model: {cfg.model!r} has no config.json; give an HF GPT-2 "
@@ -227,6 +246,11 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
                    ("pipeline.activation_checkpoint_interval", pp.activation_checkpoint_interval)):
         if v < 0:
             raise ConfigError(f"ds_mp.{key}: must be >= 0, got {v}")
+    ts = cfg.training.trace_steps
+    if ts and (len(ts) != 2 or any(isinstance(n, bool) or not isinstance(n, int) for n in ts)
+               or not 1 <= ts[0] <= ts[1] <= cfg.training.steps):
+        raise ConfigError(f"ds_mp.training.trace_steps: {ts} must be [first, last] steps with 1 <= first <= last <= "
+                          f"training.steps={cfg.training.steps} (e.g. [10, 12]), or [] for no trace")
     if cfg.training.on_nan not in ("stop", "skip"):
         raise ConfigError(f"ds_mp.training.on_nan: must be 'stop' or 'skip', got {cfg.training.on_nan!r}")
     if pp.schedule not in SCHEDULES:
@@ -328,6 +352,7 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
     elif sl != "auto":
         raise ConfigError(f"ds_mp.terapipe.slices: {sl!r} is not 'auto' or a list of lengths")
 
+    _validate_lora(cfg)
     model_ranks = tp.size * pp.stages
     if world_size % model_ranks:
         raise ConfigError(f"ds_mp: world size {world_size} is not divisible by tensor_parallel.size "
@@ -335,6 +360,28 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
                           f"multiple of {model_ranks} ranks or change the degrees")
     cfg.world_size, cfg.dp, cfg.shape = world_size, world_size // model_ranks, shape
     return cfg
+
+
+def _validate_lora(cfg: DsMpConfig) -> None:
+    lo = cfg.lora
+    if lo.r < 0:
+        raise ConfigError(f"ds_mp.lora.r: must be >= 0 (0 = off), got {lo.r}")
+    if not lo.r:
+        return
+    if lo.alpha <= 0:
+        raise ConfigError(f"ds_mp.lora.alpha: must be > 0, got {lo.alpha}")
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"ds_mp.lora.dropout: must be in [0, 1), got {lo.dropout}")
+    bad = [t for t in lo.target_modules if t not in LORA_TARGETS]
+    if not lo.target_modules or bad:
+        raise ConfigError(f"ds_mp.lora.target_modules: {bad or lo.target_modules} not GPT-2 Conv1D names; "
+                          f"choose from {', '.join(LORA_TARGETS)}")
+    if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1:
+        raise ConfigError("ds_mp.lora: not supported with tensor_parallel.sequence_parallel (the replicated LoRA "
+                          "factors would see only a slice of tokens); set sequence_parallel to false")
+    if cfg.pipeline.schedule == "ouroboros":
+        raise ConfigError("ds_mp.lora: not supported with the ouroboros schedule (it assembles every module's "
+                          "gradients by hand); use 1f1b, gpipe or terapipe")
 
 
 def read_json(config: str | dict) -> dict:

@@ -1,4 +1,4 @@
-"""Fine-tune a pretrained Hugging Face GPT-2 directory with ds_mp.
+"""Fine-tune a pretrained Hugging Face GPT-2 (a directory or a Hub id such as ``gpt2``) with ds_mp.
 
     ds-mp prepare-data my_corpus/ --tokenizer path/to/gpt2 --out data/mine
     deepspeed --num_gpus 2 launch/finetune.py --model path/to/gpt2 --data data/mine \
@@ -15,7 +15,7 @@ from ds_mp.training.loop import main
 
 if __name__ == "__main__":
     if "--model" not in sys.argv:
-        sys.exit("launch/finetune.py: pass --model <HF GPT-2 directory> (use launch/train.py to train from scratch)")
+        sys.exit("launch/finetune.py: pass --model <HF GPT-2 directory or Hub id> (use launch/train.py to train from scratch)")
     code = main()
     shutdown_distributed(clean=code == 0)
     sys.exit(code)

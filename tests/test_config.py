@@ -120,6 +120,18 @@ BAD = [
      ["ds_mp.ouroboros.modules", "set pipeline.stages to 2"]),
     ("seq_len_over_positions", _bad(data__seq_len=65), 1, ["ds_mp.data.seq_len", "n_positions=64", "lower seq_len"]),
     ("dropout_range", _bad(model__dropout=1.5), 1, ["ds_mp.model.dropout", "[0, 1)"]),
+    ("trace_steps_order", _bad(training__trace_steps=[5, 3]), 1, ["ds_mp.training.trace_steps", "first <= last"]),
+    ("trace_steps_past_end", _bad(training__steps=10, training__trace_steps=[9, 11]), 1,
+     ["ds_mp.training.trace_steps", "training.steps=10", "[10, 12]"]),
+    ("lora_target", _bad(lora={"r": 8, "target_modules": ["q_proj"]}), 1,
+     ["ds_mp.lora.target_modules", "['q_proj']", "choose from c_attn"]),
+    ("lora_negative_r", _bad(lora={"r": -1}), 1, ["ds_mp.lora.r", ">= 0"]),
+    ("lora_dropout", _bad(lora={"r": 8, "dropout": 1.0}), 1, ["ds_mp.lora.dropout", "[0, 1)"]),
+    ("lora_sequence_parallel", _bad(lora={"r": 8}, tensor_parallel={"size": 2, "sequence_parallel": True}), 2,
+     ["ds_mp.lora", "sequence_parallel to false"]),
+    ("lora_ouroboros", _bad(lora={"r": 8}, pipeline={"stages": 1, "schedule": "ouroboros"}), 1,
+     ["ds_mp.lora", "ouroboros"]),
+    ("trace_steps_shape", _bad(training__trace_steps=[3]), 1, ["ds_mp.training.trace_steps", "[first, last]"]),
 ]
 
 

@@ -29,6 +29,7 @@ import torch
 from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.hf import HFReader, open_reader, write_hf_streaming
 from ds_mp.checkpoint.sharded import CheckpointError, ShardedReader, expected_shapes, is_sharded_dir, write_sharded
+from ds_mp.hub import HubError, resolve_model
 from ds_mp.models.gpt2 import stage_parts
 from ds_mp.tensor_parallel.sharding import padded_vocab_size
 
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-mp convert", description="Convert GPT-2 checkpoints between the "
                                 "Hugging Face layout and ds_mp's sharded layout (any TP × PP).")
     sub = p.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("hf-to-ds", help="HF directory (or sharded dir) -> sharded directory")
+    a = sub.add_parser("hf-to-ds", help="HF directory, Hub id (gpt2, org/name@rev) or sharded dir -> sharded directory")
     a.add_argument("src", metavar="IN")
     a.add_argument("out", metavar="OUT")
     a.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides n_head)")
@@ -145,10 +146,11 @@ def convert_cli(argv: Sequence[str] | None = None) -> int:
               "verify_logits": args.verify_logits}
     try:
         if args.direction == "hf-to-ds":
-            msg = hf_to_ds(args.src, args.out, args.tp, args.pp, args.partition, args.vocab_pad_multiple, **common)
+            src = resolve_model(args.src, "ds-mp convert hf-to-ds IN")  # an HF dir or a Hub id
+            msg = hf_to_ds(src, args.out, args.tp, args.pp, args.partition, args.vocab_pad_multiple, **common)
         else:
             msg = ds_to_hf(args.src, args.out, args.tokenizer, **common)
-    except (CheckpointError, FileExistsError) as e:
+    except (CheckpointError, FileExistsError, HubError) as e:
         print(f"ds-mp convert: error: {e}", file=sys.stderr)
         return 1
     print(f"ds-mp convert {args.direction}: {msg}")

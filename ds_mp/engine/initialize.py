@@ -54,8 +54,9 @@ def weight_source(model: Any, cfg: DsMpConfig, seed: int) -> WeightSource:
     path = model if isinstance(model, str) else (cfg.model if isinstance(cfg.model, str) else None)
     if path:
         from ds_mp.checkpoint.hf import directory_source
+        from ds_mp.hub import resolve_model
 
-        return directory_source(path)
+        return directory_source(resolve_model(path))  # a Hub id: its cached snapshot
     from ds_mp.optim.init import fresh_source
 
     # GPT-2's init (N(0, 0.02), residual output projections N(0, 0.02/sqrt(2 n_layer)), biases 0,
@@ -98,7 +99,8 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
                               sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                               vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,
                               activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
-                              dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout)
+                              dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout,
+                              lora=cfg.lora, seed=cfg.training.seed)
     ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
     ds_dict.setdefault("train_micro_batch_size_per_gpu", 1)
     ds_dict.setdefault("gradient_accumulation_steps", 1)

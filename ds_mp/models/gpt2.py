@@ -48,6 +48,17 @@ GPT2_TP_PLAN: dict[str, str] = {
 }
 
 
+# LoRA factors (``ds_mp.lora``), stored in the base's Conv1D layout (lora_A = Aᵀ: (in, r), lora_B = Bᵀ:
+# (r, out)) and sharded consistently with it (ds_mp.tensor_parallel.lora).  Not part of an HF checkpoint,
+# so kept apart from GPT2_TP_PLAN (whose keys are the HF files' tensors).
+GPT2_LORA_PLAN: dict[str, str] = {
+    "attn.c_attn.lora_A": "replicated", "attn.c_attn.lora_B": "qkv",
+    "attn.c_proj.lora_A": "row", "attn.c_proj.lora_B": "replicated",
+    "mlp.c_fc.lora_A": "replicated", "mlp.c_fc.lora_B": "column",
+    "mlp.c_proj.lora_A": "row", "mlp.c_proj.lora_B": "replicated",
+}
+
+
 # Block submodule (ds_mp name) -> HF name inside ``transformer.h.<i>``.
 BLOCK_RENAME: dict[str, str] = {"c_attn": "attn.c_attn", "attn_proj": "attn.c_proj",
                                 "c_fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj"}
@@ -112,12 +123,14 @@ def param_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
 def tp_kind(hf_name: str) -> str:
     """Shard kind of an HF GPT-2 parameter name (``transformer.h.3.attn.c_attn.weight``)."""
     key = re.sub(r"^(transformer\.)?(h\.\d+\.)?", "", hf_name)
-    if key not in GPT2_TP_PLAN:
+    kind = GPT2_TP_PLAN.get(key) or GPT2_LORA_PLAN.get(key)
+    if kind is None:
         raise KeyError(f"{hf_name!r} is not a GPT-2 parameter ds_mp knows")
-    return GPT2_TP_PLAN[key]
+    return kind
 
 
 ShardGetter = Callable[..., torch.Tensor]  # (name, kind, rank, size, n_head=, padded_vocab=) -> shard
+
 
 
 class WeightSource:
@@ -125,11 +138,14 @@ class WeightSource:
     ``get_shard(name, kind, rank, size, n_head=, padded_vocab=)`` (one TP shard, equal to
     ``shard(get(name), ...)``).  A source that can read or create a shard without the full
     tensor (safetensors slices, sliced init) passes ``shard_getter``; the layers ask for
-    shards through :meth:`lazy`, so a rank materialises only what it keeps."""
+    shards through :meth:`lazy`, so a rank materialises only what it keeps.  ``names``: every
+    name it holds, where known (optional tensors such as LoRA factors are looked up with
+    :meth:`has`)."""
 
     def __init__(self, getter: Callable[[str], torch.Tensor], hf_config: Any,
-                 shard_getter: ShardGetter | None = None) -> None:
+                 shard_getter: ShardGetter | None = None, names: set[str] | None = None) -> None:
         self._get, self.config, self._get_shard = getter, hf_config, shard_getter
+        self.names = names
 
     def get(self, name: str) -> torch.Tensor:
         return self._get(name)
@@ -143,10 +159,33 @@ class WeightSource:
         """The weight ``name`` as the TP layers take it (``tp_parameter`` asks for its shard)."""
         return LazyWeight(self, name)
 
+    def has(self, name: str) -> bool:
+        """True if ``name`` is known to be present (False when the source cannot list its names)."""
+        return self.names is not None and name in self.names
+
     @classmethod
     def from_model(cls, model: nn.Module) -> "WeightSource":
+        """An HF ``GPT2LMHeadModel``, or a PEFT ``PeftModel`` over one (its LoRA factors are read as
+        ``transformer.h.<i>.<module>.lora_A/B`` in ds_mp's layout, see :data:`GPT2_LORA_PLAN`)."""
         sd = model.state_dict()
-        return cls(lambda n: sd[n], model.config)
+        if hasattr(model, "peft_config"):
+            sd = peft_to_hf_names(sd)
+        return cls(lambda n: sd[n], model.config, names=set(sd))
+
+
+def peft_to_hf_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA model's state dict (``base_model.model.<hf>.base_layer.weight``,
+    ``….lora_A.<adapter>.weight`` (r, in), ``….lora_B.<adapter>.weight`` (out, r)) by HF name, the
+    factors transposed into the Conv1D layout (``….lora_A`` (in, r), ``….lora_B`` (r, out))."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        name = re.sub(r"^base_model\.model\.", "", name).replace(".base_layer.", ".")
+        m = re.match(r"^(.*)\.(lora_[AB])\.[^.]+\.weight$", name)
+        if m:
+            out[f"{m.group(1)}.{m.group(2)}"] = t.t().contiguous()
+        elif "lora_" not in name:
+            out[name] = t
+    return out
 
 
 class LazyWeight:
@@ -175,6 +214,8 @@ class Ctx:
         self.attn_dropout = hf_config.attn_pdrop
         self.eps = hf_config.layer_norm_epsilon
         self.act = hf_config.activation_function
+        self.lora: Any = None  # a ds_mp.config.LoraConfig with r > 0, or None (set by build_gpt2_pipeline)
+        self.seed = 0  # LoRA factors not in the weight source are initialised from this seed
 
     @property
     def group(self) -> Any:
@@ -210,15 +251,17 @@ class Block(nn.Module):
         g, r, n = ctx.group, ctx.tp_rank, ctx.tp
         self.ctx, self.index = ctx, index
         self.ln_1 = _layer_norm(src, p + "ln_1", ctx)
-        self.c_attn = ColumnParallelLinear(src.lazy(p + "attn.c_attn.weight"), src.lazy(p + "attn.c_attn.bias"),
-                                           g, r, n, kind="qkv", n_head=ctx.n_head, sequence_parallel=ctx.sp)
-        self.attn_proj = RowParallelLinear(src.lazy(p + "attn.c_proj.weight"), src.lazy(p + "attn.c_proj.bias"),
-                                           g, r, n, sequence_parallel=ctx.sp)
+        self.c_attn = _lora_layer(src, index, "attn.c_attn", ctx) or ColumnParallelLinear(
+            src.lazy(p + "attn.c_attn.weight"), src.lazy(p + "attn.c_attn.bias"), g, r, n, kind="qkv",
+            n_head=ctx.n_head, sequence_parallel=ctx.sp)
+        self.attn_proj = _lora_layer(src, index, "attn.c_proj", ctx) or RowParallelLinear(
+            src.lazy(p + "attn.c_proj.weight"), src.lazy(p + "attn.c_proj.bias"), g, r, n, sequence_parallel=ctx.sp)
         self.ln_2 = _layer_norm(src, p + "ln_2", ctx)
-        self.c_fc = ColumnParallelLinear(src.lazy(p + "mlp.c_fc.weight"), src.lazy(p + "mlp.c_fc.bias"),
-                                         g, r, n, kind="column", sequence_parallel=ctx.sp)
-        self.mlp_proj = RowParallelLinear(src.lazy(p + "mlp.c_proj.weight"), src.lazy(p + "mlp.c_proj.bias"),
-                                          g, r, n, sequence_parallel=ctx.sp)
+        self.c_fc = _lora_layer(src, index, "mlp.c_fc", ctx) or ColumnParallelLinear(
+            src.lazy(p + "mlp.c_fc.weight"), src.lazy(p + "mlp.c_fc.bias"), g, r, n, kind="column",
+            sequence_parallel=ctx.sp)
+        self.mlp_proj = _lora_layer(src, index, "mlp.c_proj", ctx) or RowParallelLinear(
+            src.lazy(p + "mlp.c_proj.weight"), src.lazy(p + "mlp.c_proj.bias"), g, r, n, sequence_parallel=ctx.sp)
         self.act = ACT2FN[ctx.act]
         self.n_head_local = ctx.n_head // n
         self.kv_extension: Any = None  # see attending_to
@@ -244,6 +287,36 @@ class Block(nn.Module):
         h = self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
         with self.ctx.dropout_rng():
             return x + F.dropout(h, self.ctx.dropout, self.training)
+
+
+def lora_targeted(module: str, targets: list[str]) -> bool:
+    """PEFT's matching of ``target_modules``: ``module`` (``attn.c_proj``) equals a target or ends
+    with ``.<target>`` (so ``c_proj`` means both projections)."""
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def _lora_layer(src: WeightSource, index: int, module: str, ctx: Ctx) -> nn.Module | None:
+    """The LoRA variant of block ``index``'s ``module`` (``attn.c_attn`` …) when ``ctx.lora``
+    targets it, else None.  Factors come from ``src`` when it holds them (a PEFT model), else
+    PEFT's init from a generator seeded by (seed, block, module): identical on every rank."""
+    from ds_mp.tensor_parallel.lora import LoRAColumnParallelLinear, LoRARowParallelLinear, lora_init
+
+    lo = ctx.lora
+    if lo is None or not lora_targeted(module, lo.target_modules):
+        return None
+    p = f"transformer.h.{index}.{module}"
+    w, b = src.lazy(p + ".weight"), src.lazy(p + ".bias")  # the base: only this rank's shard is read
+    if src.has(p + ".lora_A"):
+        a, bb = src.get(p + ".lora_A").float(), src.get(p + ".lora_B").float()
+    else:
+        salt = list(BLOCK_RENAME.values()).index(module)
+        fan_in, fan_out = param_shapes(src.config)[p + ".weight"]
+        a, bb = lora_init(fan_in, fan_out, lo.r, torch.Generator().manual_seed(ctx.seed * 1000 + 4 * index + salt))
+    kw = {"lora_A": a, "lora_B": bb, "scaling": lo.alpha / lo.r, "dropout": lo.dropout}
+    kind = GPT2_TP_PLAN[module + ".weight"]
+    if kind == "row":
+        return LoRARowParallelLinear(w, b, ctx.group, ctx.tp_rank, ctx.tp, **kw)
+    return LoRAColumnParallelLinear(w, b, ctx.group, ctx.tp_rank, ctx.tp, kind=kind, n_head=ctx.n_head, **kw)
 
 
 @contextlib.contextmanager
@@ -415,6 +488,16 @@ class GPT2Pipeline(PipelineModule):
         with torch.no_grad():
             super()._synchronize_tied_weights()
 
+    def allreduce_tied_weight_gradients(self) -> None:
+        """DeepSpeed's, skipping a frozen tied weight (LoRA freezes ``wte``: there is no gradient)."""
+        import deepspeed.comm as ds_dist
+
+        for key, comm in self.tied_comms.items():
+            for attr in comm["weight_attr"]:
+                weight = self._recursive_getattr(self.tied_modules[key], attr)
+                if weight.requires_grad:
+                    ds_dist.all_reduce(weight.grad, group=comm["group"])
+
     def _partition_layers(self, method: str = "uniform") -> None:  # noqa: ARG002 - ours
         self.parts = self._ds_mp_parts
         stage = module_topology(self).get_coord(self.global_rank).pipe
@@ -427,7 +510,8 @@ class GPT2Pipeline(PipelineModule):
 def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str | list = "uniform",
                         sequence_parallel: bool = False, vocab_pad_multiple: int = 128,
                         activation_checkpoint_interval: int = 0, dynamic_shape: bool = False,
-                        layout: tuple[list[str], list[int]] | None = None) -> GPT2Pipeline:
+                        layout: tuple[list[str], list[int]] | None = None, lora: Any = None,
+                        seed: int = 0) -> GPT2Pipeline:
     """Build this rank's stage of GPT-2 (reading only its weights from ``src``).
 
     ``layout = (layer names, parts)`` replaces the default order :func:`pipeline_layers` and the
@@ -436,6 +520,10 @@ def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str
 
     ``dynamic_shape`` makes DeepSpeed announce activation shapes on every send (TeraPipe's
     uneven slices); otherwise the engine re-announces only when the sequence length changes.
+
+    ``lora`` (a ``ds_mp.config.LoraConfig`` with ``r > 0``): the targeted Conv1Ds get LoRA factors
+    (from ``src`` if it holds them, else PEFT's init seeded by ``seed``) and every other parameter is
+    frozen (``requires_grad=False``: no gradient, no optimizer state).
     """
     cfg = src.config
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
@@ -444,6 +532,7 @@ def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str
     if not getattr(cfg, "scale_attn_weights", True):
         raise ValueError("GPT-2 option scale_attn_weights=False is not supported by ds_mp")
     ctx = Ctx(topology, cfg, sequence_parallel, vocab_pad_multiple)
+    ctx.lora, ctx.seed = (lora if lora is not None and lora.r > 0 else None), seed
     L = cfg.n_layer
 
     def spec(prefix: str) -> Any:
@@ -464,12 +553,16 @@ def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str
         raise ValueError(f"layout {names} / {parts} is not a reordering of GPT-2's {L + 4} layers over "
                          f"{topology.pp} stages")
     layers = [spec(prefix) for prefix in names]
-    return GPT2Pipeline(layers, names, parts, topology, ctx,
-                        activation_checkpoint_interval=activation_checkpoint_interval,
-                        dynamic_shape=dynamic_shape)
+    net = GPT2Pipeline(layers, names, parts, topology, ctx, activation_checkpoint_interval=activation_checkpoint_interval,
+                       dynamic_shape=dynamic_shape)
+    if ctx.lora is not None:
+        for name, param in net.named_parameters():
+            param.requires_grad = ".lora_" in name
+    return net
 
 
 
-__all__ = ["GPT2_TP_PLAN", "tp_kind", "param_shapes", "pipeline_layers", "layer_index", "hf_param_name", "hf_config_from",
-           "WeightSource", "LazyWeight", "build_gpt2_pipeline", "GPT2Pipeline", "Block", "attending_to", "LMLoss", "shift_labels",
+__all__ = ["GPT2_TP_PLAN", "GPT2_LORA_PLAN", "lora_targeted", "peft_to_hf_names", "tp_kind", "param_shapes",
+           "pipeline_layers", "layer_index", "hf_param_name", "hf_config_from", "WeightSource", "LazyWeight",
+           "build_gpt2_pipeline", "GPT2Pipeline", "Block", "attending_to", "LMLoss", "shift_labels",
            "stage_parts"]

@@ -39,10 +39,13 @@ def resolve_model(prog: str, model: str, tokenizer: str | None, tmp: str) -> tup
     """``(HF model dir, tokenizer dir)`` for ``--model`` / ``--tokenizer`` of a CLI, or None after
     printing ``prog: <why>`` (a checkpoint that cannot be exported, ...)."""
     from ds_mp.checkpoint import CheckpointError
+    from ds_mp.hub import HubError
+    from ds_mp.hub import resolve_model as hub_model
 
     try:
+        model = hub_model(model, "--model")  # a Hub id: its cached snapshot
         model_dir = hf_model_dir(model, tmp)
-    except CheckpointError as e:
+    except (CheckpointError, HubError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return None
     return model_dir, tokenizer or default_tokenizer_dir(model, model_dir) or model
@@ -71,7 +74,7 @@ def default_tokenizer_dir(path: str, hf_dir: str) -> str | None:
 
 def generate_cli(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ds-mp generate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="HF GPT-2 dir, ds_mp sharded dir or training checkpoint")
+    p.add_argument("--model", required=True, help="HF GPT-2 dir, Hub id, ds_mp sharded dir or training checkpoint")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer dir (default: the model dir, or a training checkpoint's dataset tokenizer)")
     p.add_argument("--prompt", required=True)
@@ -80,8 +83,10 @@ def generate_cli(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if not os.path.isdir(args.model):
-        print(f"ds-mp generate: --model {args.model!r} is not a directory", file=sys.stderr)
+    from ds_mp.hub import parse_model_id
+
+    if not os.path.isdir(args.model) and parse_model_id(args.model) is None:
+        print(f"ds-mp generate: --model {args.model!r} is neither a directory nor a Hub id", file=sys.stderr)
         return 2
     import torch
     from transformers import AutoTokenizer, GPT2LMHeadModel

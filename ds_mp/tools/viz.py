@@ -5,7 +5,7 @@
 
 A trace is what :class:`ds_mp.engine.pipeline_engine.DsMpPipelineEngine` records with
 ``engine.trace_enabled = True``: per rank a list of ``(instruction, buffer_id, start, end)``
-in ``time.perf_counter()`` seconds.  :func:`gather_trace` collects every rank's list on
+in ``time.perf_counter()`` seconds.  :func:`gather_trace` (from :mod:`ds_mp.training.trace`, re-exported here) collects every rank's list on
 rank 0, :func:`write_chrome_trace` writes it as Chrome-trace JSON (open it in
 https://ui.perfetto.dev or chrome://tracing), :func:`timeline_png` draws it.
 
@@ -24,80 +24,16 @@ import csv
 import json
 import os
 import sys
-import time
-from typing import Any
 
 from ds_mp.training.metrics import COMPUTE_KINDS, instruction_kind
-
-Trace = list[tuple[str, int, float, float]]  # (instruction, buffer_id, start_s, end_s)
+from ds_mp.training.trace import Trace, chrome_trace, event_label, gather_trace, write_chrome_trace
 
 # instruction kind -> colour of its bars
 KIND_COLOURS: dict[str, str] = {"forward": "#4C72B0", "backward": "#DD8452", "comm": "#B0B0B0",
                                 "optimizer": "#55A868", "other": "#8172B3"}
-def event_label(name: str, buffer_id: int) -> str:
-    """``F3`` / ``B3`` for forward / backward of buffer 3; other instructions keep their name."""
-    kind = instruction_kind(name)
-    if kind in COMPUTE_KINDS and buffer_id >= 0:
-        return f"{'F' if kind == 'forward' else 'B'}{buffer_id}"
-    return name
 
 
-# ------------------------------------------------------------------ recording
-
-def gather_trace(engine: Any) -> dict[int, Trace] | None:
-    """Collective: every rank's ``engine.trace`` on rank 0 (``{rank: trace}``), None elsewhere.
-
-    Clock alignment: after a barrier every rank reads ``time.perf_counter()``; rank r's times
-    are shifted by ``ref_0 − ref_r`` onto rank 0's clock.  Limitation: this assumes all ranks
-    leave the barrier at the same instant; the error is the barrier's exit skew (tens of µs
-    over gloo on one host, a network latency across hosts) plus clock drift over the traced
-    interval.  On one Linux host ``perf_counter`` is the shared monotonic clock, so the
-    shift is only that skew.  Without torch.distributed it returns ``{0: engine.trace}``.
-    """
-    import torch.distributed as dist
-
-    trace = [(str(n), int(b), float(s), float(e)) for n, b, s, e in engine.trace]
-    if not (dist.is_available() and dist.is_initialized()):
-        return {0: trace}
-    dist.barrier()
-    ref = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object((ref, trace), gathered, dst=0)
-    if rank != 0:
-        return None
-    ref0 = gathered[0][0]
-    return {r: [(n, b, s + ref0 - ref_r, e + ref0 - ref_r) for n, b, s, e in tr]
-            for r, (ref_r, tr) in enumerate(gathered)}
-
-
-def chrome_trace(traces: dict[int, Trace], t0: float | None = None) -> dict:
-    """Chrome-trace dict: one complete ("X") event per instruction, µs since ``t0`` (default:
-    the earliest start), ``pid = tid = rank`` so each rank is one row; ``args`` keep the
-    instruction name, kind and buffer id."""
-    starts = [s for tr in traces.values() for _, _, s, _ in tr]
-    origin = t0 if t0 is not None else min(starts, default=0.0)
-    events: list[dict] = []
-    for rank in sorted(traces):
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": rank,
-                       "args": {"name": f"rank {rank}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": rank,
-                       "args": {"sort_index": rank}})
-        for name, buf, start, end in traces[rank]:
-            events.append({"name": event_label(name, buf), "cat": instruction_kind(name), "ph": "X",
-                           "pid": rank, "tid": rank, "ts": (start - origin) * 1e6,
-                           "dur": max(0.0, end - start) * 1e6,
-                           "args": {"instruction": name, "buffer_id": buf}})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def write_chrome_trace(traces: dict[int, Trace], path: str, t0: float | None = None) -> str:
-    """Write :func:`chrome_trace` to ``path`` (directories created); returns ``path``."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(chrome_trace(traces, t0), f)
-    return path
-
+# ------------------------------------------------------------------ reading
 
 def load_trace(trace: str | dict) -> dict[int, Trace]:
     """``{rank: trace}`` (seconds) from a Chrome-trace path/dict or an already-raw dict."""
@@ -180,12 +116,13 @@ def timeline_png(trace: str | dict, out_png: str, title: str = "pipeline timelin
 
 def timeline_cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="ds-mp timeline", description="Gantt chart of a recorded pipeline trace.")
-    p.add_argument("trace", help="Chrome-trace JSON written by ds_mp.tools.viz.write_chrome_trace")
+    p.add_argument("trace", help="Chrome-trace JSON (training.trace_steps writes <output_dir>/trace.json)")
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--title", default="pipeline timeline")
     args = p.parse_args(argv)
     if not os.path.isfile(args.trace):
-        print(f"ds-mp timeline: {args.trace!r} not found; record one with gather_trace + write_chrome_trace",
+        print(f"ds-mp timeline: {args.trace!r} not found; record one with "
+              "'\"training\": {\"trace_steps\": [first, last]}' in the run's JSON",
               file=sys.stderr)
         return 2
     timeline_png(args.trace, args.out, args.title)

@@ -8,6 +8,9 @@ steps; layout-free checkpoints every ``checkpoint_interval`` steps and at the en
 (``--resume`` continues from the latest, at any TP × PP × DP); an HF directory is
 exported to ``<output_dir>/hf`` at the end.
 
+Every metric row also goes to DeepSpeed's monitors (the JSON's ``"tensorboard"``, ``"wandb"``,
+``"csv_monitor"``, ``"comet"`` blocks) as ``ds_mp/<column>`` events (:func:`monitor_metrics`).
+
 Metrics (per log interval):
   tokens/s   = global batch × seq_len / mean step time
   TFLOP/s    = F / step time, with Megatron-LM's count for a GPT of l layers, hidden h,
@@ -46,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", required=True,
                    help="DeepSpeed JSON with a \"ds_mp\" block")
     p.add_argument("--resume", action="store_true", help="continue from <output_dir>/checkpoints/latest")
-    p.add_argument("--model", default=None, help="HF GPT-2 directory to fine-tune (overrides ds_mp.model)")
+    p.add_argument("--model", default=None, help="HF GPT-2 directory or Hub id (gpt2, org/name@rev) to fine-tune (overrides ds_mp.model)")
     p.add_argument("--data", default=None, help="prepared dataset dir (overrides ds_mp.data.path)")
     p.add_argument("--steps", type=int, default=None, help="override ds_mp.training.steps")
     p.add_argument("--output_dir", default=None, help="override ds_mp.training.output_dir")
@@ -107,11 +110,12 @@ def evaluate(engine: Any, val_batches: Any) -> float:
 def main(argv: list[str] | None = None) -> int:
     from ds_mp.checkpoint import CheckpointError
     from ds_mp.data import DataError
+    from ds_mp.hub import HubError
 
     args = parse_args(argv)
     try:
         return _run(args)
-    except (ConfigError, DataError, CheckpointError, NonFiniteLoss) as e:
+    except (ConfigError, DataError, CheckpointError, HubError, NonFiniteLoss) as e:
         print(f"ds_mp: error: {e}", file=sys.stderr)
         return 3 if isinstance(e, NonFiniteLoss) else 2
 
@@ -121,6 +125,7 @@ def _run(args: argparse.Namespace) -> int:
     from ds_mp.checkpoint import directory_source, load_checkpoint, save_checkpoint
     from ds_mp.checkpoint.training import read_latest
     from ds_mp.data import ChunkSampler, ValidationBatches, datasets_for
+    from ds_mp.hub import resolve_model
     from ds_mp.training.metrics import NoiseScaleProbe, bubble, megatron_flops
     from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
@@ -131,13 +136,18 @@ def _run(args: argparse.Namespace) -> int:
     data_path, train_ds, val_ds = datasets_for(cfg)
     if os.path.exists(tcfg.output_dir) and not os.path.isdir(tcfg.output_dir):
         raise ConfigError(f"ds_mp.training.output_dir: {tcfg.output_dir!r} is a file; choose a directory")
-    init = tcfg.init_from or (cfg.model if isinstance(cfg.model, str) else None)
+    init = tcfg.init_from or (cfg.model if isinstance(cfg.model, str) else None)  # cfg.model: Hub id resolved
+    if tcfg.init_from:
+        init = resolve_model(tcfg.init_from, "ds_mp.training.init_from")
     if init:
         directory_source(init)  # config, files, keys and shapes: fails before any collective
     ckpt_root = os.path.join(tcfg.output_dir, "checkpoints")
     resume_tag = read_latest(ckpt_root) if args.resume else None
     if args.resume and resume_tag is None:
         raise ConfigError(f"--resume: no finished checkpoint under {ckpt_root}; run without --resume first")
+    if resume_tag is not None and cfg.lora.r:  # the sharded reader knows GPT-2's HF tensors only
+        raise ConfigError("--resume: not supported yet with ds_mp.lora (the sharded checkpoint reader does not "
+                          "know the LoRA factors); start a new run, or merge <output_dir>/hf and fine-tune from it")
 
     engine, _, _, _ = ds_mp.initialize(model=init, config=raw)
     topo, rank0 = engine.topology, torch.distributed.get_rank() == 0
@@ -165,6 +175,8 @@ def _run(args: argparse.Namespace) -> int:
                                     micro * gas * topo.dp)
     bar = _progress(rank0, start_step, tcfg.steps)
     engine.trace_enabled = True
+    trace_first, trace_last = tcfg.trace_steps or (0, 0)
+    recorded: list = []  # the trace_steps window's instructions on this rank
     window: list[float] = []
     t_start = time.time()
     for step in range(start_step + 1, tcfg.steps + 1):
@@ -173,6 +185,10 @@ def _run(args: argparse.Namespace) -> int:
         loss = float(engine.train_batch(sampler))
         dt = time.perf_counter() - t0
         window.append(dt)
+        if trace_first <= step <= trace_last:
+            recorded.extend(engine.trace)
+            if step == trace_last:
+                _write_trace(engine, recorded, os.path.join(tcfg.output_dir, "trace.json"), bar)
         if not math.isfinite(loss) or engine.last_step_nonfinite:  # the update was skipped
             if tcfg.on_nan == "stop":
                 save(step, f"nan-step{step}")
@@ -191,14 +207,16 @@ def _run(args: argparse.Namespace) -> int:
             if log is not None:
                 probe = getattr(engine, "noise_scale", None)  # the Ouroboros engine has none
                 noise = None if probe is None else probe.value
-                log.row(step=step, loss=f"{loss:.6f}", val_loss="" if val_loss is None else f"{val_loss:.6f}",
-                        val_ppl="" if val_loss is None else f"{_ppl(val_loss):.4f}",
-                        lr=engine.get_lr()[0], tokens_per_s=f"{tokens_per_step / mean_dt:.1f}",
-                        tflops=f"{flops_per_step / mean_dt / 1e12:.4f}", bubble=f"{bubble(times, dt):.3f}",
-                        grad_norm=_fmt_norm(engine.get_global_grad_norm()),
-                        noise_scale="" if noise is None else f"{noise:.2f}",
-                        peak_mem_mib=f"{peak_memory_mib():.0f}", skipped=engine.nonfinite_steps + engine.skipped_steps,
-                        elapsed_s=f"{time.time() - t_start:.1f}")
+                norm = engine.get_global_grad_norm()
+                metrics = {"loss": loss, "val_loss": val_loss, "val_ppl": None if val_loss is None else _ppl(val_loss),
+                           "lr": engine.get_lr()[0], "tokens_per_s": tokens_per_step / mean_dt,
+                           "tflops": flops_per_step / mean_dt / 1e12, "bubble": bubble(times, dt),
+                           "grad_norm": None if norm is None else float(norm), "noise_scale": noise,
+                           "peak_mem_mib": peak_memory_mib(),
+                           "skipped": engine.nonfinite_steps + engine.skipped_steps,
+                           "elapsed_s": time.time() - t_start}
+                log.row(step=step, **{k: _fmt(k, v) for k, v in metrics.items()})
+                monitor_metrics(engine, step, metrics)
                 msg = f"step {step} loss {loss:.4f}"
                 if val_loss is not None:
                     msg += f" val {val_loss:.4f} (ppl {_ppl(val_loss):.2f})"
@@ -208,7 +226,10 @@ def _run(args: argparse.Namespace) -> int:
             save(step)
     if start_step < tcfg.steps:
         save(tcfg.steps)
-    if tcfg.export_hf:
+    if tcfg.export_hf and cfg.lora.r:  # the PEFT adapter, and the merged model as the HF directory
+        ds_mp.save_lora(engine, os.path.join(tcfg.output_dir, "adapter"), base_model=init)
+        ds_mp.save_lora(engine, os.path.join(tcfg.output_dir, "hf"), merge=True, tokenizer_dir=train_ds.info.tokenizer_dir)
+    elif tcfg.export_hf:
         ds_mp.save_hf(engine, os.path.join(tcfg.output_dir, "hf"), tokenizer_dir=train_ds.info.tokenizer_dir)
     if rank0:
         bar.close()
@@ -217,9 +238,40 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt_norm(norm: Any) -> str:
-    """DeepSpeed's ``get_global_grad_norm()`` (a float, a 0-d tensor, or None) for the log."""
-    return "" if norm is None else f"{float(norm):.4f}"
+def _write_trace(engine: Any, recorded: list, path: str, bar: Any) -> None:
+    """Collective: gather every rank's recorded steps; rank 0 writes them to ``path`` (Chrome trace)."""
+    from ds_mp.training.trace import gather_trace, write_chrome_trace
+
+    traces = gather_trace(engine, recorded)
+    if traces is not None:
+        write_chrome_trace(traces, path)
+        bar.write(f"timeline of training.trace_steps written: {path} (ds-mp timeline {path} --out timeline.png)")
+
+
+# log.csv cell format per metric (None -> empty cell)
+_FORMATS = {"loss": "{:.6f}", "val_loss": "{:.6f}", "val_ppl": "{:.4f}", "lr": "{}", "tokens_per_s": "{:.1f}",
+            "tflops": "{:.4f}", "bubble": "{:.3f}", "grad_norm": "{:.4f}", "noise_scale": "{:.2f}",
+            "peak_mem_mib": "{:.0f}", "skipped": "{}", "elapsed_s": "{:.1f}"}
+
+MONITOR_PREFIX = "ds_mp/"
+
+
+def _fmt(key: str, value: Any) -> str:
+    return "" if value is None else _FORMATS[key].format(value)
+
+
+def monitor_metrics(engine: Any, step: int, metrics: dict[str, float | None]) -> list[tuple[str, float, int]]:
+    """Send one log row through DeepSpeed's monitor (``"tensorboard"``/``"wandb"``/``"csv_monitor"``/
+    ``"comet"`` blocks of the JSON): one event ``("ds_mp/<column>", value, step)`` per ``log.csv``
+    column that has a value, x axis = optimizer step (DeepSpeed's own ``Train/Samples/*`` events
+    use samples).  Call on rank 0 only (``MonitorMaster`` writes on rank 0 anyway); returns the
+    events written (empty when no monitor is enabled)."""
+    monitor = getattr(engine, "monitor", None)
+    if monitor is None or not monitor.enabled:
+        return []
+    events = [(MONITOR_PREFIX + k, float(v), step) for k, v in metrics.items() if v is not None]
+    monitor.write_events(events)
+    return events
 
 
 def restore_sampler(sampler: Any, client_state: dict, step: int) -> None:

@@ -1,0 +1,90 @@
+"""Export a LoRA-trained engine (``ds_mp.lora``): the adapter in PEFT's format, or the merged HF model.
+
+Both come from :func:`~ds_mp.checkpoint.hf.full_state_dict` (the TP shards of every tensor,
+LoRA factors included, gathered to global rank 0 by HF name; factors in the Conv1D layout
+``lora_A`` = Aᵀ (in, r), ``lora_B`` = Bᵀ (r, out)):
+
+* adapter (``merge=False``): ``adapter_config.json`` + ``adapter_model.safetensors`` with PEFT's
+  keys ``base_model.model.transformer.h.<i>.<module>.lora_A.weight`` = A (r, in) and
+  ``….lora_B.weight`` = B (out, r), ``fan_in_fan_out: true`` (GPT-2's Conv1D), so
+  ``PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), out)`` loads it.
+* merged (``merge=True``): an HF GPT-2 directory with ``W ← W + s · lora_A lora_B``
+  (= W + s·(BA)ᵀ in the Conv1D layout), s = alpha / r, and no LoRA tensors.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_mp.atomic import atomic_dir
+from ds_mp.checkpoint.hf import full_state_dict, write_hf_dir
+from ds_mp.checkpoint.sharded import CheckpointError
+
+__all__ = ["save_lora", "merge_lora", "peft_adapter_tensors", "adapter_config"]
+
+
+def _factors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Module prefixes (``transformer.h.0.attn.c_attn``) that carry LoRA factors."""
+    return sorted(n[: -len(".lora_A")] for n in tensors if n.endswith(".lora_A"))
+
+
+def merge_lora(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """HF tensors with every LoRA update folded into its base weight (``W + s · lora_A lora_B``)."""
+    out = {n: t for n, t in tensors.items() if ".lora_" not in n}
+    for m in _factors(tensors):
+        out[m + ".weight"] = out[m + ".weight"] + scaling * (tensors[m + ".lora_A"] @ tensors[m + ".lora_B"])
+    return out
+
+
+def peft_adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The LoRA factors under PEFT's saved names, in PEFT's (nn.Linear) orientation."""
+    out = {}
+    for m in _factors(tensors):
+        for f in ("lora_A", "lora_B"):
+            out[f"base_model.model.{m}.{f}.weight"] = tensors[f"{m}.{f}"].t().contiguous()
+    return out
+
+
+def adapter_config(lora: Any, base_model: str | None) -> dict:
+    """PEFT's ``adapter_config.json`` for ``ds_mp.lora`` (a ``LoraConfig``)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+            "target_modules": list(lora.target_modules), "fan_in_fan_out": True, "bias": "none",
+            "inference_mode": True, "init_lora_weights": True, "modules_to_save": None}
+
+
+def save_lora(engine: Any, out_dir: str, merge: bool = False, tokenizer_dir: str | None = None,
+              base_model: str | None = None) -> None:
+    """Collective (every rank calls it): global rank 0 writes the PEFT adapter (or, ``merge``, the
+    merged HF directory) to ``out_dir`` (replaced atomically).  A write error on rank 0 is raised on
+    every rank; an engine without ``ds_mp.lora`` is refused on every rank before any collective."""
+    lora = engine.ds_mp_config.lora
+    if not lora.r:
+        raise CheckpointError("save_lora: this engine has no LoRA (ds_mp.lora.r is 0); use ds_mp.save_hf")
+    tensors = full_state_dict(engine)
+    error = ""
+    if engine.topology.rank == 0:
+        try:
+            if merge:
+                write_hf_dir(merge_lora(tensors, lora.alpha / lora.r), engine.hf_config, out_dir,
+                             tokenizer_dir=tokenizer_dir, overwrite=True)
+            else:
+                from safetensors.torch import save_file
+
+                with atomic_dir(out_dir, overwrite=True) as tmp:
+                    save_file(peft_adapter_tensors(tensors), os.path.join(tmp, "adapter_model.safetensors"),
+                              metadata={"format": "pt"})
+                    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+                        json.dump(adapter_config(lora, base_model), f, indent=2)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = f"{type(e).__name__}: {e}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise CheckpointError(f"save_lora to {out_dir!r} failed on rank 0: {error}")

@@ -1,0 +1,128 @@
+"""LoRA on ds_mp's TP layers equals PEFT's own LoRA on the single-process HF GPT-2.
+
+The oracle: ``peft.get_peft_model`` on the same ``GPT2LMHeadModel`` (``fan_in_fan_out=True`` for
+GPT-2's Conv1D), with its B factors randomised (PEFT inits B = 0, which would leave A's
+gradient zero in step 1) and handed to ``ds_mp.initialize`` as the model; both take the same
+SGD steps (dropout 0).  Checked at TP=2, PP=2 and TP=2×PP=2: per-step losses, frozen base
+(no gradient, no optimizer state), and the exported adapter loaded by
+``PeftModel.from_pretrained`` (and the merged HF export) giving the reference's logits.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from helpers import batches, ds_config, hf_reference, tiny_gpt2
+
+VOCAB, SEQ, R, ALPHA, LR = 203, 16, 4, 8.0, 0.05
+TARGETS = ["c_attn", "c_proj", "c_fc"]
+
+
+def peft_model(seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_gpt2(seed=seed, n_layer=4, n_embd=48, n_head=4, vocab=VOCAB)
+    cfg = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, fan_in_fan_out=True,
+                     task_type="CAUSAL_LM")
+    model = get_peft_model(base, cfg)
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def steps_data(n: int = 3) -> list[list]:
+    return [batches(2, 2, SEQ, VOCAB, seed=10 + i) for i in range(n)]
+
+
+def lora_block() -> dict:
+    return {"r": R, "alpha": ALPHA, "dropout": 0.0, "target_modules": TARGETS}
+
+
+def _rank(rank: int, tp: int, pp: int, out: str) -> dict:
+    import ds_mp
+
+    engine, *_ = ds_mp.initialize(model=peft_model(), config=ds_config(tp=tp, pp=pp, lr=LR, seq=SEQ,
+                                                                         lora=lora_block()))
+    trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    losses = [float(engine.train_batch(iter(mbs))) for mbs in steps_data()]
+    frozen_grads = [n for n, p in engine.module.named_parameters() if not p.requires_grad and p.grad is not None]
+    opt_params = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+    frozen_in_opt = [n for n, p in engine.module.named_parameters() if not p.requires_grad and id(p) in opt_params]
+    ds_mp.save_lora(engine, out + "/adapter")
+    ds_mp.save_lora(engine, out + "/merged", merge=True)
+    return {"losses": losses, "frozen_grads": frozen_grads, "frozen_in_opt": frozen_in_opt}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    model = peft_model()
+    losses, trained = hf_reference(model, steps_data(), lr=LR)
+    return {"losses": losses, "model": trained.eval()}
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
+def test_lora_equals_peft(tp, pp, reference, tmp_path):
+    from peft import PeftModel
+    from transformers import GPT2LMHeadModel
+
+    results = run_ranks(_rank, tp * pp, tp, pp, str(tmp_path), timeout=240)
+    for r in results:
+        assert r["frozen_grads"] == [] and r["frozen_in_opt"] == []
+    assert results[0]["losses"] == pytest.approx(reference["losses"], abs=2e-5)
+    assert reference["losses"][-1] < reference["losses"][0]
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    base = tiny_gpt2(seed=0, n_layer=4, n_embd=48, n_head=4, vocab=VOCAB)  # peft_model()'s base weights
+    with torch.no_grad():
+        want = reference["model"](input_ids=ids).logits
+        assert (base(input_ids=ids).logits - want).abs().max() > 1e-3  # the adapter matters
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    merged = GPT2LMHeadModel.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - want).abs().max() < 1e-4
+        assert (merged(input_ids=ids).logits - want).abs().max() < 1e-4
+
+
+def _loop_rank(rank: int, config_path: str, *extra: str) -> int:
+    from ds_mp.training import loop
+
+    return loop.main(["--deepspeed_config", config_path, *extra])
+
+
+def test_training_loop_with_lora_checkpoints_and_exports(tmp_path):
+    """launch/finetune.py's loop on 2 ranks (TP=2) with ds_mp.lora: trains, checkpoints, writes <out>/adapter (PEFT) and <out>/hf (merged) that agree."""
+    import json
+    import os
+
+    from peft import PeftModel
+    from transformers import GPT2LMHeadModel
+
+    from launcher_utils import tiny_dataset, train_config
+
+    data = tiny_dataset(str(tmp_path))
+    base_dir = str(tmp_path / "base")
+    tiny_gpt2(seed=0, n_layer=2, n_embd=32, n_head=4, vocab=512).save_pretrained(base_dir)
+    cfg = train_config(str(tmp_path), data, tp=2, pp=1, steps=4, lr=1e-2, model=base_dir,
+                       lora={"r": 4, "alpha": 8, "dropout": 0.05, "target_modules": ["c_attn", "c_proj"]})
+    path = str(tmp_path / "config.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    assert run_ranks(_loop_rank, 2, path, timeout=240) == [0, 0]
+    out = tmp_path / "run"
+    assert os.path.isdir(out / "checkpoints" / "step4")
+    # resume is refused before any collective (one line), not crashed into
+    assert run_ranks(_loop_rank, 2, path, "--resume", "--steps", "6", timeout=120) == [2, 2]
+    adapter = json.load(open(out / "adapter" / "adapter_config.json"))
+    assert adapter["r"] == 4 and adapter["fan_in_fan_out"] and adapter["base_model_name_or_path"] == base_dir
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    base = GPT2LMHeadModel.from_pretrained(base_dir).eval()
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        merged = GPT2LMHeadModel.from_pretrained(str(out / "hf")).eval()(input_ids=ids).logits
+        peft = PeftModel.from_pretrained(base, str(out / "adapter")).eval()(input_ids=ids).logits
+    assert (merged - peft).abs().max() < 1e-4 and (merged - before).abs().max() > 1e-4
+    assert os.path.isfile(out / "hf" / "tokenizer.json")

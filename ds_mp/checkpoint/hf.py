@@ -16,7 +16,7 @@ import json
 import os
 import re
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -292,6 +292,23 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     return tensors if topo.rank == 0 else {}
 
 
+def write_on_rank0(engine: Any, what: str, write: Callable[[], None]) -> None:
+    """Collective: global rank 0 runs ``write``; its error, if any, is raised on every rank
+    (so no rank waits on a peer that failed) as one ``CheckpointError`` naming ``what``."""
+    error = ""
+    if engine.topology.rank == 0:
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = f"{type(e).__name__}: {e}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise CheckpointError(f"{what} failed on rank 0: {error}")
+
+
 def save_hf(engine: Any, out_dir: str, tokenizer_dir: str | None = None) -> None:
     """Collective (every rank calls it): global rank 0 writes an HF GPT-2 directory.
 
@@ -300,15 +317,5 @@ def save_hf(engine: Any, out_dir: str, tokenizer_dir: str | None = None) -> None
     fp32 (a bf16 engine's module weights, upcast exactly).
     """
     tensors = full_state_dict(engine)
-    error = ""
-    if engine.topology.rank == 0:
-        try:
-            write_hf_dir(tensors, engine.hf_config, out_dir, tokenizer_dir=tokenizer_dir, overwrite=True)
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            error = f"{type(e).__name__}: {e}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise CheckpointError(f"save_hf to {out_dir!r} failed on rank 0: {error}")
+    write_on_rank0(engine, f"save_hf to {out_dir!r}", lambda: write_hf_dir(
+        tensors, engine.hf_config, out_dir, tokenizer_dir=tokenizer_dir, overwrite=True))

@@ -18,10 +18,9 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ds_mp.atomic import atomic_dir
-from ds_mp.checkpoint.hf import full_state_dict, write_hf_dir
+from ds_mp.checkpoint.hf import full_state_dict, write_hf_dir, write_on_rank0
 from ds_mp.checkpoint.sharded import CheckpointError
 
 __all__ = ["save_lora", "merge_lora", "peft_adapter_tensors", "adapter_config"]
@@ -66,25 +65,18 @@ def save_lora(engine: Any, out_dir: str, merge: bool = False, tokenizer_dir: str
     if not lora.r:
         raise CheckpointError("save_lora: this engine has no LoRA (ds_mp.lora.r is 0); use ds_mp.save_hf")
     tensors = full_state_dict(engine)
-    error = ""
-    if engine.topology.rank == 0:
-        try:
-            if merge:
-                write_hf_dir(merge_lora(tensors, lora.alpha / lora.r), engine.hf_config, out_dir,
-                             tokenizer_dir=tokenizer_dir, overwrite=True)
-            else:
-                from safetensors.torch import save_file
 
-                with atomic_dir(out_dir, overwrite=True) as tmp:
-                    save_file(peft_adapter_tensors(tensors), os.path.join(tmp, "adapter_model.safetensors"),
-                              metadata={"format": "pt"})
-                    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-                        json.dump(adapter_config(lora, base_model), f, indent=2)
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            error = f"{type(e).__name__}: {e}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise CheckpointError(f"save_lora to {out_dir!r} failed on rank 0: {error}")
+    def write() -> None:
+        if merge:
+            write_hf_dir(merge_lora(tensors, lora.alpha / lora.r), engine.hf_config, out_dir,
+                         tokenizer_dir=tokenizer_dir, overwrite=True)
+            return
+        from safetensors.torch import save_file
+
+        with atomic_dir(out_dir, overwrite=True) as tmp:
+            save_file(peft_adapter_tensors(tensors), os.path.join(tmp, "adapter_model.safetensors"),
+                      metadata={"format": "pt"})
+            with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+                json.dump(adapter_config(lora, base_model), f, indent=2)
+
+    write_on_rank0(engine, f"save_lora to {out_dir!r}", write)

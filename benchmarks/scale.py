@@ -77,21 +77,20 @@ def _spawn(shape: dict, tp: int, pp: int, model_dir: str | None) -> list[dict]:
 
 
 def _convert_peak(model_dir: str, out: str) -> dict:
-    """Peak RSS rise of ``ds-mp convert hf-to-ds --tp 2 --pp 2`` then ``ds-to-hf``, in a child."""
+    """Peak RSS rise (``VmHWM`` reset after the imports) of ``ds-mp convert hf-to-ds --tp 2 --pp 2``
+    then ``ds-to-hf``, in a child process."""
     import subprocess
     import sys
 
-    code = ("import json, resource, sys, time; from ds_mp.tools.cli import main; "
-            "t = time.perf_counter(); "
+    code = ("import json, time; from ds_mp.tools.cli import main; from ds_mp.checkpoint.hf import HFReader; "
+            "from benchmarks.scale import _reset_peak, _peak_mib; "
+            f"HFReader({model_dir!r}); base = _reset_peak(); t = time.perf_counter(); "  # imports done: the baseline
             f"assert main(['convert', 'hf-to-ds', {model_dir!r}, {out + '/ds'!r}, '--tp', '2', '--pp', '2']) == 0; "
-            f"assert main(['convert', 'ds-to-hf', {out + '/ds'!r}, {out + '/hf'!r}]) == 0; "
-            "print(json.dumps({'peak_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
-            "'seconds': time.perf_counter() - t}))")
-    base = ("import json, resource; import torch, deepspeed, transformers, ds_mp.tools.cli; "
-            "print(json.dumps({'peak_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")
-    runs = [subprocess.run([sys.executable, "-c", c], capture_output=True, text=True, check=True) for c in (base, code)]
-    idle, conv = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
-    return {"rise_mib": conv["peak_mib"] - idle["peak_mib"], "seconds": conv["seconds"]}
+            f"assert main(['convert', 'ds-to-hf', {out + '/ds'!r}, {out + '/back'!r}]) == 0; "
+            "print(json.dumps({'rise_mib': _peak_mib() - base, 'seconds': time.perf_counter() - t}))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def run(quick: bool, out_dir: str) -> dict:

@@ -47,8 +47,9 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("engine", "clip_fp32_gradients", "fp32 path of _take_model_step clips through this method"),
     Assumption("module", "_build", "PipelineModule builds its local layers here (after creating _grid)"),
     Assumption("module", "_partition_layers", "sets self.parts and the local layer bounds"),
-    Assumption("module", "_synchronize_tied_weights", "broadcasts tied weights in place from their first "
-               "owner; ds_mp runs it under no_grad"),
+    Assumption("module", "_synchronize_tied_weights", "called once when the module is built to make tied "
+               "copies equal; ds_mp replaces it (checksum, broadcast only on a mismatch)"),
+    Assumption("module", "_recursive_getattr", "resolves a dotted attribute path on a module"),
     Assumption("module", "_set_bounds", "_set_bounds(start, stop) makes layers [start, stop) local"),
     Assumption("ops", "__compatible_ops__", "dict op name -> bool; False skips the op's JIT build"),
 )
@@ -65,6 +66,7 @@ ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
     Assumption("engine", "pipe_partition_output_meta_cache", "shape cache of partitioned outputs"),
     Assumption("engine", "pipe_partition_grad_meta_cache", "shape cache of partitioned gradients"),
     Assumption("engine", "grad_partition_grad_layer_meta_cache", "shape cache of partitioned grad layers"),
+    Assumption("module", "tied_comms", "key -> {'module', 'weight_attr', 'group', 'ranks'} of each tied weight"),
     Assumption("module", "_grid", "the PipelineParallelGrid the module created (process groups)"),
     Assumption("module", "_topo", "the ProcessTopology the module was built with"),
 )

@@ -192,3 +192,27 @@ def test_no_collective_is_backpropagated_through():
     autograd: DeepSpeed's construction-time broadcast of the tied wte did that on both stages."""
     for messages in run_ranks(_warnings_rank, 2, timeout=180):
         assert not [m for m in messages if "c10d::" in m], messages
+
+
+def _tied_rank(rank: int) -> list[float]:
+    import torch.distributed as dist
+
+    import ds_mp
+
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=ds_config(pp=2))
+    w = engine.module.tied_modules["wte"].wte.weight
+    before = float(w.detach().double().sum())
+    if engine.is_last_stage():
+        with torch.no_grad():
+            w.add_(1.0)  # the copies now disagree
+    engine.module._synchronize_tied_weights()
+    sums = [None, None]
+    dist.all_gather_object(sums, float(w.detach().double().sum()))
+    return [before, *sums]
+
+
+def test_tied_copies_are_checked_and_repaired():
+    """The tied wte is built equal on both stages (checked by a checksum, no broadcast); copies
+    that disagree are overwritten from the first stage's."""
+    (b0, s0, s1), (b1, *_) = run_ranks(_tied_rank, 2, timeout=180)
+    assert b0 == b1 and s0 == s1 == b0

@@ -482,11 +482,22 @@ class GPT2Pipeline(PipelineModule):
         super()._build()
 
     def _synchronize_tied_weights(self) -> None:
-        """DeepSpeed broadcasts the tied ``wte`` in place when the module is built; outside
-        no_grad autograd records that collective on the leaf, and torch then warns on every
-        backward that it backpropagates through ``c10d::broadcast_`` (a future error)."""
+        """DeepSpeed broadcasts the tied ``wte`` from its first owner when the module is built.
+        Every stage here built its copy from the same weight source, so the copies already agree:
+        a two-number all-reduce (min and max of a checksum) confirms it, and the full broadcast
+        (which also doubled the last stage's memory for the tied shard while building) runs only
+        if they differ.  Under no_grad: outside it autograd would record the in-place collective
+        on the leaf and warn on every backward that it backpropagates through ``c10d::broadcast_``."""
         with torch.no_grad():
-            super()._synchronize_tied_weights()
+            for comm in self.tied_comms.values():
+                for attr in comm["weight_attr"]:
+                    w = self._recursive_getattr(comm["module"], attr)
+                    # float64 sum in row chunks: no full-size upcast copy of the (large) tied shard
+                    check = sum(c.sum(dtype=torch.float64) for c in w.detach().split(1024)).reshape(1)
+                    both = torch.cat([check, -check])  # all-reduce MAX: (max, -min)
+                    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=comm["group"])
+                    if both[0] != -both[1]:
+                        torch.distributed.broadcast(w, src=min(comm["ranks"]), group=comm["group"])
 
     def allreduce_tied_weight_gradients(self) -> None:
         """DeepSpeed's, skipping a frozen tied weight (LoRA freezes ``wte``: there is no gradient)."""

@@ -42,7 +42,7 @@ def tp_parameter(full: Any, kind: str, rank: int, size: int, **meta: int) -> nn.
     """
     local = (shard(full.detach(), kind, rank, size, **meta) if isinstance(full, torch.Tensor)
              else full.shard(kind, rank, size, **meta))
-    p = nn.Parameter(local.clone().contiguous())
+    p = nn.Parameter(local.clone().contiguous())  # own storage (a sliced read may still map its file)
     p.tp_kind = kind  # type: ignore[attr-defined]
     p.tensor_model_parallel = kind in SHARD_KINDS  # type: ignore[attr-defined]
     return p

@@ -1,9 +1,11 @@
 """Every use of a private DeepSpeed name, each with the DeepSpeed behaviour it relies on.
 
-ds_mp subclasses DeepSpeed's ``PipelineEngine`` and ``PipelineModule`` and reads a few of
-their private attributes.  Nothing else in ds_mp touches a name with a leading underscore
-of DeepSpeed's (the engine's subclass hooks ``_exec_*``/``_train_schedule`` are overridden
-in ``pipeline_engine.py`` and listed here).  :func:`check` verifies every assumption
+ds_mp subclasses DeepSpeed's ``PipelineEngine`` and ``PipelineModule``.  Every private
+attribute it *reads, writes or calls* goes through an accessor below.  The subclass hooks it
+*overrides* must keep DeepSpeed's names (``_exec_*``, ``_train_schedule``,
+``_aggregate_total_loss`` in ``engine/pipeline_engine.py``; ``_build``,
+``_partition_layers``, ``_synchronize_tied_weights`` in ``models/gpt2.py``); they are listed
+in :data:`ASSUMPTIONS` too, so a DeepSpeed without them fails :func:`check`.  :func:`check` verifies every assumption
 against the installed DeepSpeed and fails with a message that names the broken one; it
 runs when an engine is built, so an incompatible DeepSpeed fails there, not mid-step.
 
@@ -123,6 +125,36 @@ def set_global_grad_norm(engine: Any, norm: float) -> None:
     engine._global_grad_norm = norm
 
 
+def copy_bf16_grads_to_master(engine: Any) -> None:
+    """BF16_Optimizer: add the bf16 ``.grad`` of every parameter into its fp32 master gradient."""
+    engine.optimizer.update_hp_grads(clear_lp_grads=False)
+
+
+def reserve_pipe_buffers(engine: Any, n: int) -> None:
+    engine._reserve_pipe_buffers(n)
+
+
+def reset_forward_outputs(engine: Any) -> None:
+    """The list ``_exec_forward_pass`` appends each forward's output to, emptied per schedule."""
+    engine.fwd_outputs = []
+
+
+def computing_loss(engine: Any) -> bool:
+    """True inside train_batch / eval_batch(compute_loss=True): the last stage computes a loss."""
+    return bool(engine._compute_loss)
+
+
+def tied_weights(module: Any) -> list[tuple[str, Any, Any, list[int]]]:
+    """``(key, weight, group, ranks)`` of every tied weight a PipelineModule holds on this stage."""
+    return [(key, module._recursive_getattr(module.tied_modules[key], attr), comm["group"], comm["ranks"])
+            for key, comm in module.tied_comms.items() for attr in comm["weight_attr"]]
+
+
+def set_local_layers(module: Any, start: int, stop: int) -> None:
+    """Make layers ``[start, stop)`` of the PipelineModule's spec list the ones this stage builds."""
+    module._set_bounds(start=start, stop=stop)
+
+
 def next_batch(engine: Any) -> Any:
     return engine._next_batch()
 
@@ -153,7 +185,8 @@ def module_topology(module: Any) -> Any:
 
 
 __all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine",
-           "skip_op_build", "set_global_grad_norm", "uses_bf16_optimizer", "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations",
+           "skip_op_build", "set_global_grad_norm", "uses_bf16_optimizer", "copy_bf16_grads_to_master",
+           "reserve_pipe_buffers", "reset_forward_outputs", "computing_loss", "tied_weights", "set_local_layers", "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations",
            "module_grid", "module_topology"]
 
 

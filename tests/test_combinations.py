@@ -12,7 +12,7 @@ Pairwise coverage (:data:`CASES`, asserted by :func:`test_cases_cover_every_pair
 schedule needs all 15 pairs, so there are 15 cases; the precision/wrapper pair of each case
 rotates so every schedule sees all four (precision, wrapper) pairs and every layout three of
 them (hence both precisions and both wrappers).  Awkward sizes: vocab 203, n_embd 48,
-4 heads, 4 layers, seq 16 (TeraPipe slices 5 + 11).
+4 heads, 4 layers, seq 16 (TeraPipe slices 6 + 10 with activation checkpointing, and sequence parallelism where TP > 1).
 
 The same spawns also check (cheaply, on the engines already built) that every tensor ds_mp
 hands to a collective was made on a device (:class:`CollectiveDeviceGuard`), and that
@@ -71,7 +71,11 @@ def config(case: tuple, one_rank: bool = False) -> dict:
     v = case_values(case)
     tp, pp, dp = LAYOUTS[v["layout"]]
     tp, pp, gas = (1, 1, 2 * dp) if one_rank else (tp, pp, 2)  # one rank accumulates every replica's share
-    extra: dict = {"terapipe": {"slices": [5, 11]}} if v["schedule"] == "terapipe" else {}
+    extra: dict = {}
+    if v["schedule"] == "terapipe":  # with activation checkpointing, and sequence parallelism where TP > 1
+        extra = {"terapipe": {"slices": [6, 10]}, "pipeline": {"activation_checkpoint_interval": 1}}
+        if tp > 1:
+            extra["tensor_parallel"] = {"sequence_parallel": True}
     cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=LR, clip=CLIP, schedule=v["schedule"], seq=SEQ, **extra)
     if v["precision"] == "bf16":
         cfg["bf16"] = {"enabled": True}

@@ -200,7 +200,7 @@ def _extra_file(path: str, topo: Any) -> str:
 def _load_extra(engine: Any, path: str) -> None:
     """The schedule's in-flight state of this rank (saved only by schedules that keep one; it
     is tied to the layout it was saved at, unlike the weights)."""
-    if _schedule_state(engine) is None:
+    if not getattr(engine, "keeps_schedule_state", lambda: False)():
         return
     file = _extra_file(path, engine.topology)
     if not os.path.isfile(file):

@@ -1,5 +1,4 @@
-"""Gradient maths every engine shares: the global norm, clipping, the non-finite check, the
-sequence-parallel sum.
+"""Gradient maths every engine shares: the global norm, clipping, the non-finite check.
 
 Ownership rule of the global norm ‖g‖₂ over a model sharded TP × PP (× DP replicas that
 hold identical reduced gradients): each rank adds the squares of the parameters it *owns*
@@ -68,12 +67,4 @@ def any_nonfinite(params: Iterable[torch.nn.Parameter], device: torch.device, gr
     return bool(bad.item())
 
 
-def sum_sequence_parallel_grads(module: torch.nn.Module, group: Any) -> None:
-    """Sequence parallel: replicated parameters saw only this rank's tokens; sum over TP."""
-    for p in module.parameters():
-        if p.grad is not None and getattr(p, "tp_kind", "") == "replicated":
-            dist.all_reduce(p.grad, group=group)
-
-
-__all__ = ["owned_parameters", "sum_of_squares", "global_grad_norm", "clip_", "any_nonfinite",
-           "sum_sequence_parallel_grads"]
+__all__ = ["owned_parameters", "sum_of_squares", "global_grad_norm", "clip_", "any_nonfinite"]

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
-from ds_mp.schedules.ouroboros.algorithm import module_grad_sum, swapped_weights
+from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum, swapped_weights
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
                                                  SendHidden, UpdateModules, config_split, module_owner, ring_layout)
 from ds_mp.tensor_parallel.random import rng_state, set_rng_state
@@ -76,6 +76,7 @@ class OuroborosState:
         else:
             self.ranges = {mine[0]: (0, len(funcs))}
         self.params = {m: self._module_params(funcs[a:b]) for m, (a, b) in self.ranges.items()}
+        self.holders = grad_holders(self.params)
         # G_m's stash: (sample, input, RNG state of its forward, its weights when recompute="stashed")
         self.stash: dict[int, deque[tuple[int, Tensor, dict, list[Tensor] | None]]] = {m: deque() for m in self.ranges}
         self.acts: dict[tuple[int, int], Tensor] = {}    # (m, s) -> input of G_m for sample s
@@ -140,21 +141,21 @@ class OuroborosState:
         of p's modules are in warm-up; then the shared DP reduce and optimizer step."""
         waiting = []
         for p in self.engine.module.parameters():
-            p.grad = module_grad_sum(p, self.params, self.grads, self.tie_scale)
+            p.grad = module_grad_sum(p, self.holders, self.grads, self.tie_scale)
             if p.grad is None:
                 waiting.append(p)
         self.grads.clear()
-        self.engine._exec_reduce_grads()
+        self.engine.reduce_gradients()
         if compat.uses_bf16_optimizer(self.engine):
             # bf16: DeepSpeed's BF16_Optimizer steps its fp32 master copies as one flat group and needs
             # every gradient, so modules in warm-up step with zeros here (a plain optimizer skips them).
             for p in waiting:
                 p.grad = torch.zeros_like(p)
-            self.engine.optimizer.update_hp_grads(clear_lp_grads=False)
+            compat.copy_bf16_grads_to_master(self.engine)
         else:
             for p in waiting:  # DeepSpeed's DP reduce gives gradient-less parameters zeros: skip them again
                 p.grad = None
-        self.engine._exec_optimizer_step()
+        self.engine.optimizer_step()
 
     def _load_batch(self) -> Tensor:
         """Ring rank 0: x_t = the concatenation of this iteration's micro-batches."""

@@ -72,8 +72,8 @@ class DsMpPipelineEngine(PipelineEngine):
         return cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
-        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
-        self.fwd_outputs = []
+        compat.reserve_pipe_buffers(self, pipe_schedule.num_pipe_buffers())
+        compat.reset_forward_outputs(self)
         self._buffer_loss.clear()
         self._loaded_micro.clear()
         self._recv_micro.clear()
@@ -134,8 +134,11 @@ class DsMpPipelineEngine(PipelineEngine):
     # --- schedule state that lives across steps (checkpointed per rank) -----------------
     def schedule_state_dict(self) -> dict | None:
         """The schedule's in-flight state on this rank, or None if it keeps none."""
-        hook = getattr(self.schedule_support, "state_dict", None)
-        return hook() if hook is not None else None
+        return self.schedule_support.state_dict() if self.keeps_schedule_state() else None
+
+    def keeps_schedule_state(self) -> bool:
+        """True if the schedule keeps work in flight across steps (its checkpoints carry it)."""
+        return hasattr(self.schedule_support, "state_dict")
 
     def load_schedule_state_dict(self, state: dict) -> None:
         self.schedule_support.load_state_dict(state)
@@ -156,7 +159,7 @@ class DsMpPipelineEngine(PipelineEngine):
         self._n_recv += 1
 
     def _exec_forward_pass(self, buffer_id: int) -> None:
-        if self.is_last_stage() and not self.is_first_stage() and self._compute_loss:
+        if self.is_last_stage() and not self.is_first_stage() and compat.computing_loss(self):
             got, want = self._recv_micro.get(buffer_id), self._loaded_micro.get(buffer_id)
             if got != want:
                 raise RuntimeError(f"schedule {self.schedule_name!r}: buffer {buffer_id} holds activations "
@@ -172,9 +175,6 @@ class DsMpPipelineEngine(PipelineEngine):
 
     # --- gradients --------------------------------------------------------------------
     def _exec_reduce_grads(self) -> None:
-        ctx = getattr(self.module, "ds_mp_ctx", None)
-        if ctx is not None and ctx.sp:
-            grads.sum_sequence_parallel_grads(self.module, ctx.group)
         probe = self.noise_scale
         measure = probe is not None and probe.due(self.global_steps + 1)
         if measure:  # |G_small|² of this replica before the DP all-reduce, |G_big|² after
@@ -212,6 +212,23 @@ class DsMpPipelineEngine(PipelineEngine):
     def _fp32_grads(self) -> bool:
         """True when the optimizer steps ``p.grad`` directly (no bf16/fp16 master copy, no ZeRO)."""
         return not (self.bfloat16_enabled() or self.fp16_enabled() or self.zero_optimization())
+
+    # --- public entry points for schedules' engine-side handlers ---------------------------
+    def run_forward(self, buffer_id: int) -> None:
+        """Forward pipe buffer ``buffer_id`` through this stage (DeepSpeed's ForwardPass)."""
+        self._exec_forward_pass(buffer_id)
+
+    def run_backward(self, buffer_id: int) -> None:
+        """Backward pipe buffer ``buffer_id`` (DeepSpeed's BackwardPass)."""
+        self._exec_backward_pass(buffer_id)
+
+    def reduce_gradients(self) -> None:
+        """The DP gradient reduction of a step (ReduceGrads, with the SP sum and noise probe)."""
+        self._exec_reduce_grads()
+
+    def optimizer_step(self) -> None:
+        """The optimizer step of a step (OptimizerStep: NaN skip, clipping, DeepSpeed's step)."""
+        self._exec_optimizer_step()
 
     def global_grad_norm(self) -> float:
         """‖g‖₂ over the whole model: each TP shard once, each replicated or tied tensor

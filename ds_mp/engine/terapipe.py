@@ -77,13 +77,13 @@ def _attending(self: Any, micro: int, batch_slice: int, slice: int) -> Any:
 def _exec_forward_slice(self: Any, buffer_id: int, micro: int, batch_slice: int, slice: int) -> None:
     compat.forget_partitioned_shapes(self)
     with _attending(self, micro, batch_slice, slice):
-        self._exec_forward_pass(buffer_id)
+        self.run_forward(buffer_id)
 
 
 def _exec_backward_slice(self: Any, buffer_id: int, micro: int, batch_slice: int, slice: int) -> None:
     compat.forget_partitioned_shapes(self)
     with _attending(self, micro, batch_slice, slice):  # activation checkpointing recomputes the forward here
-        self._exec_backward_pass(buffer_id)
+        self.run_backward(buffer_id)
     if slice == 0:  # the sequence's first slice: no later backward needs its cache
         self.terapipe.context.release((micro, batch_slice))
 

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from transformers.activations import ACT2FN
 
-from ds_mp.deepspeed_compat import module_grid, module_topology
-from ds_mp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from ds_mp.deepspeed_compat import module_grid, module_topology, set_local_layers, tied_weights
+from ds_mp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
                                    padded_vocab_size, vocab_parallel_cross_entropy)
 from ds_mp.tensor_parallel.random import parallel_region_rng
 from ds_mp.tensor_parallel.sharding import shard
@@ -227,8 +227,23 @@ class Ctx:
         return parallel_region_rng() if self.sp else contextlib.nullcontext()
 
 
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """LayerNorm whose (replicated) weight and bias sum their gradients over the TP group in
+    backward when sequence parallelism shards its input (``copy_to_tp``: identity forward,
+    all-reduce backward): each rank saw only its part of the sequence.  Done inside autograd, so
+    every optimizer wrapper (bf16 master gradients, ZeRO) sees the summed gradient."""
+
+    def __init__(self, n: int, eps: float, group: Any) -> None:
+        super().__init__(n, eps=eps)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, copy_to_tp(self.weight, self.group),
+                            copy_to_tp(self.bias, self.group), self.eps)
+
+
 def _layer_norm(src: WeightSource, prefix: str, ctx: Ctx) -> nn.LayerNorm:
-    ln = nn.LayerNorm(ctx.n_embd, eps=ctx.eps)
+    ln = SequenceParallelLayerNorm(ctx.n_embd, ctx.eps, ctx.group) if ctx.sp else nn.LayerNorm(ctx.n_embd, eps=ctx.eps)
     with torch.no_grad():
         ln.weight.copy_(src.get(prefix + ".weight"))
         ln.bias.copy_(src.get(prefix + ".bias"))
@@ -367,7 +382,8 @@ class Positions(nn.Module):
         tok, pos = inputs
         if self.ctx.sp:  # tok is the local sequence shard: take the matching positions
             pos = pos.expand(tok.shape[0], -1).chunk(self.ctx.tp, dim=1)[self.ctx.tp_rank]
-        h = tok + F.embedding(pos, self.wpe)
+        wpe = copy_to_tp(self.wpe, self.ctx.group) if self.ctx.sp else self.wpe  # SP: sum its grad over TP
+        h = tok + F.embedding(pos, wpe)
         with self.ctx.dropout_rng():
             return F.dropout(h, self.ctx.embd_dropout, self.training)
 
@@ -489,30 +505,26 @@ class GPT2Pipeline(PipelineModule):
         if they differ.  Under no_grad: outside it autograd would record the in-place collective
         on the leaf and warn on every backward that it backpropagates through ``c10d::broadcast_``."""
         with torch.no_grad():
-            for comm in self.tied_comms.values():
-                for attr in comm["weight_attr"]:
-                    w = self._recursive_getattr(comm["module"], attr)
-                    # float64 sum in row chunks: no full-size upcast copy of the (large) tied shard
-                    check = sum(c.sum(dtype=torch.float64) for c in w.detach().split(1024)).reshape(1)
-                    both = torch.cat([check, -check])  # all-reduce MAX: (max, -min)
-                    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=comm["group"])
-                    if both[0] != -both[1]:
-                        torch.distributed.broadcast(w, src=min(comm["ranks"]), group=comm["group"])
+            for _, w, group, ranks in tied_weights(self):
+                # float64 sum in row chunks: no full-size upcast copy of the (large) tied shard
+                check = sum(c.sum(dtype=torch.float64) for c in w.detach().split(1024)).reshape(1)
+                both = torch.cat([check, -check])  # all-reduce MAX: (max, -min)
+                torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
+                if both[0] != -both[1]:
+                    torch.distributed.broadcast(w, src=min(ranks), group=group)
 
     def allreduce_tied_weight_gradients(self) -> None:
         """DeepSpeed's, skipping a frozen tied weight (LoRA freezes ``wte``: there is no gradient)."""
         import deepspeed.comm as ds_dist
 
-        for key, comm in self.tied_comms.items():
-            for attr in comm["weight_attr"]:
-                weight = self._recursive_getattr(self.tied_modules[key], attr)
-                if weight.requires_grad:
-                    ds_dist.all_reduce(weight.grad, group=comm["group"])
+        for _, weight, group, _ in tied_weights(self):
+            if weight.requires_grad:
+                ds_dist.all_reduce(weight.grad, group=group)
 
     def _partition_layers(self, method: str = "uniform") -> None:  # noqa: ARG002 - ours
         self.parts = self._ds_mp_parts
         stage = module_topology(self).get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+        set_local_layers(self, self.parts[stage], self.parts[stage + 1])
 
     def blocks(self) -> list[Block]:
         return [m for m in self.forward_funcs if isinstance(m, Block)]

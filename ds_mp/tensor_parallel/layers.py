@@ -7,8 +7,9 @@ parameter carries ``tp_kind`` (how it is sharded) for clipping and checkpointing
 
 With sequence parallelism on, activations between layers are split along the sequence
 (dim 1); the all-reduce of a TP region becomes all-gather at entry and reduce-scatter at
-exit, and LayerNorm parameters (replicated) see only a slice of tokens, so their
-gradients are summed over the TP group (``sequence_parallel`` attribute).
+exit, and replicated parameters used there (LayerNorm, the row-parallel bias, wpe) see only
+a slice of tokens, so they enter through ``copy_to_tp`` and autograd sums their gradients
+over the TP group in backward (before any optimizer wrapper reads them).
 """
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence(y, self.group, dim=1)
         else:
             y = reduce_from_tp(y, self.group)
-        return y + self.bias
+        # SP: the replicated bias meets only this rank's tokens; copy_to_tp sums its gradient over TP
+        return y + (copy_to_tp(self.bias, self.group) if self.sequence_parallel else self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -70,7 +70,7 @@ from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, 
 __all__ = ["split_modules", "ring_layout", "ModuleForward", "ModuleBackward", "SendHidden", "RecvHidden", "SendDelta",
            "RecvDelta", "UpdateModules", "Step", "rank_steps", "ouroboros_timetable", "format_timetable", "OuroborosModule",
            "build_modules", "lm_loss", "RngState", "capture_rng", "replay_rng", "module_forward", "module_backward",
-           "loss_backward", "OuroborosReference", "module_grad_sum", "swapped_weights"]
+           "loss_backward", "OuroborosReference", "module_grad_sum", "grad_holders", "swapped_weights"]
 
 
 # ----------------------------------------------------------------------------- module maths
@@ -195,25 +195,35 @@ def loss_backward(module: OuroborosModule, x: Tensor, labels: Tensor) -> tuple[T
     return loss.detach(), grad_x, grads
 
 
-def module_grad_sum(p: nn.Parameter, modules: Iterable[nn.Module] | dict, grads: dict[int, list[Tensor]],
-                    tie_scale: float) -> Tensor | None:
-    """Step 4's gradient of ``p``: Σ over the modules holding p of their gradient (zero for a
-    module in warm-up, i.e. absent from ``grads``), times ``tie_scale`` when two modules hold p
-    (the tied V); None when no module holding p has a gradient yet.  ``modules``: index -> module
-    (or a list), ``grads``: index -> gradients in ``module.parameters()`` order."""
+Holders = dict[int, list[tuple[int, int]]]  # id(p) -> [(module index, position in its parameters())]
+
+
+def grad_holders(modules: Iterable[nn.Module] | dict) -> Holders:
+    """Where each parameter sits in the modules holding it (two entries for the tied V).
+    ``modules``: index -> module or parameter list (or a list of modules).  Built once."""
     items = modules.items() if isinstance(modules, dict) else enumerate(modules)
-    total, holders, real = None, 0, False
+    out: Holders = {}
     for m, module in items:
         params = list(module.parameters()) if isinstance(module, nn.Module) else module
         for i, q in enumerate(params):
-            if q is p:
-                holders += 1
-                if m in grads:
-                    real = True
-                    total = grads[m][i].clone() if total is None else total + grads[m][i]
+            out.setdefault(id(q), []).append((m, i))
+    return out
+
+
+def module_grad_sum(p: nn.Parameter, holders: Holders, grads: dict[int, list[Tensor]],
+                    tie_scale: float) -> Tensor | None:
+    """Step 4's gradient of ``p``: Σ over the modules holding p of their gradient (zero for a
+    module in warm-up, i.e. absent from ``grads``), times ``tie_scale`` when two modules hold p
+    (the tied V); None when no module holding p has a gradient yet.  ``grads``: module index ->
+    gradients in ``parameters()`` order; ``holders`` from :func:`grad_holders`."""
+    where = holders[id(p)]
+    real = [grads[m][i] for m, i in where if m in grads]
     if not real:
         return None
-    return total * (tie_scale if holders == 2 else 1.0)
+    total = real[0].clone()
+    for g in real[1:]:
+        total += g
+    return total * (tie_scale if len(where) == 2 else 1.0)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -238,6 +248,7 @@ class OuroborosReference:
         self.K, self.delay, self.t = K, delay, 0
         self.tie_scale = 0.5 if (tied_rule or ("mean" if delay else "sum")) == "mean" else 1.0
         self.parts = build_modules(self.model, K, split)
+        self._holders = grad_holders(self.parts)
         self.recompute = recompute
         self.optimizer = make_optimizer(self.model.parameters())
         self.delays = [K - 1 - m if delay else 0 for m in range(K)]
@@ -281,5 +292,5 @@ class OuroborosReference:
         tied V (in G_0 and G_{K-1}) gets tie_scale * (g_Vo + g_Vi); a parameter whose modules are
         all in warm-up gets None and is skipped. Then one optimizer step."""
         for p in self.model.parameters():
-            p.grad = module_grad_sum(p, self.parts, grads, self.tie_scale)
+            p.grad = module_grad_sum(p, self._holders, grads, self.tie_scale)
         self.optimizer.step()

@@ -254,7 +254,10 @@ def test_convert_streams_tensor_by_tensor(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rise = int(out.stdout.split("RISE_KIB")[1].split()[0])
     print(f"convert peak RSS rise {rise / 1024:.0f} MiB for a {model_kib / 1024:.0f} MiB model")
-    assert rise < 0.6 * model_kib, (rise, model_kib)  # measured 0.44 (allocator, imports); whole-model: > 2
+    # measured 0.44–0.71 across runs (allocator, imports, machine load); the whole-model path held
+    # 3 models (> 2): below one model separates the two without flaking. The precise figure is
+    # the scale benchmark's (python -m benchmarks.run --only scale: 0.35× for GPT-2 medium).
+    assert rise < 1.0 * model_kib, (rise, model_kib)
     a, b = load_file(os.path.join(hf, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

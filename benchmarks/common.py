@@ -160,16 +160,30 @@ class Group:
                 p.kill()
 
 
+LOADS: dict[str, list[tuple[float, float]]] = {}
+"""Per configuration name, the 1-min load average (before, after) each of its timed blocks in
+the latest :func:`interleave` (read by :func:`summarize`)."""
+
+
+def load_avg() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
 def interleave(groups: list[Group], repeats: int, steps: int, warmup: int = 1) -> dict[str, list[tuple]]:
     """Warm up every group, then ``repeats`` round-robin rounds of ``steps`` steps each;
-    per config the list of (wall, CPU) seconds of every timed step."""
+    per config the list of (wall, CPU) seconds of every timed step.  The machine's load
+    before and after every block is kept in :data:`LOADS`."""
     for g in groups:
         g.steps(warmup)
     times: dict[str, list[tuple]] = {g.cfg.name: [] for g in groups}
+    for g in groups:
+        LOADS[g.cfg.name] = []
     for rep in range(repeats):
         order = groups[rep % len(groups):] + groups[:rep % len(groups)]
         for g in order:
+            before = load_avg()
             times[g.cfg.name] += g.steps(steps)
+            LOADS[g.cfg.name].append((before, load_avg()))
         print(f"  round {rep + 1}/{repeats} (running medians): " + "  ".join(
             f"{n} {statistics.median(w for w, _ in t):.2f}s" for n, t in times.items()), flush=True)
     return times
@@ -205,8 +219,65 @@ def summarize(times: dict[str, list[tuple]], tokens_per_step: dict[str, int]) ->
         med = statistics.median(wall)
         q = statistics.quantiles(wall, n=4) if len(wall) >= 2 else [med, med, med]
         out[name] = {"median_s": med, "iqr_rel": (q[2] - q[0]) / med, "tokens_per_s": tokens_per_step[name] / med,
-                     "cpu_s": statistics.median(c for _, c in ts), "step_times_s": wall}
+                     "cpu_s": statistics.median(c for _, c in ts), "step_times_s": wall,
+                     "load_before_after": LOADS.get(name, [])}
     return out
+
+
+def load_span(summary: dict) -> str:
+    """``"b → a"``: the highest 1-min load seen before and after a configuration's timed blocks."""
+    loads = summary.get("load_before_after") or [(float("nan"), float("nan"))]
+    return f"{max(b for b, _ in loads):.1f} → {max(a for _, a in loads):.1f}"
+
+
+# ------------------------------------------------------------------ ratios with intervals
+
+@dataclass(frozen=True)
+class Ratio:
+    """A ratio of medians with a bootstrap interval: ``value`` is the point estimate,
+    ``lo``/``hi`` the 5th/95th percentiles over resamples (a 90% interval)."""
+
+    value: float
+    lo: float
+    hi: float
+
+    def __str__(self) -> str:
+        return f"{self.value:.2f}× [{self.lo:.2f}, {self.hi:.2f}]"
+
+    def verdict(self, target: float, at_least: bool = True) -> str:
+        """``met`` only when the whole interval clears ``target``; ``NOT met`` when the whole
+        interval misses it; otherwise the interval straddles it and the run cannot tell."""
+        lo, hi = (self.lo, self.hi) if at_least else (-self.hi, -self.lo)
+        t = target if at_least else -target
+        if lo >= t:
+            return "met"
+        if hi < t:
+            return "NOT met"
+        return "not shown (interval straddles the target)"
+
+    def as_dict(self) -> dict:
+        return {"value": self.value, "lo": self.lo, "hi": self.hi}
+
+
+def speedup(slow: list[float], fast: list[float], scale: float = 1.0, resamples: int = 2000,
+            seed: int = 0) -> Ratio:
+    """``scale · median(slow) / median(fast)`` — e.g. tokens/s of ``fast`` over ``slow`` for
+    equal tokens per step (``scale`` corrects unequal ones) — with a percentile bootstrap
+    interval: both samples are resampled independently, with replacement."""
+    import random
+
+    rng = random.Random(seed)
+    point = scale * statistics.median(slow) / statistics.median(fast)
+    boots = sorted(scale * statistics.median(rng.choices(slow, k=len(slow)))
+                   / statistics.median(rng.choices(fast, k=len(fast))) for _ in range(resamples))
+    return Ratio(point, boots[int(0.05 * (resamples - 1))], boots[int(0.95 * (resamples - 1))])
+
+
+def tokens_ratio(res: dict[str, dict], name: str, base: str) -> Ratio:
+    """tokens/s of config ``name`` over config ``base`` from :func:`summarize`'s output."""
+    a, b = res[name], res[base]
+    scale = (a["tokens_per_s"] * a["median_s"]) / (b["tokens_per_s"] * b["median_s"])  # tokens per step ratio
+    return speedup(b["step_times_s"], a["step_times_s"], scale)
 
 
 # ------------------------------------------------------------------ reporting helpers

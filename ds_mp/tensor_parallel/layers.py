@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ds_mp.tensor_parallel.mappings import (copy_to_tp, gather_from_sequence, reduce_from_tp,
+from ds_mp.tensor_parallel.mappings import (copy_to_tp, parallel_input_linear, reduce_from_tp,
                                             reduce_scatter_to_sequence)
 from ds_mp.tensor_parallel.sharding import shard
 
@@ -51,7 +51,8 @@ def tp_parameter(full: Any, kind: str, rank: int, size: int, **meta: int) -> nn.
 
 class ColumnParallelLinear(nn.Module):
     """``Y_r = X A_r + b_r`` with ``A = [A_1 … A_p]`` split by columns; no communication
-    on the output (a following GeLU is element-wise).  Backward all-reduces ``dX``."""
+    on the output (a following GeLU is element-wise).  Backward all-reduces ``dX`` while it
+    computes ``dA_r`` (:func:`~ds_mp.tensor_parallel.mappings.parallel_input_linear`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group: Any, rank: int, size: int,
                  kind: str = "column", n_head: int = 0, sequence_parallel: bool = False) -> None:
@@ -61,11 +62,8 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.group, dim=1)  # (B, T/p, C) -> (B, T, C)
-        else:
-            x = copy_to_tp(x, self.group)
-        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        # SP: x is (B, T/p, C) and is all-gathered to (B, T, C) first
+        return parallel_input_linear(x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel)
 
 
 class RowParallelLinear(nn.Module):
@@ -115,8 +113,6 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(emb, self.group)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            h = gather_from_sequence(h, self.group, dim=1)
-        else:
-            h = copy_to_tp(h, self.group)
-        return torch.matmul(h, self.weight.t())
+        """``h Eᵀ`` on the local vocab block; backward all-reduces ``dh`` while it computes ``dE``."""
+        return parallel_input_linear(h, self.weight, None, self.group, sequence_parallel=self.sequence_parallel,
+                                     transposed=True)

@@ -18,7 +18,7 @@ all-gather a list ``all_gather`` (identical results, more traffic; gloo is for C
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -97,6 +97,41 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return out
 
 
+Pending = Callable[[], torch.Tensor]
+"""A collective in flight: calling it waits for the collective and returns its result."""
+
+
+def all_reduce_async(x: torch.Tensor, group: Group) -> Pending:
+    """Start the sum of ``x`` over ``group`` (in place on ``x`` or an fp32 copy) and return
+    at once; the returned callable waits and gives the sum.  Work queued between the two
+    (a weight gradient) runs while the collective travels."""
+    if _world(group) == 1:
+        return lambda: x
+    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
+        y = x.float()
+        work = dist.all_reduce(y, group=group, async_op=True)
+        return lambda: (work.wait(), y.to(x.dtype))[1]
+    x = x.contiguous()
+    work = dist.all_reduce(x, group=group, async_op=True)
+    return lambda: (work.wait(), x)[1]
+
+
+def reduce_scatter_async(x: torch.Tensor, dim: int, group: Group) -> Pending:
+    """:func:`_reduce_scatter` started asynchronously (see :func:`all_reduce_async`)."""
+    n = _world(group)
+    if n == 1:
+        return lambda: x
+    if not _native_collectives(group):
+        total = all_reduce_async(x, group)
+        return lambda: _split(total(), dim, group)
+    if x.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by {n} ranks")
+    stacked = torch.stack(x.chunk(n, dim=dim)).contiguous()
+    out = torch.empty_like(stacked[0])
+    work = dist.reduce_scatter_tensor(out, stacked, group=group, async_op=True)
+    return lambda: (work.wait(), out)[1]
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):  # type: ignore[override]
@@ -138,6 +173,59 @@ class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """``x W + b`` (``x Wᵀ + b`` if ``transposed``) on the flattened tokens: ``addmm`` like HF's Conv1D."""
+    x2, w = x.reshape(-1, x.shape[-1]), (weight.t() if transposed else weight)
+    y = torch.mm(x2, w) if bias is None else torch.addmm(bias, x2, w)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class _ParallelInputLinear(torch.autograd.Function):
+    """``y = x Wᵀ`` (``W`` stored ``(out, in)``) or ``y = x W + b`` (``W`` stored ``(in, out)``,
+    GPT-2's Conv1D layout) on an input replicated over ``group`` — f fused with the matmul.
+
+    Forward: with sequence parallelism ``x`` arrives split along dim 1 and is all-gathered.
+    Backward (Megatron-LM's asynchronous TP all-reduce): ``dX = dY Wᵀ`` is computed first and
+    its all-reduce (reduce-scatter along the sequence with SP) is *started*; the weight and
+    bias gradients ``dW = Xᵀ dY``, ``db = Σ dY`` are computed while it travels, then it is
+    awaited.  Same sums as ``copy_to_tp`` + matmul, so the same gradients up to the order
+    of fp additions inside the matmul kernels.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel, transposed):  # type: ignore[override]
+        if sequence_parallel:
+            x = _gather(x, 1, group)
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, weight)
+        ctx.group, ctx.sp, ctx.transposed, ctx.x_shape = group, sequence_parallel, transposed, x.shape
+        return _linear(x, weight, bias, transposed)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x2, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        pending = None
+        if ctx.needs_input_grad[0]:
+            dx = (g2 @ weight if ctx.transposed else g2 @ weight.t()).view(ctx.x_shape)
+            pending = (reduce_scatter_async(dx, 1, ctx.group) if ctx.sp else all_reduce_async(dx, ctx.group))
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = g2.t() @ x2 if ctx.transposed else x2.t() @ g2
+        db = g2.sum(0) if ctx.needs_input_grad[2] else None
+        return (pending() if pending else None), dw, db, None, None, None
+
+
+def parallel_input_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, *,
+                          sequence_parallel: bool = False, transposed: bool = False) -> torch.Tensor:
+    """``copy_to_tp(x) @ W + b`` (or the SP all-gather in place of f), with the backward
+    all-reduce of ``dX`` overlapped with ``dW`` (:class:`_ParallelInputLinear`).  ``transposed``:
+    ``W`` is stored ``(out, in)`` (an embedding used as the LM head) and ``y = x Wᵀ``."""
+    if _world(group) == 1:
+        return _linear(x, weight, bias, transposed)
+    return _ParallelInputLinear.apply(x, weight, bias, group, sequence_parallel, transposed)
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -5,6 +5,9 @@ Configurations (same GPT-2, same batch of ``rows × seq`` tokens per step):
     hf_1x1     1 process × 1 thread, plain HF + torch SGD        (baseline)
     hf_1x2     1 process × 2 threads (intra-op threading)
     ds_mp_tp2  ds_mp TP=2 via ds_mp.initialize, 2 ranks × 1 thread
+    ds_mp_tp2_no_overlap  the same with tensor_parallel.overlap_comm = false (dX all-reduce awaited
+               before dW: the before/after of the overlap, side by side)
+    ds_mp_tp2_sp          the same with sequence parallelism (LayerNorm/dropout/residual work split)
     autotp_tp2 DeepSpeed AutoTP=2 on the Conv1D→Linear converted model, 2 ranks × 1 thread
 
 Reported: tokens/s ratios against hf_1x1 and hf_1x2, and per-rank parameter + gradient +
@@ -96,6 +99,10 @@ def configs(quick: bool) -> tuple[list[Config], int]:
     return [Config("hf_1x1", "benchmarks.workloads:setup_hf", 1, 1, hf),
             Config("hf_1x2", "benchmarks.workloads:setup_hf", 1, 2, hf),
             Config("ds_mp_tp2", "benchmarks.workloads:setup_ds_mp", 2, 1, {"shape": shape, "micro": ROWS, "tp": 2}),
+            Config("ds_mp_tp2_no_overlap", "benchmarks.workloads:setup_ds_mp", 2, 1,
+                   {"shape": shape, "micro": ROWS, "tp": 2, "tp_extra": {"overlap_comm": False}}),
+            Config("ds_mp_tp2_sp", "benchmarks.workloads:setup_ds_mp", 2, 1,
+                   {"shape": shape, "micro": ROWS, "tp": 2, "tp_extra": {"sequence_parallel": True}}),
             Config("autotp_tp2", "benchmarks.tp:setup_autotp", 2, 1, hf)], ROWS * shape["seq"]
 
 
@@ -131,7 +138,9 @@ def run(quick: bool, out_dir: str) -> dict:
     intervals = {"ds_mp_tp2_vs_1x1": speed.as_dict(), "ds_mp_tp2_vs_1x2": vs_two.as_dict(),
                  "ds_mp_tp2_vs_autotp": vs_autotp.as_dict(),
                  "autotp_vs_1x1": tokens_ratio(res, "autotp_tp2", "hf_1x1").as_dict()}
-    cpu = {n: res[n]["cpu_s"] / res["hf_1x1"]["cpu_s"] for n in ("ds_mp_tp2", "autotp_tp2")}
+    cpu = {n: res[n]["cpu_s"] / res["hf_1x1"]["cpu_s"] for n in res}
+    overlap, sp = tokens_ratio(res, "ds_mp_tp2", "ds_mp_tp2_no_overlap"), tokens_ratio(res, "ds_mp_tp2_sp", "ds_mp_tp2")
+    intervals.update(overlap_vs_no_overlap=overlap.as_dict(), sp_vs_no_sp=sp.as_dict())
     verdict = [f"ds_mp TP=2 tokens/s vs 1 × 1: {speed} (target ≥ {SPEEDUP_TARGET}×: "
                f"{speed.verdict(SPEEDUP_TARGET)})",
                f"ds_mp TP=2 tokens/s vs 1 × 2 threads: {vs_two} (target ≥ {VS_THREADS_TARGET}×: "
@@ -140,6 +149,9 @@ def run(quick: bool, out_dir: str) -> dict:
                f"{vs_autotp.verdict(VS_AUTOTP_TARGET)})",
                f"ds_mp TP=2 per-rank param+grad+optimizer bytes: {memr:.2f}× of one process (target ≤ "
                f"{MEMORY_TARGET}×: {'met' if memr <= MEMORY_TARGET else 'NOT met'}; exact, no noise)",
+               f"overlapping the dX all-reduce with dW (overlap_comm, the default) vs waiting first: {overlap} "
+               f"tokens/s; CPU s/step {cpu['ds_mp_tp2']:.2f}× vs {cpu['ds_mp_tp2_no_overlap']:.2f}× of 1 × 1",
+               f"sequence parallelism on vs off: {sp} tokens/s; CPU s/step {cpu['ds_mp_tp2_sp']:.2f}× of 1 × 1",
                f"CPU seconds per step (all ranks) vs 1 × 1: ds_mp TP=2 {cpu['ds_mp_tp2']:.2f}×, AutoTP "
                f"{cpu['autotp_tp2']:.2f}× (on 2 cores the speed-up is at most 2 / this)",
                "intervals are 90% bootstrap intervals over the timed steps"]

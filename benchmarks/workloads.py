@@ -109,11 +109,11 @@ def setup_hf(rank: int, world: int, shape: dict, rows: int) -> HFBench:
 
 
 def ds_mp_config(shape: dict, *, tp: int = 1, pp: int = 1, micro: int, gas: int = 1,
-                 schedule: str = "1f1b") -> dict:
+                 schedule: str = "1f1b", tp_extra: dict | None = None) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
             "optimizer": {"type": "SGD", "params": {"lr": LR}}, "gradient_clipping": 0.0,
             "steps_per_print": 10**9, "wall_clock_breakdown": False,
-            "ds_mp": {"tensor_parallel": {"size": tp}, "pipeline": {"stages": pp, "schedule": schedule},
+            "ds_mp": {"tensor_parallel": {"size": tp, **(tp_extra or {})}, "pipeline": {"stages": pp, "schedule": schedule},
                       "data": {"seq_len": Shape(**shape).seq}}}
 
 
@@ -122,10 +122,10 @@ class DsMpBench(Bench):
     micro-batches of ``micro`` rows (the same rows every step)."""
 
     def __init__(self, rank: int, world: int, shape: dict, micro: int, gas: int = 1, tp: int = 1, pp: int = 1,
-                 schedule: str = "1f1b") -> None:
+                 schedule: str = "1f1b", tp_extra: dict | None = None) -> None:
         import ds_mp
 
-        cfg = ds_mp_config(shape, tp=tp, pp=pp, micro=micro, gas=gas, schedule=schedule)
+        cfg = ds_mp_config(shape, tp=tp, pp=pp, micro=micro, gas=gas, schedule=schedule, tp_extra=tp_extra)
         self.engine, self.opt, _, _ = ds_mp.initialize(model=hf_model(shape), config=cfg)
         ids, labels = batch(shape, micro * gas)
         self.micro = [(ids[i:i + micro], labels[i:i + micro]) for i in range(0, micro * gas, micro)]

@@ -40,6 +40,7 @@ class TensorParallelConfig:
     size: int = 1  # TP degree; must divide n_head
     sequence_parallel: bool = False  # shard LayerNorm/dropout regions along the sequence
     vocab_pad_multiple: int = 128  # vocab is padded to a multiple of this × size
+    overlap_comm: bool = True  # backward: all-reduce dX of column-parallel layers while computing dW
 
 
 @dataclass

@@ -166,6 +166,8 @@ def _overlapped_linear_rank(rank: int) -> list[dict]:
     """Each case: ``parallel_input_linear`` on this rank's shard vs torch autograd on the full,
     unsharded product (the oracle): output block, input gradient (summed over ranks, or this
     rank's sequence chunk with SP), weight and bias gradient blocks."""
+    import itertools
+
     import torch.distributed as dist
 
     from ds_mp.tensor_parallel.mappings import parallel_input_linear
@@ -173,40 +175,40 @@ def _overlapped_linear_rank(rank: int) -> list[dict]:
     dist.init_process_group("gloo")
     n, group = dist.get_world_size(), dist.group.WORLD
     out = []
-    for sp in (False, True):
-        for transposed in (False, True):
-            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-                g = torch.Generator().manual_seed(5)  # the same full tensors on every rank
-                x = torch.randn(2, 8, 12, generator=g)
-                w = torch.randn(10, 12, generator=g) if transposed else torch.randn(12, 10, generator=g)
-                b = None if transposed else torch.randn(10, generator=g)
-                r = torch.randn(2, 8, 10, generator=g)  # loss = Σ y ∘ r
-                xf, wf = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-                bf = None if b is None else b.clone().requires_grad_(True)
-                yf = xf @ (wf.t() if transposed else wf) + (0 if bf is None else bf)
-                (yf * r).sum().backward()
-                cols = slice(rank * 5, (rank + 1) * 5)
-                xl = (x.chunk(n, dim=1)[rank] if sp else x).to(dtype).requires_grad_(True)
-                wl = (w[cols] if transposed else w[:, cols]).to(dtype).requires_grad_(True)
-                bl = None if b is None else b[cols].to(dtype).requires_grad_(True)
-                y = parallel_input_linear(xl, wl, bl, group, sequence_parallel=sp, transposed=transposed)
-                (y.float() * r[..., cols]).sum().backward()
-                want_gx = xf.grad.chunk(n, dim=1)[rank] if sp else xf.grad
-                want_gw = wf.grad[cols] if transposed else wf.grad[:, cols]
-                pairs = [(y, yf[..., cols]), (xl.grad, want_gx), (wl.grad, want_gw)]
-                if bl is not None:
-                    pairs.append((bl.grad, bf.grad[cols]))
-                err = max(float(((a.float() - e).abs().max() / e.abs().max())) for a, e in pairs)
-                out.append({"case": (sp, transposed, str(dtype)), "rel_err": err, "tol": tol})
+    for sp, transposed, overlap in itertools.product((False, True), repeat=3):
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+            g = torch.Generator().manual_seed(5)  # the same full tensors on every rank
+            x = torch.randn(2, 8, 12, generator=g)
+            w = torch.randn(10, 12, generator=g) if transposed else torch.randn(12, 10, generator=g)
+            b = None if transposed else torch.randn(10, generator=g)
+            r = torch.randn(2, 8, 10, generator=g)  # loss = Σ y ∘ r
+            xf, wf = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            bf = None if b is None else b.clone().requires_grad_(True)
+            yf = xf @ (wf.t() if transposed else wf) + (0 if bf is None else bf)
+            (yf * r).sum().backward()
+            cols = slice(rank * 5, (rank + 1) * 5)
+            xl = (x.chunk(n, dim=1)[rank] if sp else x).to(dtype).requires_grad_(True)
+            wl = (w[cols] if transposed else w[:, cols]).to(dtype).requires_grad_(True)
+            bl = None if b is None else b[cols].to(dtype).requires_grad_(True)
+            y = parallel_input_linear(xl, wl, bl, group, sequence_parallel=sp, transposed=transposed,
+                                      overlap=overlap)
+            (y.float() * r[..., cols]).sum().backward()
+            want_gx = xf.grad.chunk(n, dim=1)[rank] if sp else xf.grad
+            want_gw = wf.grad[cols] if transposed else wf.grad[:, cols]
+            pairs = [(y, yf[..., cols]), (xl.grad, want_gx), (wl.grad, want_gw)]
+            if bl is not None:
+                pairs.append((bl.grad, bf.grad[cols]))
+            err = max(float(((a.float() - e).abs().max() / e.abs().max())) for a, e in pairs)
+            out.append({"case": (sp, transposed, overlap, str(dtype)), "rel_err": err, "tol": tol})
     return out
 
 
 def test_parallel_input_linear_matches_unsharded_autograd() -> None:
     """The fused column-parallel linear (dX all-reduce / reduce-scatter started before dW is
     computed) gives the unsharded product's output and gradients: SP on/off, Conv1D and
-    transposed (LM head) layout, fp32 and bf16 (gloo reduces bf16 in fp32)."""
+    transposed (LM head) layout, overlapped or not, fp32 and bf16 (gloo reduces bf16 in fp32)."""
     for rank_cases in run_ranks(_overlapped_linear_rank, 2, timeout=120):
-        assert len(rank_cases) == 8
+        assert len(rank_cases) == 16
         for c in rank_cases:
             assert c["rel_err"] <= c["tol"], c
 

@@ -97,6 +97,7 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     layout = schedule.pipeline_layout(cfg) if hasattr(schedule, "pipeline_layout") else None
     net = build_gpt2_pipeline(src, topology, partition=cfg.pipeline.partition,
                               sequence_parallel=cfg.tensor_parallel.sequence_parallel,
+                              overlap_comm=cfg.tensor_parallel.overlap_comm,
                               vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,
                               activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
                               dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout,

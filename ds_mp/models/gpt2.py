@@ -216,6 +216,7 @@ class Ctx:
         self.act = hf_config.activation_function
         self.lora: Any = None  # a ds_mp.config.LoraConfig with r > 0, or None (set by build_gpt2_pipeline)
         self.seed = 0  # LoRA factors not in the weight source are initialised from this seed
+        self.overlap_comm = True  # column-parallel backward overlaps the dX all-reduce with dW
 
     @property
     def group(self) -> Any:
@@ -268,13 +269,13 @@ class Block(nn.Module):
         self.ln_1 = _layer_norm(src, p + "ln_1", ctx)
         self.c_attn = _lora_layer(src, index, "attn.c_attn", ctx) or ColumnParallelLinear(
             src.lazy(p + "attn.c_attn.weight"), src.lazy(p + "attn.c_attn.bias"), g, r, n, kind="qkv",
-            n_head=ctx.n_head, sequence_parallel=ctx.sp)
+            n_head=ctx.n_head, sequence_parallel=ctx.sp, overlap_comm=ctx.overlap_comm)
         self.attn_proj = _lora_layer(src, index, "attn.c_proj", ctx) or RowParallelLinear(
             src.lazy(p + "attn.c_proj.weight"), src.lazy(p + "attn.c_proj.bias"), g, r, n, sequence_parallel=ctx.sp)
         self.ln_2 = _layer_norm(src, p + "ln_2", ctx)
         self.c_fc = _lora_layer(src, index, "mlp.c_fc", ctx) or ColumnParallelLinear(
             src.lazy(p + "mlp.c_fc.weight"), src.lazy(p + "mlp.c_fc.bias"), g, r, n, kind="column",
-            sequence_parallel=ctx.sp)
+            sequence_parallel=ctx.sp, overlap_comm=ctx.overlap_comm)
         self.mlp_proj = _lora_layer(src, index, "mlp.c_proj", ctx) or RowParallelLinear(
             src.lazy(p + "mlp.c_proj.weight"), src.lazy(p + "mlp.c_proj.bias"), g, r, n, sequence_parallel=ctx.sp)
         self.act = ACT2FN[ctx.act]
@@ -353,7 +354,8 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.wte = VocabParallelEmbedding(src.lazy("transformer.wte.weight"), ctx.group, ctx.tp_rank, ctx.tp,
-                                          ctx.padded_vocab, sequence_parallel=ctx.sp)
+                                          ctx.padded_vocab, sequence_parallel=ctx.sp,
+                                          overlap_comm=ctx.overlap_comm)
 
 
 def embed_forward(module: TokenEmbedding, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -531,7 +533,7 @@ class GPT2Pipeline(PipelineModule):
 
 
 def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str | list = "uniform",
-                        sequence_parallel: bool = False, vocab_pad_multiple: int = 128,
+                        sequence_parallel: bool = False, overlap_comm: bool = True, vocab_pad_multiple: int = 128,
                         activation_checkpoint_interval: int = 0, dynamic_shape: bool = False,
                         layout: tuple[list[str], list[int]] | None = None, lora: Any = None,
                         seed: int = 0) -> GPT2Pipeline:
@@ -555,6 +557,7 @@ def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str
     if not getattr(cfg, "scale_attn_weights", True):
         raise ValueError("GPT-2 option scale_attn_weights=False is not supported by ds_mp")
     ctx = Ctx(topology, cfg, sequence_parallel, vocab_pad_multiple)
+    ctx.overlap_comm = overlap_comm
     ctx.lora, ctx.seed = (lora if lora is not None and lora.r > 0 else None), seed
     L = cfg.n_layer
 

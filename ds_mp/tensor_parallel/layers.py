@@ -55,15 +55,17 @@ class ColumnParallelLinear(nn.Module):
     computes ``dA_r`` (:func:`~ds_mp.tensor_parallel.mappings.parallel_input_linear`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group: Any, rank: int, size: int,
-                 kind: str = "column", n_head: int = 0, sequence_parallel: bool = False) -> None:
+                 kind: str = "column", n_head: int = 0, sequence_parallel: bool = False,
+                 overlap_comm: bool = True) -> None:
         super().__init__()
         self.weight = tp_parameter(weight, kind, rank, size, n_head=n_head)  # (in, out/p)
         self.bias = tp_parameter(bias, kind, rank, size, n_head=n_head)  # (out/p,)
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.overlap_comm = group, sequence_parallel, overlap_comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # SP: x is (B, T/p, C) and is all-gathered to (B, T, C) first
-        return parallel_input_linear(x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel)
+        return parallel_input_linear(x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel,
+                                     overlap=self.overlap_comm)
 
 
 class RowParallelLinear(nn.Module):
@@ -96,12 +98,12 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, group: Any, rank: int, size: int, padded_vocab: int,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, overlap_comm: bool = True) -> None:
         super().__init__()
         self.weight = tp_parameter(weight, "vocab", rank, size, padded_vocab=padded_vocab)
         self.per_rank = padded_vocab // size
         self.vocab_start = rank * self.per_rank
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.overlap_comm = group, sequence_parallel, overlap_comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
@@ -115,4 +117,4 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``h Eᵀ`` on the local vocab block; backward all-reduces ``dh`` while it computes ``dE``."""
         return parallel_input_linear(h, self.weight, None, self.group, sequence_parallel=self.sequence_parallel,
-                                     transposed=True)
+                                     transposed=True, overlap=self.overlap_comm)

@@ -11,10 +11,10 @@ needs exactly one all-reduce forward and one backward.
 
 Sequence parallelism (Korthikanti et al.) replaces f/g around the LayerNorm/dropout regions
 by an all-gather along the sequence (forward; reduce-scatter backward) and a
-reduce-scatter (forward; all-gather backward).  On NCCL (any backend but gloo) these are
-``dist.reduce_scatter_tensor`` and ``dist.all_gather_into_tensor``; gloo has neither, so
-there the reduce-scatter is an all-reduce followed by taking the local chunk and the
-all-gather a list ``all_gather`` (identical results, more traffic; gloo is for CPU tests).
+reduce-scatter (forward; all-gather backward): ``dist.all_gather_into_tensor`` and
+``dist.reduce_scatter_tensor`` on chunks stacked along a new leading dim (the layout both
+NCCL and gloo accept; gloo has both, and reduces bf16/fp16, from torch 2.13 on, the
+package's lower bound).
 """
 from __future__ import annotations
 
@@ -31,70 +31,42 @@ def _world(group: Group) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum ``x`` over ``group`` in place (made contiguous first); returns the sum."""
     if _world(group) == 1:
         return x
-    # gloo cannot reduce bf16/fp16 in every torch version: reduce in fp32.
-    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
-        y = x.float()
-        dist.all_reduce(y, group=group)
-        return y.to(x.dtype)
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
 
 
-def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order): one ``all_gather_into_tensor``
+    into ``(n, *x.shape)``."""
     n = _world(group)
     if n == 1:
         return x
+    out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous().unsqueeze(0), group=group)
+    return torch.cat(out.unbind(0), dim=dim)
+
+
+def _start_reduce_scatter(x: torch.Tensor, dim: int, group: Group, async_op: bool) -> tuple[Any, torch.Tensor]:
+    """Launch the sum of ``x`` over ``group`` keeping this rank's chunk along ``dim``: the chunks
+    are stacked contiguously along a new dim 0 (rank r's at ``[r]``) for one
+    ``reduce_scatter_tensor`` (1/p of an all-reduce's traffic).  Returns (work, ``(1, …)`` output)."""
+    n = _world(group)
     if x.shape[dim] % n:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by {n} ranks")
-    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
-
-
-def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    n = _world(group)
-    if n == 1:
-        return x
-    x = x.contiguous()
-    if _native_collectives(group):  # NCCL: one all_gather_into_tensor into (n, *x.shape)
-        out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=group)
-        return torch.cat(out.unbind(0), dim=dim)
-    parts = [torch.empty_like(x) for _ in range(n)]
-    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
-        fparts = [p.float() for p in parts]
-        dist.all_gather(fparts, x.float(), group=group)
-        parts = [p.to(x.dtype) for p in fparts]
-    else:
-        dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def _native_collectives(group: Group) -> bool:
-    """True where the backend has ``reduce_scatter_tensor``/``all_gather_into_tensor``
-    (NCCL and friends); gloo has neither, so it takes the all-reduce emulation."""
-    return dist.get_backend(group) != "gloo"
+    stacked = torch.stack(x.chunk(n, dim=dim)).contiguous()
+    out = torch.empty((1, *stacked.shape[1:]), dtype=x.dtype, device=x.device)
+    return dist.reduce_scatter_tensor(out, stacked, group=group, async_op=async_op), out
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """Sum ``x`` over ``group`` and keep this rank's chunk along ``dim``.
-
-    NCCL (any non-gloo backend): one ``reduce_scatter_tensor`` (1/p of an all-reduce's
-    traffic) on the chunks laid out contiguously along dim 0.  gloo: an all-reduce followed
-    by taking the local chunk (same result, p× the traffic), gloo having no reduce-scatter.
-    """
-    n = _world(group)
-    if n == 1:
+    """Sum ``x`` over ``group`` and keep this rank's chunk along ``dim``."""
+    if _world(group) == 1:
         return x
-    if not _native_collectives(group):
-        return _split(_all_reduce(x.clone(), group), dim, group)
-    if x.shape[dim] % n:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by {n} ranks")
-    stacked = torch.stack(x.chunk(n, dim=dim)).contiguous()  # (n, ..., T/n, ...): rank r's chunk at [r]
-    out = torch.empty_like(stacked[0])
-    dist.reduce_scatter_tensor(out, stacked, group=group)
-    return out
+    return _start_reduce_scatter(x, dim, group, async_op=False)[1][0]
 
 
 Pending = Callable[[], torch.Tensor]
@@ -102,15 +74,11 @@ Pending = Callable[[], torch.Tensor]
 
 
 def all_reduce_async(x: torch.Tensor, group: Group) -> Pending:
-    """Start the sum of ``x`` over ``group`` (in place on ``x`` or an fp32 copy) and return
-    at once; the returned callable waits and gives the sum.  Work queued between the two
-    (a weight gradient) runs while the collective travels."""
+    """Start the sum of ``x`` over ``group`` (in place on ``x``) and return at once; the
+    returned callable waits and gives the sum.  Work queued between the two (a weight
+    gradient) runs while the collective travels."""
     if _world(group) == 1:
         return lambda: x
-    if x.dtype in (torch.bfloat16, torch.float16) and dist.get_backend(group) == "gloo":
-        y = x.float()
-        work = dist.all_reduce(y, group=group, async_op=True)
-        return lambda: (work.wait(), y.to(x.dtype))[1]
     x = x.contiguous()
     work = dist.all_reduce(x, group=group, async_op=True)
     return lambda: (work.wait(), x)[1]
@@ -118,18 +86,10 @@ def all_reduce_async(x: torch.Tensor, group: Group) -> Pending:
 
 def reduce_scatter_async(x: torch.Tensor, dim: int, group: Group) -> Pending:
     """:func:`_reduce_scatter` started asynchronously (see :func:`all_reduce_async`)."""
-    n = _world(group)
-    if n == 1:
+    if _world(group) == 1:
         return lambda: x
-    if not _native_collectives(group):
-        total = all_reduce_async(x, group)
-        return lambda: _split(total(), dim, group)
-    if x.shape[dim] % n:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by {n} ranks")
-    stacked = torch.stack(x.chunk(n, dim=dim)).contiguous()
-    out = torch.empty_like(stacked[0])
-    work = dist.reduce_scatter_tensor(out, stacked, group=group, async_op=True)
-    return lambda: (work.wait(), out)[1]
+    work, out = _start_reduce_scatter(x, dim, group, async_op=True)
+    return lambda: (work.wait(), out[0])[1]
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -195,12 +155,12 @@ class _ParallelInputLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, transposed):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, group, sequence_parallel, transposed, overlap):  # type: ignore[override]
         if sequence_parallel:
             x = _gather(x, 1, group)
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, weight)
-        ctx.group, ctx.sp, ctx.transposed, ctx.x_shape = group, sequence_parallel, transposed, x.shape
+        ctx.group, ctx.sp, ctx.transposed, ctx.overlap, ctx.x_shape = group, sequence_parallel, transposed, overlap, x.shape
         return _linear(x, weight, bias, transposed)
 
     @staticmethod
@@ -211,21 +171,26 @@ class _ParallelInputLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = (g2 @ weight if ctx.transposed else g2 @ weight.t()).view(ctx.x_shape)
             pending = (reduce_scatter_async(dx, 1, ctx.group) if ctx.sp else all_reduce_async(dx, ctx.group))
+            if not ctx.overlap:  # the plain order: wait for the collective before computing dW
+                done = pending()
+                pending = lambda: done  # noqa: E731
         dw = None
         if ctx.needs_input_grad[1]:
             dw = g2.t() @ x2 if ctx.transposed else x2.t() @ g2
         db = g2.sum(0) if ctx.needs_input_grad[2] else None
-        return (pending() if pending else None), dw, db, None, None, None
+        return (pending() if pending else None), dw, db, None, None, None, None
 
 
 def parallel_input_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, *,
-                          sequence_parallel: bool = False, transposed: bool = False) -> torch.Tensor:
+                          sequence_parallel: bool = False, transposed: bool = False, overlap: bool = True) -> torch.Tensor:
     """``copy_to_tp(x) @ W + b`` (or the SP all-gather in place of f), with the backward
     all-reduce of ``dX`` overlapped with ``dW`` (:class:`_ParallelInputLinear`).  ``transposed``:
-    ``W`` is stored ``(out, in)`` (an embedding used as the LM head) and ``y = x Wᵀ``."""
+    ``W`` is stored ``(out, in)`` (an embedding used as the LM head) and ``y = x Wᵀ``.
+    ``overlap=False`` waits for the collective before computing ``dW`` (the plain order; for
+    comparison and debugging)."""
     if _world(group) == 1:
         return _linear(x, weight, bias, transposed)
-    return _ParallelInputLinear.apply(x, weight, bias, group, sequence_parallel, transposed)
+    return _ParallelInputLinear.apply(x, weight, bias, group, sequence_parallel, transposed, overlap)
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:

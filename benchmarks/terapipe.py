@@ -71,6 +71,12 @@ class ScheduleBench(DsMpBench):
 
         return profile_engine_stage(self.engine, self.seq, granularity)
 
+    def transfer(self, granularity: int) -> list[float]:
+        """Collective: this rank's p2p seconds per slice at the profile's table lengths."""
+        from ds_mp.schedules.terapipe.profile import profile_grid, profile_transfer
+
+        return profile_transfer(self.engine, profile_grid(self.seq, granularity)[0])
+
     def trace(self) -> dict | None:
         """Collective: one traced step, every rank's events on rank 0 (None elsewhere)."""
         from ds_mp.tools.viz import gather_trace
@@ -129,30 +135,50 @@ def fit_stages(per_rank: list[list]) -> tuple[list, Any, list[float], float]:
     return [m for m, _ in fits], bottleneck, [e for _, e in fits], err
 
 
-def load_or_profile(group: Group, path: str, meta: dict, passes: int = 2) -> tuple[list[list], float]:
-    """Per-rank profile samples: from ``<path>`` (+ ``_samples.json``) if saved, else measured
-    now on ``group`` (``passes`` times, the fastest per (i, j): load spikes from other processes
-    only ever add time) and saved, with the bottleneck cost model at ``path``.  Also returns the
-    1-min load average when the profile was taken."""
+def table_model(per_rank: list[list], transfer: list[list[float]] | None) -> Any:
+    """The engine's cost model (``measure_cost_model``'s): the paper's table fitted on the slowest
+    rank per (i, j), plus the slowest rank's p2p time per slice."""
+    from ds_mp.schedules.terapipe.planner import fit_table_cost_model
+
+    worst: dict[tuple[int, int], float] = {}
+    for samples in per_rank:
+        for i, j, t in samples:
+            worst[i, j] = max(worst.get((i, j), 0.0), t)
+    model, _ = fit_table_cost_model([(i, j, t) for (i, j), t in sorted(worst.items())])
+    return model.with_transfer([max(col) for col in zip(*transfer)]) if transfer else model
+
+
+def load_or_profile(group: Group, path: str, meta: dict, passes: int = 2) -> tuple[list[list], Any, float]:
+    """Per-rank profile samples and p2p times per slice: from ``<path>`` (+ ``_samples.json``) if
+    saved, else measured now on ``group`` (``passes`` times, the fastest per (i, j): load spikes
+    from other processes only ever add time) and saved, with the engine's cost model
+    (:func:`table_model`) at ``path``.  Also returns the 1-min load average when the profile was taken."""
     samples_path = path.replace(".json", "_samples.json")
     if os.path.isfile(path) and os.path.isfile(samples_path):
         with open(samples_path) as f:
             saved = json.load(f)
         print(f"  reusing the cost-model profile {samples_path} (taken {saved['date']}, "
               f"load {saved['load_avg_1m']})")
-        return saved["per_rank"], saved["load_avg_1m"]
+        if "transfer" not in saved:  # saved before p2p was profiled: measure it now, keep the rest
+            saved["transfer"] = group.call("transfer", GRANULARITY)
+            table_model(saved["per_rank"], saved["transfer"]).save(path)
+            with open(samples_path, "w") as f:
+                json.dump(saved, f, indent=1)
+        return saved["per_rank"], saved["transfer"], saved["load_avg_1m"]
     load, t0 = round(os.getloadavg()[0], 2), time.perf_counter()
     runs = [group.call("profile", GRANULARITY) for _ in range(passes)]
     per_rank = [[[i, j, min(run[r][k][2] for run in runs)] for k, (i, j, _) in enumerate(runs[0][r])]
                 for r in range(len(runs[0]))]
-    print(f"  profiled every stage ({passes} passes) in {time.perf_counter() - t0:.0f}s (1-min load {load})",
-          flush=True)
-    _, bottleneck, _, _ = fit_stages(per_rank)
-    bottleneck.save(path)
+    t1 = time.perf_counter()
+    transfer = group.call("transfer", GRANULARITY)
+    print(f"  profiled every stage ({passes} passes) in {t1 - t0:.0f}s, p2p in {time.perf_counter() - t1:.1f}s "
+          f"(1-min load {load})", flush=True)
+    table_model(per_rank, transfer).save(path)
     with open(samples_path, "w") as f:
-        json.dump({**meta, "per_rank": per_rank, "granularity": GRANULARITY, "passes": passes, "load_avg_1m": load,
-                   "date": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
-    return per_rank, load
+        json.dump({**meta, "per_rank": per_rank, "transfer": transfer, "granularity": GRANULARITY, "passes": passes,
+                   "load_avg_1m": load, "compute_profile_s": round(t1 - t0, 2), "date": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                  f, indent=1)
+    return per_rank, transfer, load
 
 
 def predict(timetable: list, slices: Sequence[int], stage_costs: list, fwd: list[float]) -> float:
@@ -189,9 +215,11 @@ def run(quick: bool, out_dir: str) -> dict:
                       {"shape": shape, "rows": 1, "micro_batches": 1}),
                Config("ds_mp", "benchmarks.terapipe:setup_schedule_bench", K, 1, {"shape": shape, "micro": 1})]
     with started(configs) as groups:
-        per_rank, profile_load = load_or_profile(groups["ds_mp"], os.path.join(out_dir, f"terapipe_profile_{tag}.json"),
-                                   {"shape": shape, "stages": K, "micro_batch": 1})
-        stage_costs, cost, stage_err, err = fit_stages(per_rank)
+        per_rank, transfer, profile_load = load_or_profile(
+            groups["ds_mp"], os.path.join(out_dir, f"terapipe_profile_{tag}.json"),
+            {"shape": shape, "stages": K, "micro_batch": 1})
+        stage_costs, _, stage_err, err = fit_stages(per_rank)
+        cost = table_model(per_rank, transfer)  # what the engine's slices="auto" plans with
         dp = plan_for(cost, 1, L, K, 1, GRANULARITY)[0][1]
         best_m = len(best_uniform(L, K, cost, L // GRANULARITY).slices)
         sweep = sorted(set(SWEEP) | {best_m})

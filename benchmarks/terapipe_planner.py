@@ -26,6 +26,7 @@ dominates a step.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -189,6 +190,11 @@ def run(quick: bool, out_dir: str) -> dict:
                "profiling (stage table + context samples + p2p per link) took "
                + ", ".join(f"{Case(**r['case']).name} {r['profile_s']:.0f}s" for r in out),
                f"done when: every shape met — {'met' if all(r['met'] for r in out) else 'NOT met'}"]
+    over = [Case(**r["case"]).name for r in out if r["case"]["stages"] > (os.cpu_count() or 1)]
+    if over:
+        summary.append(f"{', '.join(over)}: more single-thread ranks than the {os.cpu_count()} cores, so stages "
+                       "share processors; the planner's T = M·Σt + (K − 1)·max t assumes one processor per stage "
+                       "and over-slices there")
     for line in summary:
         print("  " + line)
     return {"workload": f"GPT-2 {MODEL['n_layer']} × {MODEL['n_embd']}, vocab {MODEL['vocab']}, fp32, SGD; "

@@ -202,7 +202,7 @@ def compute_s(events: list, kinds: tuple = ("forward", "backward")) -> float:
 
 def run(quick: bool, out_dir: str) -> dict:
     from ds_mp.schedules.simulate import one_f_one_b_timetable, terapipe_timetable
-    from ds_mp.schedules.terapipe.planner import best_uniform, predicted_time, slice_costs, uniform_slices
+    from ds_mp.schedules.terapipe.planner import predicted_time, slice_costs, uniform_slices
     from ds_mp.schedules.terapipe.planner import plan_for
     from ds_mp.tools.viz import timeline_png, write_chrome_trace
 
@@ -221,7 +221,7 @@ def run(quick: bool, out_dir: str) -> dict:
         stage_costs, _, stage_err, err = fit_stages(per_rank)
         cost = table_model(per_rank, transfer)  # what the engine's slices="auto" plans with
         dp = plan_for(cost, 1, L, K, 1, GRANULARITY)[0][1]
-        best_m = len(best_uniform(L, K, cost, L // GRANULARITY).slices)
+        best_m = len(best_uniform_g(L, K, cost))
         sweep = sorted(set(SWEEP) | {best_m})
         slicings = {"terapipe_dp": dp, **{f"uniform_{m}": uniform_slices(L, m) for m in sweep}}
         print(f"  DP plan ({len(dp)} slices): {dp}; cost-model best uniform: {best_m} slices; "
@@ -302,17 +302,27 @@ def run(quick: bool, out_dir: str) -> dict:
                 "speed-up vs DeepSpeed 1F1B", "tokens/s vs 1×1", "step-time IQR"], rows)]}
 
 
+def best_uniform_g(L: int, K: int, cost: Any) -> list[int]:
+    """The best (eq. 5) uniform slicing in the planner's own search space: slices of equal
+    length, a multiple of the granularity (a uniform slicing off that grid is not a candidate of
+    the DP, so comparing with it would not measure the planner)."""
+    from ds_mp.schedules.terapipe.planner import predicted_time, uniform_slices
+
+    ms = [m for m in range(1, L // GRANULARITY + 1) if L % m == 0 and (L // m) % GRANULARITY == 0]
+    return min((uniform_slices(L, m) for m in ms), key=lambda s: predicted_time(s, K, cost))
+
+
 def planner_regime(cost: Any, L: int) -> dict[tuple[int, int], float]:
     """Planner objective (eq. 5) of the best uniform slicing / the DP plan's, for K stages of
     the same per-stage cost and sequences L and 2L: where the DP pays off (large K)."""
-    from ds_mp.schedules.terapipe.planner import best_uniform, predicted_time
+    from ds_mp.schedules.terapipe.planner import predicted_time
     from ds_mp.schedules.terapipe.planner import plan_for
 
     out = {}
     for K in (2, 8, 32):
         for n in (L, 2 * L):
             dp = plan_for(cost, 1, n, K, 1, GRANULARITY)[0][1]
-            out[K, n] = best_uniform(n, K, cost, n // GRANULARITY).predicted_time / predicted_time(dp, K, cost)
+            out[K, n] = predicted_time(best_uniform_g(n, K, cost), K, cost) / predicted_time(dp, K, cost)
     return out
 
 

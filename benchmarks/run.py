@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "tp": "benchmarks.tp",
     "pipeline": "benchmarks.pipeline",
     "terapipe": "benchmarks.terapipe",
+    "terapipe_planner": "benchmarks.terapipe_planner",
     "simulator": "benchmarks.simulator",
     "ouroboros": "benchmarks.ouroboros",
     "timelines": "benchmarks.timelines",

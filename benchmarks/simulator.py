@@ -25,6 +25,13 @@ The projection applies ``project_gpt3`` to a measured stage cost model (the ``te
 benchmark's saved 8 × 512 profile when present in the same results folder, else this
 benchmark's own PP = 2 profile): compute-bound scaling by FLOPs to the paper's GPT-3 shapes,
 one layer per stage, one 2048-token sequence.  It is a projection, not a measurement.
+
+The second projection (:func:`table1_projection`) takes the ten settings of the TeraPipe paper's
+Table 1 (model, batch, data-parallel shards, pipeline stages, Megatron op partitioning) and a
+cost table shaped like the paper's V100 measurements — flat while a layer does not saturate the
+GPU (below 256 tokens × rows), then linear at an achieved rate, attention slower, all-reduces
+and p2p at the cluster's bandwidths (constants below, each with its source) — and simulates the
+joint DP plan, the best uniform slicing and GPipe with micro-batches.  No measurement feeds it.
 """
 from __future__ import annotations
 
@@ -32,14 +39,15 @@ import glob
 import json
 import os
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.common import Config, interleave, summarize, table
 from benchmarks.terapipe import GRANULARITY, Variant, fit_stages, started
 from benchmarks.workloads import Shape
 
-DESCRIPTION = "simulator vs measured PP=2/3 runs (1F1B, GPipe M=4, TeraPipe fixed slicing); GPT-3 projection"
+DESCRIPTION = ("simulator vs measured PP=2/3 runs (1F1B, GPipe M=4, TeraPipe fixed slicing); GPT-3 and the "
+               "paper's Table 1 projected")
 TARGET = 0.10  # |predicted / measured − 1|
 FULL = Shape(n_layer=6, n_embd=256, n_head=8, vocab=4096, seq=256, n_positions=256)
 QUICK = Shape(n_layer=6, n_embd=128, n_head=4, vocab=2048, seq=128, n_positions=128)
@@ -281,9 +289,16 @@ def run(quick: bool, out_dir: str) -> dict:
                "PP=3 runs 3 single-thread ranks on 2 cores: the simulator assumes one processor per stage",
                f"GPT-3 projection (NOT measured; compute-bound FLOP scaling of {source}): TeraPipe DP slicing "
                "vs no slicing " + ", ".join(f"{n} {p['speedup']:.2f}×" for n, p in proj.items())]
+    t1 = table1_projection()
+    summary.append("PROJECTION of the paper's Table 1 settings (NOT measured; V100-shaped cost table): DP plan vs best "
+                   f"uniform {min(r['dp_vs_uniform'] for r in t1):.2f}×–{max(r['dp_vs_uniform'] for r in t1):.2f}× "
+                   f"(paper, Fig. 6: {PAPER_DP_VS_UNIFORM[0]}×/{PAPER_DP_VS_UNIFORM[1]}×), vs GPipe with micro-batches "
+                   f"{min(r['dp_vs_gpipe'] for r in t1):.2f}×–{max(r['dp_vs_gpipe'] for r in t1):.2f}× (paper: "
+                   f"{PAPER_VS_GPIPE[0]}×–{PAPER_VS_GPIPE[1]}×)")
     for line in summary:
         print("  " + line)
-    return {"workload": s.describe() + f", M={MICRO_BATCHES} micro-batches × {ROWS} rows, PP=2 and 3, "
+    return {"table1_projection": t1,
+            "workload": s.describe() + f", M={MICRO_BATCHES} micro-batches × {ROWS} rows, PP=2 and 3, "
                         f"TeraPipe slices {slices}", "configs": res, "errors": errors, "projection": proj,
             "projection_source": source, "summary": summary, "repeats": repeats, "steps_per_repeat": steps,
             "ratios": {f"{n}_predicted_vs_measured": 1 + e for n, e in errors.items()}, "plots": [],
@@ -292,4 +307,109 @@ def run(quick: bool, out_dir: str) -> dict:
                 "sim: trace costs, blocking p2p", "error", "per-step |error| (median)", "epilogue (traced)",
                 "sim: profile, blocking, a priori", "error"], rows),
                 table("PROJECTION (not measured): TeraPipe on GPT-3 shapes, one layer per stage, 1 × 2048 tokens",
-                      ["model", "stages", "DP slices", "projected s/iteration", "no slicing", "speed-up"], prow)]}
+                      ["model", "stages", "DP slices", "projected s/iteration", "no slicing", "speed-up"], prow),
+                table1_table(t1)]}
+
+
+# ------------------------------------------------------------------ the paper's Table 1, projected
+
+@dataclass(frozen=True)
+class PaperSetting:
+    """A row of TeraPipe's Table 1 (Li et al., ICML 2021): GPT-3 shape, global batch B, data-parallel
+    shards, pipeline stages, GPUs per layer for Megatron op partitioning; L = 2048."""
+
+    setting: int
+    model: str
+    batch: int
+    data: int
+    pipe: int
+    op: int
+
+    @property
+    def rows(self) -> int:
+        """Sequences per pipeline per step."""
+        return self.batch // self.data
+
+
+# Transcribed from the paper's Table 1 (#GPUs = data × pipe × op: 192, 320, 384, 384 as in its
+# text; the repository's evaluation script runs 24, 40, 48, 48 p3.16xlarge nodes of 8 V100s).
+TABLE1 = [PaperSetting(1, "gpt3-1b", 128, 8, 24, 1), PaperSetting(2, "gpt3-1b", 72, 2, 12, 8),
+          PaperSetting(3, "gpt3-1b", 72, 1, 24, 8), PaperSetting(4, "gpt3-13b", 32, 2, 20, 8),
+          PaperSetting(5, "gpt3-13b", 32, 1, 40, 8), PaperSetting(6, "gpt3-44b", 8, 4, 96, 1),
+          PaperSetting(7, "gpt3-44b", 8, 2, 24, 8), PaperSetting(8, "gpt3-44b", 8, 1, 48, 8),
+          PaperSetting(9, "gpt3-175b", 2, 1, 96, 4), PaperSetting(10, "gpt3-175b", 2, 1, 48, 8)]
+PAPER_VS_GPIPE = (1.21, 5.0)        # the paper's range of speed-ups over GPipe + Megatron (Fig. 5)
+PAPER_DP_VS_UNIFORM = (1.12, 1.04)  # the paper's Fig. 6: DP slicing over the best uniform slicing
+
+# V100 cost shape: a layer's latency is flat while the GPU is not saturated and linear after
+# (the paper's Fig. 3/4: flat to ~256 tokens), at an achieved fp16 rate; Megatron's 4 all-reduces
+# per layer (forward + backward) over NVLink; stage-to-stage p2p over the 25 Gbit/s network.
+V100_TFLOPS = 50.0       # achieved fp16 TFLOP/s of the dense layers in the linear region (40% of the 125 peak)
+ATTN_TFLOPS = 10.0       # achieved by 2021's unfused attention (QKᵀ, softmax, AV: memory-bound), TFLOP/s
+KNEE_TOKENS = 256        # rows × tokens of a slice below which a layer costs the same
+NVLINK_GBS = 100.0       # all-reduce bus bandwidth inside a node, GB/s
+NET_GBS = 25 / 8         # p3.16xlarge network, GB/s
+NET_LATENCY = 30e-6      # per message, s
+
+
+def v100_cost(s: PaperSetting) -> Any:
+    """cost(b, i, j): one stage (N / pipe layers, each split over ``op`` GPUs) forward + backward of
+    b rows × i tokens after j cached tokens, plus its two p2p messages (activation, gradient)."""
+    from ds_mp.schedules.simulate import GPT3_SHAPES
+
+    shape = GPT3_SHAPES[s.model]
+    h, layers = shape.hidden, shape.layers / s.pipe
+    rate, attn_rate = V100_TFLOPS * 1e12 * s.op, ATTN_TFLOPS * 1e12 * s.op
+
+    def cost(b: int, i: int, j: int) -> float:
+        dense = 3 * 24 * h * h * max(b * i, KNEE_TOKENS)             # flat below the knee
+        attn = 3 * 4 * h * b * (i * j + i * (i + 1) / 2)             # QKᵀ and AV, F + 2×B
+        allreduce = (4 * 2 * (s.op - 1) / s.op * b * i * h * 2 / (NVLINK_GBS * 1e9)) if s.op > 1 else 0.0
+        p2p = 2 * (NET_LATENCY + b * i * h * 2 / (NET_GBS * 1e9))
+        return layers * (dense / rate + attn / attn_rate + allreduce) + p2p
+    return cost
+
+
+def table1_projection(granularity: int = 64) -> list[dict]:
+    """Per Table 1 setting: the joint DP plan (``plan_joint``, batch-slice sizes 1, 2, 4, …), the
+    best uniform slicing (equal batch split × uniform token slices) and GPipe (equal batch split,
+    no token slicing: micro-batching), each simulated (``simulate_plan``) on the V100-shaped cost."""
+    from ds_mp.schedules.simulate import simulate_plan
+    from ds_mp.schedules.terapipe.planner import plan_joint, predicted_time_joint, uniform_slices
+
+    L, out = 2048, []
+    for s in TABLE1:
+        B, K, cost = s.rows, s.pipe, v100_cost(s)
+        sizes = [b for b in (2 ** k for k in range(8)) if b <= B]
+        splits = [n for n in range(1, B + 1) if B % n == 0]
+        dp = plan_joint(B, L, K, cost, granularity=granularity, batch_sizes=sizes)
+        uniform = [[(B // n, uniform_slices(L, m))] * n for n in splits for m in (2 ** k for k in range(6))]
+        gpipe = [[(B // n, [L])] * n for n in splits]
+        best_u = min(uniform, key=lambda p: predicted_time_joint(p, K, cost))
+        best_g = min(gpipe, key=lambda p: predicted_time_joint(p, K, cost))
+        t = {k: simulate_plan(p, K, cost).iteration_time for k, p in (("dp", dp), ("uniform", best_u), ("gpipe", best_g))}
+        out.append({"setting": s.setting, "model": s.model, "rows_per_pipeline": B, "stages": K, "op": s.op,
+                    "dp_plan": [[b, sl] for b, sl in dp], "best_uniform": [len(best_u), best_u[0][0], len(best_u[0][1])],
+                    "gpipe_micro_batches": len(best_g), "time_s": t,
+                    "dp_vs_uniform": t["uniform"] / t["dp"], "dp_vs_gpipe": t["gpipe"] / t["dp"]})
+    return out
+
+
+def table1_table(rows: list[dict]) -> dict:
+    def plan_str(p: list) -> str:
+        return f"{len(p)} batch-slice(s) of {sorted({b for b, _ in p})} rows, {max(len(sl) for _, sl in p)} token slices max"
+    body = [[f"({r['setting']})", r["model"], r["rows_per_pipeline"], r["stages"], r["op"], plan_str(r["dp_plan"]),
+             f"{r['best_uniform'][0]}×{r['best_uniform'][1]} rows × {r['best_uniform'][2]} slices",
+             r["gpipe_micro_batches"], f"{r['time_s']['dp']:.2f}", f"{r['dp_vs_uniform']:.2f}×",
+             f"{r['dp_vs_gpipe']:.2f}×"] for r in rows]
+    return table("PROJECTION (not measured): the paper's Table 1 settings on a V100-shaped cost "
+                 f"(flat to {KNEE_TOKENS} tokens, {V100_TFLOPS:.0f} TFLOP/s after, attention {ATTN_TFLOPS:.0f} TFLOP/s, NVLink all-reduce, "
+                 f"{NET_GBS * 8:.0f} Gbit/s p2p); paper: {PAPER_VS_GPIPE[0]}×–{PAPER_VS_GPIPE[1]}× over GPipe, "
+                 f"DP over uniform {PAPER_DP_VS_UNIFORM[0]}×/{PAPER_DP_VS_UNIFORM[1]}× (Fig. 6)",
+                 ["setting", "model", "rows per pipeline", "stages", "GPUs per layer", "DP plan", "best uniform",
+                  "GPipe micro-batches", "DP s/iter", "DP vs best uniform", "DP vs GPipe"], body)
+
+
+if __name__ == "__main__":
+    for r in table1_table(table1_projection())["rows"]:
+        print(r)

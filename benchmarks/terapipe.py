@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Iterator, Sequence
 
-from benchmarks.common import Config, Group, fmt_ratio, interleave, summarize, table
+from benchmarks.common import Config, Group, fmt_ratio, interleave, speedup, summarize, table
 from benchmarks.workloads import DsMpBench, Shape, batch, ds_mp_config, hf_model
 
 DESCRIPTION = "TeraPipe PP=2, batch 1 × 1024 tokens: DP slicing vs DeepSpeed 1F1B (M=1), GPipe, uniform slicings"
@@ -70,6 +70,12 @@ class ScheduleBench(DsMpBench):
         from ds_mp.schedules.terapipe.profile import profile_engine_stage
 
         return profile_engine_stage(self.engine, self.seq, granularity)
+
+    def transfer(self, granularity: int) -> list[float]:
+        """Collective: this rank's p2p seconds per slice at the profile's table lengths."""
+        from ds_mp.schedules.terapipe.profile import profile_grid, profile_transfer
+
+        return profile_transfer(self.engine, profile_grid(self.seq, granularity)[0])
 
     def trace(self) -> dict | None:
         """Collective: one traced step, every rank's events on rank 0 (None elsewhere)."""
@@ -129,30 +135,50 @@ def fit_stages(per_rank: list[list]) -> tuple[list, Any, list[float], float]:
     return [m for m, _ in fits], bottleneck, [e for _, e in fits], err
 
 
-def load_or_profile(group: Group, path: str, meta: dict, passes: int = 2) -> tuple[list[list], float]:
-    """Per-rank profile samples: from ``<path>`` (+ ``_samples.json``) if saved, else measured
-    now on ``group`` (``passes`` times, the fastest per (i, j): load spikes from other processes
-    only ever add time) and saved, with the bottleneck cost model at ``path``.  Also returns the
-    1-min load average when the profile was taken."""
+def table_model(per_rank: list[list], transfer: list[list[float]] | None) -> Any:
+    """The engine's cost model (``measure_cost_model``'s): the paper's table fitted on the slowest
+    rank per (i, j), plus the slowest rank's p2p time per slice."""
+    from ds_mp.schedules.terapipe.planner import fit_table_cost_model
+
+    worst: dict[tuple[int, int], float] = {}
+    for samples in per_rank:
+        for i, j, t in samples:
+            worst[i, j] = max(worst.get((i, j), 0.0), t)
+    model, _ = fit_table_cost_model([(i, j, t) for (i, j), t in sorted(worst.items())])
+    return model.with_transfer([max(col) for col in zip(*transfer)]) if transfer else model
+
+
+def load_or_profile(group: Group, path: str, meta: dict, passes: int = 2) -> tuple[list[list], Any, float]:
+    """Per-rank profile samples and p2p times per slice: from ``<path>`` (+ ``_samples.json``) if
+    saved, else measured now on ``group`` (``passes`` times, the fastest per (i, j): load spikes
+    from other processes only ever add time) and saved, with the engine's cost model
+    (:func:`table_model`) at ``path``.  Also returns the 1-min load average when the profile was taken."""
     samples_path = path.replace(".json", "_samples.json")
     if os.path.isfile(path) and os.path.isfile(samples_path):
         with open(samples_path) as f:
             saved = json.load(f)
         print(f"  reusing the cost-model profile {samples_path} (taken {saved['date']}, "
               f"load {saved['load_avg_1m']})")
-        return saved["per_rank"], saved["load_avg_1m"]
+        if "transfer" not in saved:  # saved before p2p was profiled: measure it now, keep the rest
+            saved["transfer"] = group.call("transfer", GRANULARITY)
+            table_model(saved["per_rank"], saved["transfer"]).save(path)
+            with open(samples_path, "w") as f:
+                json.dump(saved, f, indent=1)
+        return saved["per_rank"], saved["transfer"], saved["load_avg_1m"]
     load, t0 = round(os.getloadavg()[0], 2), time.perf_counter()
     runs = [group.call("profile", GRANULARITY) for _ in range(passes)]
     per_rank = [[[i, j, min(run[r][k][2] for run in runs)] for k, (i, j, _) in enumerate(runs[0][r])]
                 for r in range(len(runs[0]))]
-    print(f"  profiled every stage ({passes} passes) in {time.perf_counter() - t0:.0f}s (1-min load {load})",
-          flush=True)
-    _, bottleneck, _, _ = fit_stages(per_rank)
-    bottleneck.save(path)
+    t1 = time.perf_counter()
+    transfer = group.call("transfer", GRANULARITY)
+    print(f"  profiled every stage ({passes} passes) in {t1 - t0:.0f}s, p2p in {time.perf_counter() - t1:.1f}s "
+          f"(1-min load {load})", flush=True)
+    table_model(per_rank, transfer).save(path)
     with open(samples_path, "w") as f:
-        json.dump({**meta, "per_rank": per_rank, "granularity": GRANULARITY, "passes": passes, "load_avg_1m": load,
-                   "date": time.strftime("%Y-%m-%dT%H:%M:%S")}, f, indent=1)
-    return per_rank, load
+        json.dump({**meta, "per_rank": per_rank, "transfer": transfer, "granularity": GRANULARITY, "passes": passes,
+                   "load_avg_1m": load, "compute_profile_s": round(t1 - t0, 2), "date": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                  f, indent=1)
+    return per_rank, transfer, load
 
 
 def predict(timetable: list, slices: Sequence[int], stage_costs: list, fwd: list[float]) -> float:
@@ -176,7 +202,7 @@ def compute_s(events: list, kinds: tuple = ("forward", "backward")) -> float:
 
 def run(quick: bool, out_dir: str) -> dict:
     from ds_mp.schedules.simulate import one_f_one_b_timetable, terapipe_timetable
-    from ds_mp.schedules.terapipe.planner import best_uniform, predicted_time, slice_costs, uniform_slices
+    from ds_mp.schedules.terapipe.planner import predicted_time, slice_costs, uniform_slices
     from ds_mp.schedules.terapipe.planner import plan_for
     from ds_mp.tools.viz import timeline_png, write_chrome_trace
 
@@ -189,11 +215,13 @@ def run(quick: bool, out_dir: str) -> dict:
                       {"shape": shape, "rows": 1, "micro_batches": 1}),
                Config("ds_mp", "benchmarks.terapipe:setup_schedule_bench", K, 1, {"shape": shape, "micro": 1})]
     with started(configs) as groups:
-        per_rank, profile_load = load_or_profile(groups["ds_mp"], os.path.join(out_dir, f"terapipe_profile_{tag}.json"),
-                                   {"shape": shape, "stages": K, "micro_batch": 1})
-        stage_costs, cost, stage_err, err = fit_stages(per_rank)
+        per_rank, transfer, profile_load = load_or_profile(
+            groups["ds_mp"], os.path.join(out_dir, f"terapipe_profile_{tag}.json"),
+            {"shape": shape, "stages": K, "micro_batch": 1})
+        stage_costs, _, stage_err, err = fit_stages(per_rank)
+        cost = table_model(per_rank, transfer)  # what the engine's slices="auto" plans with
         dp = plan_for(cost, 1, L, K, 1, GRANULARITY)[0][1]
-        best_m = len(best_uniform(L, K, cost, L // GRANULARITY).slices)
+        best_m = len(best_uniform_g(L, K, cost))
         sweep = sorted(set(SWEEP) | {best_m})
         slicings = {"terapipe_dp": dp, **{f"uniform_{m}": uniform_slices(L, m) for m in sweep}}
         print(f"  DP plan ({len(dp)} slices): {dp}; cost-model best uniform: {best_m} slices; "
@@ -228,11 +256,14 @@ def run(quick: bool, out_dir: str) -> dict:
               "predicted_dp_vs_best_uniform": min(pred[n] for n in uniform) / pred["terapipe_dp"],
               "planner_objective_dp_vs_best_uniform":
                   predicted_time(slicings[f"uniform_{best_m}"], K, cost) / predicted_time(dp, K, cost)}
-    r1, r2 = ratios["terapipe_dp_vs_deepspeed_1f1b"], ratios["terapipe_dp_vs_best_uniform"]
-    summary = [f"TeraPipe (DP plan, {len(dp)} slices) vs DeepSpeed 1F1B M=1: {r1:.2f}× faster "
-               f"(target ≥ {TARGET_VS_1F1B}×: {'met' if r1 >= TARGET_VS_1F1B else 'NOT met'})",
-               f"DP plan vs best measured uniform slicing ({best_u}): {r2:.2f}× "
-               f"(target ≥ {TARGET_VS_UNIFORM}×: {'met' if r2 >= TARGET_VS_UNIFORM else 'NOT met'}); "
+    wall = {n: r["step_times_s"] for n, r in res.items()}
+    r1 = speedup(wall["deepspeed_1f1b"], wall["terapipe_dp"])  # tokens/s ratio: equal tokens per step
+    r2 = speedup(wall[best_u], wall["terapipe_dp"])
+    intervals = {"terapipe_dp_vs_deepspeed_1f1b": r1.as_dict(), "terapipe_dp_vs_best_uniform": r2.as_dict()}
+    summary = [f"TeraPipe (DP plan, {len(dp)} slices) vs DeepSpeed 1F1B M=1, tokens/s: {r1} "
+               f"(target ≥ {TARGET_VS_1F1B}×: {r1.verdict(TARGET_VS_1F1B)})",
+               f"DP plan vs best measured uniform slicing ({best_u}): {r2} "
+               f"(target ≥ {TARGET_VS_UNIFORM}×: {r2.verdict(TARGET_VS_UNIFORM)}); "
                f"the simulator predicts {ratios['predicted_dp_vs_best_uniform']:.2f}×, the planner's own "
                f"objective (eq. 5) {ratios['planner_objective_dp_vs_best_uniform']:.2f}×",
                f"each configuration's fastest step (a load-robust view: external load slows the two busy "
@@ -253,7 +284,7 @@ def run(quick: bool, out_dir: str) -> dict:
     for line in summary:
         print("  " + line)
     rows = [[n, f"{len(slicings[n])}" if n in slicings else "1", f"{med[n]:.3f}", f"{fast[n]:.3f}", f"{pred[n]:.3f}",
-             f"{pred[n] / med[n] - 1:+.0%}", fmt_ratio(med["deepspeed_1f1b"] / med[n]),
+             f"{pred[n] / med[n] - 1:+.0%}", str(speedup(wall["deepspeed_1f1b"], wall[n])),
              fmt_ratio(ratios[f"{n}_tokens_per_s_vs_1x1"]), f"±{res[n]['iqr_rel']:.0%}"] for n in med]
     plot = sweep_plot(os.path.join(out_dir, "terapipe.png"),
                       {int(n.split("_")[1]): (med[n], pred[n]) for n in uniform},
@@ -262,7 +293,7 @@ def run(quick: bool, out_dir: str) -> dict:
         res[n].update(predicted_s=pred[n], slices=slicings.get(n, [L]))
     return {"workload": s.describe() + f", batch 1 × {L}, PP={K}, 2 ranks × 1 thread",
             "configs": res, "ratios": ratios, "summary": summary, "repeats": repeats, "steps_per_repeat": steps,
-            "dp_slices": dp, "cost_model": cost.to_dict(), "fit_error": err, "stage_fit_errors": stage_err,
+            "dp_slices": dp, "cost_model": cost.to_dict(), "intervals": intervals, "fit_error": err, "stage_fit_errors": stage_err,
             "forward_fraction": fwd, "trace": tl, "traced_vs_profiled_compute": inflation,
             "planner_dp_vs_uniform_by_stages_and_length": {f"K{k}_L{n}": g for (k, n), g in regime.items()},
             "plots": [os.path.basename(plot), "timeline_terapipe.png"],
@@ -271,17 +302,27 @@ def run(quick: bool, out_dir: str) -> dict:
                 "speed-up vs DeepSpeed 1F1B", "tokens/s vs 1×1", "step-time IQR"], rows)]}
 
 
+def best_uniform_g(L: int, K: int, cost: Any) -> list[int]:
+    """The best (eq. 5) uniform slicing in the planner's own search space: slices of equal
+    length, a multiple of the granularity (a uniform slicing off that grid is not a candidate of
+    the DP, so comparing with it would not measure the planner)."""
+    from ds_mp.schedules.terapipe.planner import predicted_time, uniform_slices
+
+    ms = [m for m in range(1, L // GRANULARITY + 1) if L % m == 0 and (L // m) % GRANULARITY == 0]
+    return min((uniform_slices(L, m) for m in ms), key=lambda s: predicted_time(s, K, cost))
+
+
 def planner_regime(cost: Any, L: int) -> dict[tuple[int, int], float]:
     """Planner objective (eq. 5) of the best uniform slicing / the DP plan's, for K stages of
     the same per-stage cost and sequences L and 2L: where the DP pays off (large K)."""
-    from ds_mp.schedules.terapipe.planner import best_uniform, predicted_time
+    from ds_mp.schedules.terapipe.planner import predicted_time
     from ds_mp.schedules.terapipe.planner import plan_for
 
     out = {}
     for K in (2, 8, 32):
         for n in (L, 2 * L):
             dp = plan_for(cost, 1, n, K, 1, GRANULARITY)[0][1]
-            out[K, n] = best_uniform(n, K, cost, n // GRANULARITY).predicted_time / predicted_time(dp, K, cost)
+            out[K, n] = predicted_time(best_uniform_g(n, K, cost), K, cost) / predicted_time(dp, K, cost)
     return out
 
 

@@ -111,3 +111,15 @@ def test_project_gpt3() -> None:
          for n in ("gpt3-1b", "gpt3-13b")}
     assert t["gpt3-1b"] < t["gpt3-13b"]
     assert set(GPT3_SHAPES) == {"gpt3-1b", "gpt3-13b", "gpt3-44b", "gpt3-175b"}
+
+
+def test_simulate_plan_of_equal_units_is_the_papers_eq5() -> None:
+    """A joint plan's units (batch-slices × token slices) flow like TeraPipe slices: with equal
+    unit costs t, T = (U + K − 1)·t = Σ t + (K − 1)·max t (paper eq. 5)."""
+    from ds_mp.schedules.simulate import simulate_plan
+
+    plan = [(2, [4, 4]), (1, [3, 5])]
+    res = simulate_plan(plan, 3, lambda b, i, j: 0.5)
+    assert res.iteration_time == pytest.approx((4 + 2) * 0.5)
+    gpipe = simulate_plan([(1, [8])] * 4, 2, lambda b, i, j: 1.0)  # no token slicing: GPipe's (M + K − 1)·t
+    assert gpipe.iteration_time == pytest.approx(5.0)

@@ -179,3 +179,19 @@ def test_flat_cost_table_gives_few_long_slices() -> None:
 
     table = TableCostModel((8, 32, 128), (1.0, 1.0, 4.0))
     assert plan_slices(128, 4, table, granularity=8).slices == [32, 32, 32, 32]
+
+
+def test_table_cost_model_adds_measured_transfer(tmp_path) -> None:
+    """The stage latency includes the slice's p2p time (paper §3.3): t(i, j) = t_c(i, 0) + t_p2p(i) +
+    context term; the transfer table and the profile's meta survive a save/load."""
+    from ds_mp.schedules.terapipe.planner import TableCostModel, cost_model_meta, load_cost_model
+
+    compute = TableCostModel((8, 32, 128), (1.0, 1.0, 4.0), a2=0.01)
+    model = compute.with_transfer([0.1, 0.2, 0.8])
+    assert model(20, 0) == pytest.approx(compute(20, 0) + 0.15) and model(128, 10) == pytest.approx(4.0 + 0.8 + 0.1)
+    assert model.p2p(20) == pytest.approx(0.15) and compute.p2p(20) == 0.0
+    model.save(tmp_path / "cost.json", {"pp": 2, "compute_profile_s": 1.5})
+    assert load_cost_model(tmp_path / "cost.json") == model
+    assert cost_model_meta(tmp_path / "cost.json") == {"pp": 2, "compute_profile_s": 1.5}
+    with pytest.raises(ValueError):
+        compute.with_transfer([0.1])

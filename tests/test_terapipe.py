@@ -126,6 +126,23 @@ def test_plan_from_config(tmp_path, capsys) -> None:
     out = plan_from_config(missing, profile=True)  # times blocks here, then plans
     saved = json.loads((tmp_path / "none" / "terapipe_profile.json").read_text())
     assert saved["kind"] == "table" and sum(out["plan"][0][1]) == SEQ
+    assert saved["meta"]["compute_profile_s"] > 0  # how long profiling took is kept with the profile
+
+
+def test_saved_profile_reused_only_for_its_setup(tmp_path, capsys) -> None:
+    """A cached profile is reused when what it was measured for (shape, micro-batch, layout,
+    device, ...) matches; else it is measured again — unless the user named the file."""
+    from ds_mp.schedules.terapipe.planner import TableCostModel
+    from ds_mp.schedules.terapipe.profile import _cached
+
+    meta = {"n_embd": 48, "micro_batch": 2, "tp": 1, "pp": 2, "device": "cpu"}
+    path = str(tmp_path / "p.json")
+    assert not _cached(path, meta, explicit=False)
+    TableCostModel((4, 8), (1.0, 2.0)).save(path, {**meta, "compute_profile_s": 1.0})
+    assert _cached(path, meta, explicit=False)
+    other = {**meta, "micro_batch": 4}
+    assert not _cached(path, other, explicit=False)
+    assert _cached(path, other, explicit=True) and "using it as given" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("block, key", [

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from ds_mp.schedules.terapipe.planner import Cost, plan_slices, slice_costs
+from ds_mp.schedules.terapipe.planner import BatchCost, Cost, Plan, plan_slices, slice_costs
 
 
 @dataclass(frozen=True, order=True)
@@ -171,6 +171,20 @@ def terapipe_op_cost(slices: Sequence[int], cost: Cost, fwd_fraction: float = 1 
     B the rest (backward ≈ 2 × forward FLOPs, hence 1/3). Same on every stage and micro-batch."""
     t = slice_costs(slices, cost)
     return lambda s, op: t[op.slice] * (fwd_fraction if op.kind == "F" else 1.0 - fwd_fraction)
+
+
+def simulate_plan(plan: Plan, num_stages: int, cost: BatchCost, micro: int = 1, fwd_fraction: float = 1 / 3,
+                  latency: float = 0.0) -> SimResult:
+    """Simulate a joint TeraPipe plan [(rows b, token slices)] for a flush of ``micro`` micro-batches.
+
+    Its units (every batch-slice's token slices, in order) are the ``terapipe_timetable``'s slices;
+    unit (b, l_i after c_i) costs cost(b, l_i, c_i), F taking ``fwd_fraction`` of it.  A plan of
+    one token slice per batch-slice is GPipe with those batch-slices as micro-batches.
+    """
+    t = [c for b, sl in plan for c in slice_costs(sl, lambda i, j, b=b: cost(b, i, j))]
+    table = terapipe_timetable(num_stages, len(t), micro)
+    return simulate(table, lambda s, op: t[op.slice] * (fwd_fraction if op.kind == "F" else 1.0 - fwd_fraction),
+                    latency=latency)
 
 
 # ------------------------------------------------------------------ projection to GPT-3 shapes

@@ -5,6 +5,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 from ds_mp.config import ConfigError, load_config, parse_config, read_json
 from ds_mp.schedules.terapipe.planner import (batch_cost, fit_table_cost_model, load_cost_model, plan_for,
@@ -26,10 +27,14 @@ def plan_from_config(config: str | dict, profile: bool = False) -> dict:
     B, L, K = raw.get("train_micro_batch_size_per_gpu", 1), cfg.data.seq_len, cfg.pp
     n, g, path = cfg.terapipe.batch_slices, cfg.terapipe.granularity, profile_path(cfg)
     if profile:
+        t0 = time.perf_counter()
         cost, err = fit_table_cost_model(profile_blocks(cfg, B))
+        took = time.perf_counter() - t0
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        cost.save(path)
-        print(f"profiled {path} (fit mean relative error {err:.1%})")
+        cost.save(path, {"micro_batch": B, "seq_len": L, "pp": K, "compute_profile_s": round(took, 3),
+                         "p2p": "not measured (one process; training's auto profile measures it)"})
+        print(f"profiled {path} in {took:.1f}s (fit mean relative error {err:.1%}; p2p not measured on one "
+              "process: the profile taken at start-up by slices='auto' includes it)")
     elif not os.path.isfile(path):
         raise ConfigError(f"ds_mp.terapipe.profile: no cost model at {path!r}; run with --profile "
                           "or set ds_mp.terapipe.profile")

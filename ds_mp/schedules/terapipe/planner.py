@@ -17,7 +17,7 @@ import bisect
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -74,31 +74,47 @@ class CostModel:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through (xs, ys) (xs ascending), extended linearly past both ends."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    k = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)  # the segment [xs[k-1], xs[k]] (or an end one)
+    return ys[k - 1] + (ys[k] - ys[k - 1]) * (x - xs[k - 1]) / (xs[k] - xs[k - 1])
+
+
 @dataclass(frozen=True)
 class TableCostModel:
-    """The paper's cost model (TeraPipe §3.3): t(i, j) = t(i, 0) + [j > 0]·(a0 + a1·i + a2·j + a3·i·j).
+    """The paper's cost model (TeraPipe §3.3): stage latency of a slice of i tokens after j,
 
-    t(i, 0) is a *measured table* over slice lengths (linear interpolation between the measured
-    lengths, linear extrapolation past the ends), so it can be flat over a range of i and then
-    rise, or step — what accelerators do and a smooth polynomial cannot express; only the
-    context term is fitted.  Times include the stage's send of the slice's activation when the
-    profile measured it (see ``profile.py``).
+        t(i, j) = t_c(i, 0) + t_p2p(i) + [j > 0]·(a0 + a1·i + a2·j + a3·i·j)
+
+    t_c(i, 0) is a *measured table* of the stage's forward+backward over slice lengths (linear
+    interpolation between the measured lengths, linear extrapolation past the ends), so it can
+    be flat over a range of i and then rise, or step — what accelerators do and a smooth
+    polynomial cannot express; only the context term is fitted.  t_p2p(i) is the measured
+    point-to-point time the bottleneck stage spends per slice moving its activations forward
+    and their gradients back (``transfer``, at the same lengths; empty = not measured, 0).
     """
 
     lengths: tuple[int, ...]   # measured slice lengths, ascending
-    times: tuple[float, ...]   # t(i, 0) at those lengths, seconds
+    times: tuple[float, ...]   # t_c(i, 0) at those lengths, seconds (compute)
     a0: float = 0.0            # fixed cost of a non-empty context
     a1: float = 0.0            # per-token cost of a non-empty context
     a2: float = 0.0            # per-context-token cost
     a3: float = 0.0            # per (token × context-token) cost: attention to the context
+    transfer: tuple[float, ...] = ()  # t_p2p(i) at ``lengths``, seconds per slice (sends + receives)
+
+    def compute(self, i: int) -> float:
+        """t_c(i, 0) from the table."""
+        return _interp(self.lengths, self.times, i)
+
+    def p2p(self, i: int) -> float:
+        """t_p2p(i): the slice's sends and receives on the bottleneck stage (0 if not measured)."""
+        return _interp(self.lengths, self.transfer, i) if self.transfer else 0.0
 
     def alone(self, i: int) -> float:
-        """t(i, 0) from the table."""
-        L, T = self.lengths, self.times
-        if len(L) == 1:
-            return T[0] * i / L[0]
-        k = min(max(bisect.bisect_left(L, i), 1), len(L) - 1)  # the segment [L[k-1], L[k]] (or an end one)
-        return T[k - 1] + (T[k] - T[k - 1]) * (i - L[k - 1]) / (L[k] - L[k - 1])
+        """t(i, 0) = t_c(i, 0) + t_p2p(i)."""
+        return self.compute(i) + self.p2p(i)
 
     def __call__(self, i: int, j: int) -> float:
         extra = (self.a0 + self.a1 * i + self.a2 * j + self.a3 * i * j) if j > 0 else 0.0
@@ -109,20 +125,36 @@ class TableCostModel:
         """The intercept of t(i, 0) at i = 0 (the per-slice cost independent of the rows), ≥ 0."""
         return max(0.0, self.alone(0))
 
+    def with_transfer(self, transfer: Sequence[float]) -> "TableCostModel":
+        """This model with t_p2p measured at ``self.lengths``."""
+        if len(transfer) != len(self.lengths):
+            raise ValueError(f"transfer times for {len(transfer)} lengths, the table has {len(self.lengths)}")
+        return replace(self, transfer=tuple(float(t) for t in transfer))
+
     def to_dict(self) -> dict:
         return {"kind": "table", **asdict(self)}
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+    @classmethod
+    def from_dict(cls, d: dict) -> "TableCostModel":
+        d = {k: v for k, v in d.items() if k not in ("kind", "meta")}
+        return cls(tuple(int(i) for i in d.pop("lengths")), tuple(float(t) for t in d.pop("times")),
+                   transfer=tuple(float(t) for t in d.pop("transfer", ())), **{k: float(v) for k, v in d.items()})
+
+    def save(self, path: str | Path, meta: dict | None = None) -> None:
+        """JSON of the model; ``meta`` (what was profiled, how long it took) is kept beside it."""
+        Path(path).write_text(json.dumps({**self.to_dict(), **({"meta": meta} if meta else {})}, indent=2) + "\n")
+
+
+def cost_model_meta(path: str | Path) -> dict:
+    """The ``meta`` block saved with a cost model ({} when none)."""
+    return json.loads(Path(path).read_text()).get("meta", {})
 
 
 def load_cost_model(path: str | Path) -> CostModel | TableCostModel:
     """A saved cost model of either form."""
     d = json.loads(Path(path).read_text())
-    if d.pop("kind", None) == "table":
-        return TableCostModel(tuple(int(i) for i in d.pop("lengths")), tuple(float(t) for t in d.pop("times")),
-                              **{k: float(v) for k, v in d.items()})
-    return CostModel.from_dict(d)
+    d.pop("meta", None)
+    return TableCostModel.from_dict(d) if d.get("kind") == "table" else CostModel.from_dict(d)
 
 
 def fit_table_cost_model(samples: Sequence[tuple[int, int, float]]) -> tuple[TableCostModel, float]:
@@ -140,7 +172,7 @@ def fit_table_cost_model(samples: Sequence[tuple[int, int, float]]) -> tuple[Tab
     ctx = [(i, j, t) for i, j, t in samples if j > 0]
     if ctx:
         X = np.array([[1.0, i, j, i * j] for i, j, _ in ctx])
-        y = np.array([t - table.alone(i) for i, _, t in ctx])
+        y = np.array([t - table.compute(i) for i, _, t in ctx])
         w = 1.0 / np.maximum(np.array([t for *_, t in ctx]), 1e-12)
         theta, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
         table = TableCostModel(lengths, table.times, *(float(v) for v in theta))
@@ -172,7 +204,8 @@ def fit_cost_model(samples: Sequence[tuple[int, int, float]]) -> tuple[CostModel
 def profile_stage(fn: Callable[[int, int], object], lengths: Sequence[int],
                   contexts: Sequence[int], repeats: int = 3,
                   warmup: int = 1) -> list[tuple[int, int, float]]:
-    """Time fn(i, j) (one forward+backward of i tokens after j) for every i × j; median of repeats.
+    """Time fn(i, j) (one forward+backward of i tokens after j) for every i × j; the fastest of
+    ``repeats`` (on a shared machine other processes only ever add time).
 
     The accelerator is synchronised before each clock read, so asynchronous GPU kernels
     are inside the interval they belong to (a no-op on the CPU)."""
@@ -191,7 +224,7 @@ def profile_stage(fn: Callable[[int, int], object], lengths: Sequence[int],
                 fn(i, j)
                 sync()
                 times.append(time.perf_counter() - t0)
-            out.append((i, j, statistics.median(times)))
+            out.append((i, j, min(times)))
     return out
 
 

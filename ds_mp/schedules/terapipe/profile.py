@@ -5,7 +5,12 @@ plus a fitted linear context term; one stage's forward+backward of i tokens afte
 tokens, at the micro-batch size B) comes from ``terapipe.profile`` or
 ``<training.output_dir>/terapipe_profile.json``; when neither exists the engine profiles its
 own stage (every rank, its real layers and TP), takes for every (i, j) the slowest rank (the
-pipeline runs at its bottleneck stage), fits, and rank 0 saves the file.  A batch-slice of b
+pipeline runs at its bottleneck stage), fits, measures the point-to-point time of a slice's activation on every pipeline link
+(:func:`profile_transfer`, on the engine's own backend: gloo here, NCCL on GPUs) and adds it
+to the table, and rank 0 saves the file with what was profiled (model shape, micro-batch,
+layout, device, dtype) and how long profiling took.  A saved profile whose ``meta`` does not
+match the engine is measured again (an explicit ``terapipe.profile`` file is used as given,
+with a warning).  A batch-slice of b
 rows costs ``batch_cost(t, b_ref=B, overhead=c0)``.  With ``batch_slices = n`` the micro-batch
 is cut into n equal batch-slices and the joint planner chooses their token slicing:
 ``plan_joint(B, L, K, cost, batch_sizes=[B/n])``; with ``"auto"`` it also chooses the split
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -26,8 +32,8 @@ import torch.distributed as dist
 from ds_mp.config import ConfigError, DsMpConfig
 from ds_mp.models.gpt2 import attending_to
 from ds_mp.schedules.terapipe.kv_cache import KVContext
-from ds_mp.schedules.terapipe.planner import (explicit_plan, fit_table_cost_model, load_cost_model, plan_for,
-                                              profile_stage)
+from ds_mp.schedules.terapipe.planner import (TableCostModel, cost_model_meta, explicit_plan, fit_table_cost_model,
+                                              load_cost_model, plan_for, profile_stage)
 from ds_mp.schedules.terapipe.schedule import Plan
 
 PROFILE_NAME = "terapipe_profile.json"
@@ -110,9 +116,15 @@ def profile_engine_stage(engine: Any, L: int, granularity: int) -> list[tuple[in
 
 
 def _profile(fn: Callable[[int, int], None], L: int, granularity: int) -> list[tuple[int, int, float]]:
-    """(i, j, seconds) over :func:`profile_grid`: the t(i, 0) table and the context samples."""
+    """(i, j, seconds) over :func:`profile_grid`: the t(i, 0) table and the context samples.
+
+    The table is timed in two passes, ascending then descending lengths, and each length keeps
+    the faster pass (other processes only ever add time, and a burst of load is local in time):
+    one spike in t(i, 0) would move every slice boundary near i."""
     table, powers, contexts = profile_grid(L, granularity)
-    return (profile_stage(fn, table, [0], repeats=3, warmup=1)
+    up = profile_stage(fn, table, [0], repeats=3, warmup=1)
+    down = {i: t for i, _, t in profile_stage(fn, table[::-1], [0], repeats=3, warmup=0)}
+    return ([(i, 0, min(t, down[i])) for i, _, t in up]
             + (profile_stage(fn, powers, contexts, repeats=3, warmup=0) if contexts else []))
 
 
@@ -125,29 +137,116 @@ def _bottleneck(per_rank: list[list[tuple[int, int, float]]]) -> list[tuple[int,
     return [(i, j, t) for (i, j), t in sorted(worst.items())]
 
 
+def profile_transfer(engine: Any, lengths: list[int], repeats: int = 5) -> list[float]:
+    """Collective over the pipeline: per slice length i, the seconds this rank spends on one
+    slice's point-to-point traffic, summed over the links it is on.
+
+    A slice on a link is what DeepSpeed's dynamic-shape pipeline sends: forward, the shape
+    message, the (B, i, n_embd) activation and the (1, i) positions; backward, the activation's
+    gradient — all blocking, so the time includes waking the peer.  Links are timed one after
+    another (stage s with s+1, for s = 0 … K−2; every TP/DP pair of a link at once, as in
+    training), ``repeats`` exchanges after one warm-up, the fastest.  Tensors live on the engine's
+    device; the accelerator is synchronised before each clock read.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    sync = get_accelerator().synchronize
+    module, B = engine.module, engine.train_micro_batch_size_per_gpu()
+    p, h = next(module.parameters()), module.ds_mp_ctx.n_embd
+    s, K = engine.stage_id, engine.num_stages
+    out = [0.0] * len(lengths)
+    for link in range(K - 1):
+        if s not in (link, link + 1):
+            continue
+        peer = engine.grid.stage_to_global(stage_id=link + 1 if s == link else link)
+        for n, i in enumerate(lengths):
+            forward = [torch.zeros(16, dtype=torch.int32, device=p.device),
+                       torch.empty(B, i, h, dtype=p.dtype, device=p.device),
+                       torch.zeros(1, i, dtype=torch.long, device=p.device)]
+            grad = torch.empty(B, i, h, dtype=p.dtype, device=p.device)
+            took = []
+            for r in range(repeats + 1):
+                sync()
+                t0 = time.perf_counter()
+                for x in forward:
+                    dist.send(x, peer) if s == link else dist.recv(x, peer)
+                dist.recv(grad, peer) if s == link else dist.send(grad, peer)
+                sync()
+                if r:
+                    took.append(time.perf_counter() - t0)
+            out[n] += min(took)  # other processes only ever add time
+    return out
+
+
+def profile_meta(engine: Any) -> dict:
+    """What a stage profile depends on: a saved one is reused only when this matches."""
+    ctx, p = engine.module.ds_mp_ctx, next(engine.module.parameters())
+    cfg = engine.ds_mp_config
+    return {"stage_blocks": len(engine.module.blocks()), "n_embd": ctx.n_embd, "n_head": ctx.n_head, "vocab": ctx.vocab,
+            "seq_len": cfg.data.seq_len, "micro_batch": engine.train_micro_batch_size_per_gpu(),
+            "tp": cfg.tp, "pp": engine.num_stages, "sequence_parallel": bool(ctx.sp),
+            "granularity": cfg.terapipe.granularity, "device": p.device.type, "dtype": str(p.dtype).split(".")[-1],
+            "p2p_backend": dist.get_backend()}
+
+
+def _cached(path: str, meta: dict, explicit: bool) -> bool:
+    """Whether the profile at ``path`` can be reused for ``meta`` (rank 0)."""
+    if not os.path.isfile(path):
+        return False
+    saved = {k: v for k, v in cost_model_meta(path).items() if k in meta}
+    if saved == meta:
+        return True
+    if explicit:
+        print(f"ds_mp.terapipe.profile: {path!r} was profiled for {saved or 'an unknown setup'}, "
+              f"not {meta}; using it as given", flush=True)
+        return True
+    return False
+
+
+def measure_cost_model(engine: Any, L: int, granularity: int) -> tuple[TableCostModel, dict]:
+    """Collective: profile every stage (:func:`profile_engine_stage`; per (i, j) the slowest
+    rank), fit the table model, add the slowest rank's p2p time per slice
+    (:func:`profile_transfer`).  Every rank returns the same model, and
+    ``{compute_profile_s, p2p_profile_s, samples, fit_error}`` (what profiling cost)."""
+    t0 = time.perf_counter()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, profile_engine_stage(engine, L, granularity))
+    samples = _bottleneck(gathered)
+    t1 = time.perf_counter()
+    lengths = profile_grid(L, granularity)[0]
+    p2p: list = [None] * dist.get_world_size()
+    dist.all_gather_object(p2p, profile_transfer(engine, lengths))
+    t2 = time.perf_counter()
+    cost, err = fit_table_cost_model(samples)
+    cost = cost.with_transfer([max(r[n] for r in p2p) for n in range(len(lengths))])  # the bottleneck stage's
+    return cost, {"compute_profile_s": round(t1 - t0, 3), "p2p_profile_s": round(t2 - t1, 3),
+                  "samples": len(samples), "fit_error": round(err, 4)}
+
+
 def auto_plan(engine: Any) -> Plan:
     """Collective: every rank calls it on its first train_batch; all get rank 0's plan."""
     cfg = engine.ds_mp_config
     tcfg, L, K = cfg.terapipe, cfg.data.seq_len, engine.num_stages
     B, rank = engine.train_micro_batch_size_per_gpu(), dist.get_rank()
-    path = profile_path(cfg)
-    have = [os.path.isfile(path)]
+    path, meta = profile_path(cfg), profile_meta(engine)
+    have = [_cached(path, meta, bool(tcfg.profile)) if rank == 0 else None]
     dist.broadcast_object_list(have, src=0)
-    samples: list = []
+    measured: tuple | None = None
     if not have[0]:
         if tcfg.profile:
             err = f"ds_mp.terapipe.profile: {path!r} not found; run `ds-mp plan --profile` or set it to \"\""
             raise ConfigError(err)
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, profile_engine_stage(engine, L, tcfg.granularity))
-        samples = _bottleneck(gathered)
+        measured = measure_cost_model(engine, L, tcfg.granularity)
     result: list = [None]
     if rank == 0:
         try:
-            if samples:
-                cost, _ = fit_table_cost_model(samples)
+            if measured:
+                cost, took = measured
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                cost.save(path)
+                cost.save(path, {**meta, **took})
+                print(f"terapipe: profiled {took['samples']} stage costs in {took['compute_profile_s']:.1f}s and "
+                      f"p2p on {K - 1} link(s) in {took['p2p_profile_s']:.1f}s (fit error {took['fit_error']:.1%});"
+                      f" saved {path}", flush=True)
             else:
                 cost = load_cost_model(path)
             result[0] = plan_for(cost, B, L, K, tcfg.batch_slices, tcfg.granularity, engine.micro_batches)
@@ -189,5 +288,5 @@ def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, fl
     return _profile(fn, cfg.data.seq_len, cfg.terapipe.granularity)
 
 
-__all__ = ["engine_plan", "auto_plan", "profile_engine_stage", "profile_blocks", "profile_grid", "profile_path",
+__all__ = ["engine_plan", "auto_plan", "profile_engine_stage", "profile_transfer", "profile_meta", "measure_cost_model", "profile_blocks", "profile_grid", "profile_path",
            "PROFILE_NAME"]

@@ -130,7 +130,10 @@ def measured_costs(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: 
 
     dtype = (torch.bfloat16 if (ds_dict.get("bf16") or ds_dict.get("bfloat16") or {}).get("enabled")
              else torch.float16 if (ds_dict.get("fp16") or {}).get("enabled") else torch.float32)
-    device = torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+    acc, local_rank = get_accelerator(), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(acc.device_name(local_rank))
+    if device.type != "cpu":
+        acc.set_device(local_rank)  # before the first collective (the engine would set it later)
     return agreed_layer_costs(src, topology, cache=os.path.join(cfg.training.output_dir, PROFILE_NAME),
                               rows=int(ds_dict["train_micro_batch_size_per_gpu"]), seq=cfg.data.seq_len,
                               dtype=dtype, device=device, sequence_parallel=cfg.tensor_parallel.sequence_parallel,

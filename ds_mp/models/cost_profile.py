@@ -37,6 +37,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -151,13 +152,14 @@ def agreed_layer_costs(src: WeightSource, topology: Topology, *, cache: str | No
     ``topology`` gives the degrees and this rank; its process groups are not needed."""
     key = profile_key(src.config, rows=rows, seq=seq, dtype=dtype, device=device, tp=topology.tp,
                       sequence_parallel=sequence_parallel, vocab_pad_multiple=vocab_pad_multiple, lora=lora)
-    known: list[Any] = [_read_cache(cache).get(key) if cache and dist.get_rank() == 0 else None]
-    if not (isinstance(known[0], dict) and set(known[0]) == set(KINDS)
-            and all(isinstance(v, float) and v > 0 for v in known[0].values())):
-        known[0] = None  # a malformed entry is measured again
-    dist.broadcast_object_list(known, src=0)
-    if known[0] is not None:
-        return LayerCosts(**known[0])
+    entry = _read_cache(cache).get(key) if cache and dist.get_rank() == 0 else None
+    valid = (isinstance(entry, dict) and set(entry) == set(KINDS)
+             and all(isinstance(v, float) and v > 0 for v in entry.values()))  # else: measure again
+    known = torch.tensor([1.0, *(entry[k] for k in KINDS)] if valid else [0.0] * 4, dtype=torch.float64,
+                         device=device)
+    dist.broadcast(known, src=0)  # rank 0's verdict (and costs, bit-exact) to every rank
+    if known[0] == 1.0:
+        return LayerCosts(*known[1:].tolist())
     if topology.tp > 1:  # TP layers need the TP group; the pipeline creates its own groups later
         topology = build_grid(Topology(tp=topology.tp, pp=topology.pp, dp=topology.dp, rank=topology.rank))
     mine = measure_layer_costs(src, topology, rows=rows, seq=seq, dtype=dtype, device=device,
@@ -170,8 +172,11 @@ def agreed_layer_costs(src: WeightSource, topology: Topology, *, cache: str | No
     if cache and dist.get_rank() == 0:
         entries = _read_cache(cache)
         entries[key] = {k: getattr(costs, k) for k in KINDS}
-        os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
-        write_text_atomic(cache, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(cache)), exist_ok=True)
+            write_text_atomic(cache, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+        except OSError as e:  # only a cache: the other ranks are already building the pipeline
+            warnings.warn(f"ds_mp: could not cache the partition profile in {cache}: {e}")
     return costs
 
 

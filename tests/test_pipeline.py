@@ -99,7 +99,9 @@ def cases(world: int, out_dir: str = "") -> list[dict]:
             _case("tp1_pp2_dp2", pp=2, dp=2, gas=2, schedule="gpipe", clip=1.0),
             _case("tp2_pp1_dp2", tp=2, pp=1, dp=2, gas=2, clip=1.0),
             _case("tp2_pp2_sp", tp=2, pp=2, schedule="gpipe", clip=1.0, seqs=(16, 24),
-                  tensor_parallel={"sequence_parallel": True})]
+                  tensor_parallel={"sequence_parallel": True}),
+            _case("tp2_pp2_sp_cost", tp=2, pp=2, tensor_parallel={"sequence_parallel": True},  # profiled over TP
+                  pipeline={"partition": "cost"}, training={"output_dir": out_dir})]
 
 
 def _pipe_rank(rank: int, world: int, out_dir: str) -> dict:

@@ -137,7 +137,8 @@ def measured_costs(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: 
     return agreed_layer_costs(src, topology, cache=os.path.join(cfg.training.output_dir, PROFILE_NAME),
                               rows=int(ds_dict["train_micro_batch_size_per_gpu"]), seq=cfg.data.seq_len,
                               dtype=dtype, device=device, sequence_parallel=cfg.tensor_parallel.sequence_parallel,
-                              vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple, lora=cfg.lora)
+                              vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple, lora=cfg.lora,
+                              overlap_comm=cfg.tensor_parallel.overlap_comm)
 
 
 def _inline_from_hf(hf: Any) -> dict:

@@ -82,12 +82,13 @@ def device_label(device: torch.device) -> str:
 
 
 def profile_key(hf_config: Any, *, rows: int, seq: int, dtype: torch.dtype, device: torch.device, tp: int,
-                sequence_parallel: bool, vocab_pad_multiple: int, lora: Any = None) -> str:
+                sequence_parallel: bool, vocab_pad_multiple: int, lora: Any = None, overlap_comm: bool = True) -> str:
     """The cache key: everything the three costs depend on."""
     c = hf_config
     parts = {"n_embd": c.n_embd, "n_head": c.n_head, "n_inner": getattr(c, "n_inner", None), "vocab": c.vocab_size,
              "act": c.activation_function, "rows": rows, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
              "tp": tp, "sp": bool(sequence_parallel and tp > 1), "vocab_pad_multiple": vocab_pad_multiple,
+             "overlap_comm": bool(overlap_comm and tp > 1),
              "lora": [lora.r, sorted(lora.target_modules)] if lora is not None and lora.r > 0 else None,
              "device": device_label(device)}
     return json.dumps(parts, sort_keys=True)
@@ -95,7 +96,7 @@ def profile_key(hf_config: Any, *, rows: int, seq: int, dtype: torch.dtype, devi
 
 def measure_layer_costs(src: WeightSource, topology: Topology, *, rows: int, seq: int, dtype: torch.dtype,
                         device: torch.device, sequence_parallel: bool = False, vocab_pad_multiple: int = 128,
-                        lora: Any = None, rounds: int = 5, warmup: int = 2) -> LayerCosts:
+                        lora: Any = None, overlap_comm: bool = True, rounds: int = 5, warmup: int = 2) -> LayerCosts:
     """This rank's measurement (a collective over its TP group when ``topology.tp > 1``: the
     topology must have its process groups).  Layers are built from ``src`` as
     ``build_gpt2_pipeline`` builds them (block 0 stands for every block), cast to ``dtype``
@@ -104,6 +105,7 @@ def measure_layer_costs(src: WeightSource, topology: Topology, *, rows: int, seq
     try:
         ctx = Ctx(topology, src.config, sequence_parallel, vocab_pad_multiple)
         ctx.lora = lora if lora is not None and lora.r > 0 else None
+        ctx.overlap_comm = overlap_comm
         wte, wpe, block, ln_f = (m.to(device=device, dtype=dtype).eval() for m in
                                  (TokenEmbedding(src, ctx), Positions(src, ctx), Block(src, 0, ctx), FinalNorm(src, ctx)))
         if ctx.lora is not None:  # LoRA trains only its factors: no base weight gradients
@@ -146,12 +148,13 @@ def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 def agreed_layer_costs(src: WeightSource, topology: Topology, *, cache: str | None, rows: int, seq: int,
                        dtype: torch.dtype, device: torch.device, sequence_parallel: bool = False,
-                       vocab_pad_multiple: int = 128, lora: Any = None) -> LayerCosts:
+                       vocab_pad_multiple: int = 128, lora: Any = None, overlap_comm: bool = True) -> LayerCosts:
     """Collective over every rank: the costs (from ``cache`` if it holds this key, else measured
     on every rank, median over ranks; rank 0 then adds them to ``cache``), identical on every rank.
     ``topology`` gives the degrees and this rank; its process groups are not needed."""
     key = profile_key(src.config, rows=rows, seq=seq, dtype=dtype, device=device, tp=topology.tp,
-                      sequence_parallel=sequence_parallel, vocab_pad_multiple=vocab_pad_multiple, lora=lora)
+                      sequence_parallel=sequence_parallel, vocab_pad_multiple=vocab_pad_multiple, lora=lora,
+                      overlap_comm=overlap_comm)
     entry = _read_cache(cache).get(key) if cache and dist.get_rank() == 0 else None
     valid = (isinstance(entry, dict) and set(entry) == set(KINDS)
              and all(isinstance(v, float) and v > 0 for v in entry.values()))  # else: measure again
@@ -163,7 +166,8 @@ def agreed_layer_costs(src: WeightSource, topology: Topology, *, cache: str | No
     if topology.tp > 1:  # TP layers need the TP group; the pipeline creates its own groups later
         topology = build_grid(Topology(tp=topology.tp, pp=topology.pp, dp=topology.dp, rank=topology.rank))
     mine = measure_layer_costs(src, topology, rows=rows, seq=seq, dtype=dtype, device=device,
-                               sequence_parallel=sequence_parallel, vocab_pad_multiple=vocab_pad_multiple, lora=lora)
+                               sequence_parallel=sequence_parallel, vocab_pad_multiple=vocab_pad_multiple, lora=lora,
+                               overlap_comm=overlap_comm)
     local = torch.tensor([getattr(mine, k) for k in KINDS], dtype=torch.float64, device=device)
     every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(every, local)  # a copy: every rank holds the same bits

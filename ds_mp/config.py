@@ -47,7 +47,7 @@ class TensorParallelConfig:
 class PipelineConfig:
     stages: int = 1  # PP degree (number of pipeline stages)
     schedule: str = "1f1b"  # a name registered in ds_mp.SCHEDULES
-    partition: Union[str, list] = "uniform"  # "uniform" | "parameters" | [blocks per stage]
+    partition: Union[str, list] = "uniform"  # "uniform" | "parameters" | "cost" (measured) | [blocks per stage]
     activation_checkpoint_interval: int = 0  # checkpoint every N pipeline layers (0 = off)
 
 
@@ -322,9 +322,12 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
         if empty:  # first/last stages hold the embedding/head; a middle one would hold nothing
             raise ConfigError(f"ds_mp.pipeline.partition: middle stage {empty[0]} of {pp.partition} "
                               "has no blocks and no parameters; give every middle stage at least 1 block")
-    elif pp.partition not in ("uniform", "parameters"):
-        raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} is not 'uniform', "
-                          "'parameters' or a list of blocks per stage")
+    elif pp.partition not in ("uniform", "parameters", "cost"):
+        raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} is not 'uniform', 'parameters', "
+                          "'cost' or a list of blocks per stage")
+    elif pp.partition == "cost" and ring:
+        raise ConfigError("ds_mp.pipeline.partition: 'cost' balances pipeline stages, but the ouroboros schedule "
+                          "places its modules by ouroboros.split; remove pipeline.partition")
 
     if pp.schedule == "terapipe" and tp.sequence_parallel and tp.size > 1:
         if isinstance(cfg.terapipe.slices, list) and any(n % tp.size for n in cfg.terapipe.slices):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -132,7 +133,15 @@ def test_cli_errors_and_atomic_writes(hf_dir, tmp_path, capsys):
     out = str(tmp_path / "out")
     assert convert_cli(["hf-to-ds", hf_dir, out, "--tp", "3"]) == 1  # 4 heads
     assert "--tp 3 does not divide n_head=4" in capsys.readouterr().err
+    assert convert_cli(["hf-to-ds", hf_dir, out, "--pp", "2", "--partition", "cost"]) == 1
+    assert "--partition cost is measured when training starts" in capsys.readouterr().err
+    assert convert_cli(["hf-to-ds", hf_dir, out, "--pp", "2", "--partition", "1,2"]) == 1
+    assert "--partition 1,2: need 2 block counts summing to n_layer=4" in capsys.readouterr().err
     assert not os.path.exists(out) and os.listdir(tmp_path) == []
+    listed = str(tmp_path / "listed")  # a "cost" run's blocks per stage, given as a list
+    assert convert_cli(["hf-to-ds", hf_dir, listed, "--pp", "2", "--partition", "3,1", "--no-verify"]) == 0
+    assert json.load(open(os.path.join(listed, "ds_mp_meta.json")))["parts"] == [0, 5, 8]
+    shutil.rmtree(listed)
     with pytest.raises(RuntimeError), atomic_dir(out) as tmp:
         open(os.path.join(tmp, "half"), "w").write("x")
         raise RuntimeError("crash mid-write")

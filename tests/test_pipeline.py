@@ -8,6 +8,8 @@ micro-batches and the reference trains on their union.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from deepspeed.runtime.pipe import schedule as ds
@@ -74,12 +76,14 @@ def _case(name: str, *, tp: int = 1, pp: int = 2, dp: int = 1, gas: int = 3, sch
             "steps": _steps(n, dp * gas, seed=len(name), seqs=seqs)}
 
 
-def cases(world: int) -> list[dict]:
-    """Every case a ``world``-rank spawn runs (deterministic: parent and ranks agree)."""
+def cases(world: int, out_dir: str = "") -> list[dict]:
+    """Every case a ``world``-rank spawn runs (deterministic: parent and ranks agree);
+    ``out_dir``: where the "cost" partition keeps its profile."""
     if world == 2:
         out = [_case(f"{s}_clip{c}", schedule=s, clip=c) for s in ("1f1b", "gpipe") for c in (0.0, 1.0)]
         out += [_case("parameters", pipeline={"partition": "parameters"}),
                 _case("explicit", pipeline={"partition": [1, 3]}),
+                _case("cost", pipeline={"partition": "cost"}, training={"output_dir": out_dir}),
                 _case("grads_ckpt0", lr=1.0, n=1, gas=1),
                 _case("grads_ckpt1", lr=1.0, n=1, pipeline={"activation_checkpoint_interval": 1}),
                 _case("seq_16_then_24", schedule="gpipe", n=2, seqs=(16, 24)),
@@ -95,16 +99,18 @@ def cases(world: int) -> list[dict]:
             _case("tp1_pp2_dp2", pp=2, dp=2, gas=2, schedule="gpipe", clip=1.0),
             _case("tp2_pp1_dp2", tp=2, pp=1, dp=2, gas=2, clip=1.0),
             _case("tp2_pp2_sp", tp=2, pp=2, schedule="gpipe", clip=1.0, seqs=(16, 24),
-                  tensor_parallel={"sequence_parallel": True})]
+                  tensor_parallel={"sequence_parallel": True}),
+            _case("tp2_pp2_sp_cost", tp=2, pp=2, tensor_parallel={"sequence_parallel": True},  # profiled over TP
+                  pipeline={"partition": "cost"}, training={"output_dir": out_dir})]
 
 
-def _pipe_rank(rank: int, world: int) -> dict:
+def _pipe_rank(rank: int, world: int, out_dir: str) -> dict:
     import ds_mp
 
     ds_mp.register_schedule("my_one_at_a_time", OneAtATime)
     ds_mp.register_schedule("broken_labels", LabelsReversed)
     out: dict = {}
-    for case in cases(world):
+    for case in cases(world, out_dir):
         d, gas = (rank // case["tp"]) % case["dp"], case["gas"]  # rank = pipe·DP·TP + data·TP + model
         engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=case["cfg"])
         if case["name"] == "1f1b_clip0.0":  # inference schedule first: mean loss of the micro-batches
@@ -114,6 +120,10 @@ def _pipe_rank(rank: int, world: int) -> dict:
             losses.append(float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))))
             norms.append(engine.last_grad_norm)
         out[case["name"]] = (losses, norms, *gather_weights(engine))
+        if case["name"] == "cost":
+            out["cost_parts"], out["cost_costs"] = list(engine.module.parts), engine.layer_costs
+    if world == 2:
+        out.update(_cost_twins(rank, out_dir, out["cost_parts"]))
     if world == 2:  # last: the failing schedule leaves the p2p channel unusable
         engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=ds_config(pp=2, gas=2, schedule="broken_labels"))
         try:
@@ -122,6 +132,46 @@ def _pipe_rank(rank: int, world: int) -> dict:
         except Exception as e:  # noqa: BLE001 - the message is the result
             out["broken"] = str(e).splitlines()[0] if str(e) else type(e).__name__
     return out
+
+
+def _cost_twins(rank: int, out_dir: str, parts: list[int]) -> dict:
+    """The "cost" case again with its partition given as a list; then "cost" with a cached
+    profile (written by rank 0, made heavy on the head) that every rank must follow."""
+    import json
+
+    import ds_mp
+    from ds_mp.models.cost_profile import PROFILE_NAME, profile_key
+
+    case = next(c for c in cases(2, out_dir) if c["name"] == "cost")
+    cfg = copy.deepcopy(case["cfg"])
+    cfg["ds_mp"]["pipeline"]["partition"] = [parts[1] - 2, parts[2] - parts[1] - 2]  # + wte, wpe | ln_f, head
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=cfg)
+    losses = [float(engine.train_batch(iter(step))) for step in case["steps"]]
+    twin = (losses, list(engine.module.parts), gather_weights(engine)[0])
+    key = profile_key(tiny_gpt2().config, rows=2, seq=16, dtype=torch.float32, device=torch.device("cpu"), tp=1,
+                      sequence_parallel=False, vocab_pad_multiple=128)
+    with open(f"{out_dir}/{PROFILE_NAME}") as f:
+        keys = list(json.load(f))
+    torch.distributed.barrier()
+    if rank == 0:
+        with open(f"{out_dir}/{PROFILE_NAME}", "w") as f:
+            json.dump({key: {"embed": 1e-3, "block": 1e-3, "head": 2.5e-3}}, f)
+    torch.distributed.barrier()
+    cached, *_ = ds_mp.initialize(model=tiny_gpt2(), config=case["cfg"])
+    return {"cost_twin": twin, "cost_cache_keys": keys == [key], "cost_cached_parts": list(cached.module.parts)}
+
+
+def _check_cost(results: list[dict]) -> None:
+    """Every rank chose the same partition from the same costs; the run equals its list twin
+    bit for bit; the profile was cached under its key, and a cached profile is followed."""
+    r0, r1 = results
+    assert r0["cost_parts"] == r1["cost_parts"] and r0["cost_costs"] == r1["cost_costs"], (r0, r1)
+    assert min(vars(r0["cost_costs"]).values()) > 0 and r0["cost_cache_keys"], r0
+    for r in results:
+        losses, parts, weights = r["cost_twin"]
+        assert parts == r["cost_parts"] and losses == r["cost"][0], (parts, losses, r["cost"][0])
+        assert set(weights) == set(r["cost"][2]) and all(torch.equal(w, r["cost"][2][n]) for n, w in weights.items())
+        assert r["cost_cached_parts"] == [0, 5, 8]  # embed 1, block 1, head 2.5: blocks [3, 1]
 
 
 def _check(world: int, results: list[dict], model) -> None:
@@ -142,11 +192,12 @@ def _check(world: int, results: list[dict], model) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_pipeline_equals_hf(world: int) -> None:
-    results = run_ranks(_pipe_rank, world, world, timeout=300)
+def test_pipeline_equals_hf(world: int, tmp_path) -> None:
+    results = run_ranks(_pipe_rank, world, world, str(tmp_path), timeout=300)
     model = tiny_gpt2()
     _check(world, results, model)
-    if world == 2:  # eval_batch; the last stage (rank 1) names the mismatch of the broken schedule
+    if world == 2:
+        _check_cost(results)  # eval_batch; the last stage (rank 1) names the mismatch of the broken schedule
         with torch.no_grad():
             steps = cases(2)[0]["steps"][0]
             want = sum(float(model(input_ids=i, labels=lab).loss) for i, lab in steps) / len(steps)

@@ -70,7 +70,7 @@ def _check_tensors(src: Any, out: Any, cfg: Any) -> str:
     return f"verified: all {len(expected_shapes(cfg))} tensors bit-exact"
 
 
-def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str = "uniform", vocab_pad_multiple: int = 128,
+def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str | list[int] = "uniform", vocab_pad_multiple: int = 128,
              verify: bool = True, atol: float = 1e-5, overwrite: bool = False, verify_logits: bool = False) -> str:
     """Write ``src`` (HF or sharded dir) as a sharded directory for TP=``tp``, PP=``pp``."""
     reader = open_reader(src)
@@ -81,6 +81,7 @@ def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str = "uniform", v
         raise CheckpointError(f"--pp {pp}: need 1 <= stages <= n_layer={cfg.n_layer}")
     if vocab_pad_multiple < 1:
         raise CheckpointError(f"--vocab-pad-multiple {vocab_pad_multiple}: must be >= 1")
+    _check_partition(partition, pp, cfg.n_layer)
     parts = stage_parts(cfg.n_layer, pp, partition, cfg.n_embd, cfg.vocab_size)
     padded = padded_vocab_size(cfg.vocab_size, tp, vocab_pad_multiple)
     with atomic_dir(out, overwrite=overwrite) as tmp:
@@ -92,6 +93,28 @@ def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str = "uniform", v
             diff = max_logit_diff(model_from(reader), model_from(ShardedReader(tmp)), cfg.vocab_size, cfg.n_positions)
             msg += "; " + _check(diff, atol, "source vs shards")
     return msg
+
+
+def _check_partition(partition: str | list[int], pp: int, n_layer: int) -> None:
+    if partition == "cost":
+        raise CheckpointError("--partition cost is measured when training starts (ds_mp.initialize); a checkpoint "
+                              "loads at any partition, so convert with uniform, or give the run's blocks per stage "
+                              "(e.g. --partition 5,3)")
+    if isinstance(partition, list) and (len(partition) != pp or sum(partition) != n_layer or min(partition) < 0
+                                        or any(n < 1 for n in partition[1:-1])):
+        raise CheckpointError(f"--partition {','.join(map(str, partition))}: need {pp} block counts summing to "
+                              f"n_layer={n_layer}, at least 1 for every middle stage")
+
+
+def partition_arg(text: str) -> str | list[int]:
+    """``--partition``: ``uniform``, ``parameters``, ``cost`` or blocks per stage (``5,3``)."""
+    if text in ("uniform", "parameters", "cost"):
+        return text
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not uniform, parameters or blocks per stage "
+                                         "such as 5,3") from None
 
 
 def ds_to_hf(src: str, out: str, tokenizer_dir: str | None = None, verify: bool = True, atol: float = 1e-5,
@@ -124,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("out", metavar="OUT")
     a.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides n_head)")
     a.add_argument("--pp", type=int, default=1, help="pipeline stages (<= n_layer)")
-    a.add_argument("--partition", default="uniform", choices=["uniform", "parameters"])
+    a.add_argument("--partition", default="uniform", type=partition_arg,
+                   help="uniform, parameters, or blocks per stage such as 5,3 (the checkpoint loads at any partition)")
     a.add_argument("--vocab-pad-multiple", type=int, default=128, help="vocab padded to a multiple of this × TP")
     b = sub.add_parser("ds-to-hf", help="sharded directory -> HF directory (from_pretrained-ready)")
     b.add_argument("src", metavar="IN")

@@ -10,7 +10,8 @@ import torch
 from ds_mp import deepspeed_compat as compat
 from ds_mp.config import ConfigError, DsMpConfig, load_config, read_json
 from ds_mp.engine.optimizer import optimizer_setup
-from ds_mp.models.gpt2 import WeightSource, build_gpt2_pipeline, hf_config_from
+from ds_mp.models.cost_profile import PROFILE_NAME, agreed_layer_costs
+from ds_mp.models.gpt2 import LayerCosts, WeightSource, build_gpt2_pipeline, hf_config_from
 from ds_mp.schedules.registry import resolve
 from ds_mp.topology import Topology
 
@@ -95,17 +96,21 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     src = weight_source(model, cfg, cfg.training.seed)
     schedule = resolve(cfg.pipeline.schedule)
     layout = schedule.pipeline_layout(cfg) if hasattr(schedule, "pipeline_layout") else None
-    net = build_gpt2_pipeline(src, topology, partition=cfg.pipeline.partition,
+    ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
+    ds_dict.setdefault("train_micro_batch_size_per_gpu", 1)
+    ds_dict.setdefault("gradient_accumulation_steps", 1)
+    ds_dict.pop("train_batch_size", None)  # derived: micro × accumulation × DP
+    partition, costs = cfg.pipeline.partition, None
+    if partition == "cost" and layout is None:  # (a ring layout has its own split)
+        costs = measured_costs(src, cfg, ds_dict, topology) if cfg.pp > 1 else None
+        partition = costs.blocks(cfg.shape.n_layer, cfg.pp) if costs else [cfg.shape.n_layer]
+    net = build_gpt2_pipeline(src, topology, partition=partition,
                               sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                               overlap_comm=cfg.tensor_parallel.overlap_comm,
                               vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,
                               activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
                               dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout,
                               lora=cfg.lora, seed=cfg.training.seed)
-    ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
-    ds_dict.setdefault("train_micro_batch_size_per_gpu", 1)
-    ds_dict.setdefault("gradient_accumulation_steps", 1)
-    ds_dict.pop("train_batch_size", None)  # derived: micro × accumulation × DP
     mpu = net.mpu()
     params, optimizer = optimizer_setup(net, ds_dict, optimizer)
     engine = DsMpPipelineEngine(args=args, model=net, optimizer=optimizer, model_parameters=params,
@@ -113,7 +118,27 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
                                 config=ds_dict, config_class=DeepSpeedConfig(ds_dict, mpu),
                                 ds_mp_config=cfg, topology=topology)
     engine.hf_config = src.config
+    engine.layer_costs = costs  # what "partition": "cost" balanced (None otherwise)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def measured_costs(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: Topology) -> LayerCosts:
+    """``"partition": "cost"``: the per-layer costs at this run's micro-batch (rows × seq_len),
+    precision, TP layout and LoRA on the engine's device, agreed by every rank (collective) and
+    cached in ``<training.output_dir>/partition_profile.json``."""
+    from deepspeed.accelerator import get_accelerator
+
+    dtype = (torch.bfloat16 if (ds_dict.get("bf16") or ds_dict.get("bfloat16") or {}).get("enabled")
+             else torch.float16 if (ds_dict.get("fp16") or {}).get("enabled") else torch.float32)
+    acc, local_rank = get_accelerator(), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(acc.device_name(local_rank))
+    if device.type != "cpu":
+        acc.set_device(local_rank)  # before the first collective (the engine would set it later)
+    return agreed_layer_costs(src, topology, cache=os.path.join(cfg.training.output_dir, PROFILE_NAME),
+                              rows=int(ds_dict["train_micro_batch_size_per_gpu"]), seq=cfg.data.seq_len,
+                              dtype=dtype, device=device, sequence_parallel=cfg.tensor_parallel.sequence_parallel,
+                              vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple, lora=cfg.lora,
+                              overlap_comm=cfg.tensor_parallel.overlap_comm)
 
 
 def _inline_from_hf(hf: Any) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import bisect
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -209,21 +208,14 @@ def profile_stage(fn: Callable[[int, int], object], lengths: Sequence[int],
 
     The accelerator is synchronised before each clock read, so asynchronous GPU kernels
     are inside the interval they belong to (a no-op on the CPU)."""
-    from deepspeed.accelerator import get_accelerator
+    from ds_mp.models.cost_profile import synced_seconds
 
-    sync = get_accelerator().synchronize
     out: list[tuple[int, int, float]] = []
     for i in lengths:
         for j in contexts:
             for _ in range(warmup):
                 fn(i, j)
-            times = []
-            for _ in range(repeats):
-                sync()
-                t0 = time.perf_counter()
-                fn(i, j)
-                sync()
-                times.append(time.perf_counter() - t0)
+            times = [synced_seconds(lambda: fn(i, j)) for _ in range(repeats)]
             out.append((i, j, min(times)))
     return out
 

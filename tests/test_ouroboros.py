@@ -15,7 +15,7 @@ from helpers import batches, hf_reference, tiny_gpt2
 
 from ds_mp.schedules.registry import resolve
 from ds_mp.config import ConfigError, load_config
-from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, UpdateModules, RecvHidden, RecvDelta, SendHidden,
+from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, UpdateModules, RecvHidden, RecvDelta, SendDelta, SendHidden,
                                                module_owner, ouroboros_timetable)
 
 SEQ, VOCAB, STEPS, SEED = 16, 203, 5, 7
@@ -122,6 +122,7 @@ def two_ranks(tmp_path_factory) -> dict:
                      "k2_sgd": ("train", ds_cfg(2)), "k2_adam": ("train", ds_cfg(2, "Adam", lr=0.01)),
                      "k2_lamb": ("train", ds_cfg(2, "Lamb", lr=0.01)),
                      "k2_dp2": ("train", ds_cfg(2, momentum=0.9, micro=1, gas=2), 2, 2, 1),
+                     "k3_gas3": ("train", ds_cfg(3, micro=1, gas=3), 1, 3, 1),
                      "k2_dropout_sync": ("train", ds_cfg(2, delay=False), 1, 1, 2, 0.1),
                      "k2_fresh_masks": ("train", ds_cfg(2, delay=False, ouroboros={"repeat_dropout": False}),
                                         1, 1, 2, 0.1),
@@ -332,6 +333,16 @@ def test_dp2_with_accumulation_equals_concatenated_batch(two_ranks):
         assert_same(result, losses, weights)
 
 
+def test_pipelined_micro_batches_equal_concatenated_batch(two_ranks):
+    """K=3 on 2 ranks with 3 micro-batches of 1 row per iteration: the locked forward is pipelined
+    over them and G_2 weighs each one's loss by its share of the valid targets, so the update is
+    the reference's on the concatenated 3-row batch."""
+    data = batches(STEPS * 3, 1, SEQ, VOCAB)
+    losses, weights = reference(lambda p: torch.optim.SGD(p, lr=0.1), 3, [concat(data[3 * t:3 * t + 3])
+                                                                         for t in range(STEPS)])
+    assert_same(two_ranks["k3_gas3"][0], losses, weights)
+
+
 def test_resume_equals_uninterrupted(two_ranks):
     """K=3 on 2 ranks, Adam + WarmupLR: saved after 3 iterations with deltas and stashed inputs in
     flight, resumed in a fresh engine: the same losses and weights as never stopping."""
@@ -343,17 +354,21 @@ def test_resume_equals_uninterrupted(two_ranks):
 
 
 @pytest.mark.parametrize("delay", [True, False])
-@pytest.mark.parametrize("K", [2, 3, 4, 5])
-def test_registered_schedule_unroll(K, delay):
-    """resolve("ouroboros") per ring rank, run with rendezvous p2p: no deadlock, each (module,
-    sample) forwarded once and backpropagated once at iteration s + d_m, after its delta arrived,
-    each message matched by the same message on the peer; stash never above num_pipe_buffers."""
+@pytest.mark.parametrize("K, M", [(2, 1), (3, 1), (4, 1), (5, 1), (2, 3), (3, 2), (4, 3)])
+def test_registered_schedule_unroll(K, M, delay):
+    """resolve("ouroboros") per ring rank with M micro-batches per iteration, run with asynchronous
+    sends and blocking receives (as the engine posts them): no deadlock, each (module, sample,
+    micro-batch) forwarded once, each (module, sample) backpropagated at iteration s + d_m after
+    all its deltas arrived (G_{K-1} once per micro-batch), each receive matched by the peer's send
+    in order; stashed samples never above num_pipe_buffers."""
     T, R = 2 * K + 1, K - 1
-    scheds = [resolve("ouroboros")(micro_batches=T, stages=R, stage_id=r, delay=delay) for r in range(R)]
+    scheds = [resolve("ouroboros")(micro_batches=T, stages=R, stage_id=r, delay=delay, chunks=M) for r in range(R)]
     progs = [[(t, st) for t, row in enumerate(s) for st in row] for s in scheds]
-    assert [[row for row in s] for s in scheds] == [list(col) for col in zip(*ouroboros_timetable(K, T, delay))]
-    owner, head = module_owner(K), [0] * R
-    fwd, bwd, have = {}, {}, [set() for _ in range(R)]  # have: ("a"|"g", m, s) present on a rank
+    assert [[row for row in s] for s in scheds] == [list(col) for col in zip(*ouroboros_timetable(K, T, delay, M))]
+    owner, head, last = module_owner(K), [0] * R, K - 1
+    micros = [None] if M == 1 else list(range(M))
+    fwd, bwd, have = {}, {}, [set() for _ in range(R)]  # have: ("a"|"g", m, s, j) present on a rank
+    inbox: list[list] = [[] for _ in range(R)]  # messages sent to a rank, in order: (sender, instruction)
     stash = [0] * R
     while any(head[r] < len(progs[r]) for r in range(R)):
         moved = False
@@ -361,40 +376,50 @@ def test_registered_schedule_unroll(K, delay):
             if head[r] == len(progs[r]):
                 continue
             t, st = progs[r][head[r]]
+            j = st.kwargs.get("micro") if hasattr(st, "kwargs") else None
             if isinstance(st, ModuleForward):
                 m, s = st.module, st.sample
-                assert owner[m] == r and s == t and (m, s) not in fwd and (m == 0 or ("a", m - 1, s) in have[r])
-                fwd[(m, s)] = t
-                have[r].add(("a", m, s))
-                stash[r] += m != K - 1
+                assert owner[m] == r and s == t and (m, s, j) not in fwd
+                assert m == 0 or ("a", m - 1, s, j) in have[r]
+                fwd[(m, s, j)] = t
+                have[r].add(("a", m, s, j))
+                stash[r] += m != last and j in (None, 0)
                 assert stash[r] <= scheds[r].num_pipe_buffers()
             elif isinstance(st, ModuleBackward):
                 m, s = st.module, st.sample
-                assert owner[m] == r and (m, s) in fwd and (m, s) not in bwd
-                assert t == s + (K - 1 - m if delay else 0)
-                assert m == K - 1 or ("g", m + 1, s) in have[r]
-                bwd[(m, s)] = t
-                have[r].add(("g", m, s))
-                stash[r] -= m != K - 1
-            elif isinstance(st, UpdateModules):
-                pass
-            else:
-                if isinstance(st, (RecvHidden, RecvDelta)):
-                    continue  # a receive proceeds when its sender sends
-                p = st.peer
-                want = (RecvHidden if isinstance(st, SendHidden) else RecvDelta)(st.module, st.sample, r)
-                if head[p] == len(progs[p]) or progs[p][head[p]] != (t, want):
-                    continue
+                assert owner[m] == r and t == s + (K - 1 - m if delay else 0)
+                if m == last:
+                    assert (m, s, j) in fwd and (m, s, j) not in bwd
+                    bwd[(m, s, j)] = t
+                    have[r].add(("g", m, s, j))
+                else:
+                    assert j is None and (m, s) not in bwd
+                    assert all((m, s, i) in fwd and ("g", m + 1, s, i) in have[r] for i in micros)
+                    bwd[(m, s)] = t
+                    have[r].update(("g", m, s, i) for i in micros)
+                    stash[r] -= 1
+            elif isinstance(st, (SendHidden, SendDelta)):
                 kind = "a" if isinstance(st, SendHidden) else "g"
-                assert (kind, st.module, st.sample) in have[r]
-                have[p].add((kind, st.module, st.sample))
-                head[p] += 1
+                assert (kind, st.module, st.sample, j) in have[r]
+                inbox[st.peer].append((r, st))
+            elif isinstance(st, (RecvHidden, RecvDelta)):
+                sent = next((i for i, (src, _) in enumerate(inbox[r]) if src == st.peer), None)
+                if sent is None:
+                    continue  # a receive waits for its sender
+                src, msg = inbox[r].pop(sent)
+                want = (SendHidden if isinstance(st, RecvHidden) else SendDelta)(st.module, st.sample, r, j)
+                assert msg == want, f"rank {r} receives {st} but rank {src}'s next message is {msg}"
+                have[r].add(("a" if isinstance(st, RecvHidden) else "g", st.module, st.sample, j))
+            else:
+                assert isinstance(st, UpdateModules)
             head[r] += 1
             moved = True
         assert moved, f"deadlock: {[progs[r][head[r]] for r in range(R) if head[r] < len(progs[r])]}"
-    assert set(fwd) == {(m, s) for m in range(K) for s in range(T)}
+    assert not any(inbox), "messages sent but never received"
+    assert set(fwd) == {(m, s, j) for m in range(K) for s in range(T) for j in micros}
     d = (lambda m: K - 1 - m) if delay else (lambda m: 0)
-    assert set(bwd) == {(m, s) for m in range(K) for s in range(T) if s + d(m) < T}
+    assert set(bwd) == {(m, s) for m in range(last) for s in range(T) if s + d(m) < T} | {
+        (last, s, j) for s in range(T) for j in micros}
 
 
 @pytest.mark.parametrize("change, match", [

@@ -16,8 +16,13 @@ update is exactly ``OuroborosReference.step`` (``ds_mp.schedules.ouroboros.algor
     global-norm clipping and NaN skip.
 
 One ``train_batch`` is one iteration (one update).  Ring rank 0 reads
-``gradient_accumulation_steps`` micro-batches and concatenates them along the batch into x_t
-(the loss is the mean over all its tokens); other ring ranks read nothing.  The stash, the
+``gradient_accumulation_steps`` = M micro-batches; together they are x_t (the loss is the mean
+over all its tokens), and the locked forward is pipelined over them (``rank_steps``): G_m
+forwards micro-batch j and sends it on while G_{m+1} works on j-1, G_{K-1} adds micro-batch
+j's share (its valid-token fraction) of f_t and of its gradient, a replay runs each stashed
+micro-batch under its own forward's RNG state and sums their gradients: the update is the
+whole batch's.  Sends are posted asynchronously (``isend``) and completed before the update, so
+a rank computes while its message travels and never waits for its receiver.  The stash, the
 deltas in flight and t are the engine's schedule state, saved per rank with each checkpoint.
 """
 from __future__ import annotations
@@ -57,6 +62,20 @@ def _leaf(x: Tensor) -> Tensor:
     return x.detach().requires_grad_(x.is_floating_point())
 
 
+def _accumulate(total: list[Tensor] | None, grads: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
+    """total + grads elementwise (in place into total); ``grads`` as a list when total is None."""
+    if total is None:
+        return list(grads)
+    for acc, g in zip(total, grads):
+        acc.add_(g)
+    return total
+
+
+def _valid_targets(labels: Tensor) -> int:
+    """Targets the loss counts: HF's shift (labels[:, 1:]) without the ignored -100."""
+    return int((labels[:, 1:] != -100).sum())
+
+
 class OuroborosState:
     """One ring rank's Ouroboros state (see the module docstring) and its engine hooks."""
 
@@ -77,13 +96,16 @@ class OuroborosState:
             self.ranges = {mine[0]: (0, len(funcs))}
         self.params = {m: self._module_params(funcs[a:b]) for m, (a, b) in self.ranges.items()}
         self.holders = grad_holders(self.params)
-        # G_m's stash: (sample, input, RNG state of its forward, its weights when recompute="stashed")
-        self.stash: dict[int, deque[tuple[int, Tensor, dict, list[Tensor] | None]]] = {m: deque() for m in self.ranges}
-        self.acts: dict[tuple[int, int], Tensor] = {}    # (m, s) -> input of G_m for sample s
-        self.deltas: dict[tuple[int, int], Tensor] = {}  # (m, s) -> delta_m^s, G_m backprops it
+        # G_m's stash per sample: (sample, [(micro-batch input, RNG state of its forward)], its
+        # weights when recompute="stashed")
+        self.stash: dict[int, deque[tuple[int, list[tuple[Tensor, dict]], list[Tensor] | None]]] = {
+            m: deque() for m in self.ranges}
+        self.acts: dict[tuple[int, int, int], Tensor] = {}    # (m, s, j) -> input of G_m, micro-batch j of x_s
+        self.deltas: dict[tuple[int, int, int], Tensor] = {}  # (m, s, j) -> delta_m^s of micro-batch j
         self.grads: dict[int, list[Tensor]] = {}
         self.loss: Tensor | None = None
-        self.labels: Tensor | None = None
+        self.labels: list[Tensor] = []  # ring rank 0: the labels of x_t's micro-batches read so far
+        self.pending: list[tuple[Any, Tensor]] = []  # posted sends (work, buffer kept alive until done)
 
     @staticmethod
     def _module_params(funcs: list) -> list[nn.Parameter]:
@@ -107,38 +129,63 @@ class OuroborosState:
             x = f(x)
         return x
 
-    def forward(self, m: int, s: int) -> None:
-        x = self.acts.pop((m, s)) if m > 0 else self._load_batch()
-        kept = [p.detach().clone() for p in self.params[m]] if self.stash_weights and m < self.K - 1 else None
-        self.stash[m].append((s, x, rng_state(), kept))  # the replay reuses this forward's masks
+    def forward(self, m: int, s: int, micro: int | None = None) -> None:
+        j = micro or 0
+        x = self.acts.pop((m, s, j)) if m > 0 else self._load_micro_batch(j)
+        if j == 0:
+            kept = [p.detach().clone() for p in self.params[m]] if self.stash_weights and m < self.K - 1 else None
+            self.stash[m].append((s, [], kept))
+        entry = self.stash[m][-1]
+        assert entry[0] == s and len(entry[1]) == j, f"G_{m} forwards micro-batch {j} of sample {s} out of order"
+        entry[1].append((x, rng_state() if m < self.K - 1 else None))  # a replay reuses its forward's masks
         if m < self.K - 1:  # G_{K-1} runs forward and backward as one graph in backward()
             with torch.no_grad():
-                self.acts[(m + 1, s)] = self.run(m, x)
+                self.acts[(m + 1, s, j)] = self.run(m, x)
 
-    def backward(self, m: int, s: int) -> None:
-        stashed, x_saved, rng, kept = self.stash[m].popleft()
+    def backward(self, m: int, s: int, micro: int | None = None) -> None:
+        if m == self.K - 1:
+            self._head_backward(s, micro or 0)
+            return
+        stashed, chunks, kept = self.stash[m].popleft()
         assert stashed == s, f"G_{m} replays sample {s} but its oldest stash is sample {stashed}"
-        params = self.params[m]
-        with torch.enable_grad():
+        params, total = self.params[m], None
+        with torch.enable_grad(), swapped_weights(params, kept):
+            for j, (x_saved, rng) in enumerate(chunks):
+                x = _leaf(x_saved)
+                with _replayed(rng if self.repeat_dropout else None):
+                    out = self.run(m, x)
+                grads = torch.autograd.grad(out, ([x] if x.requires_grad else []) + params,
+                                            grad_outputs=self.deltas.pop((m, s, j)), materialize_grads=True)
+                if x.requires_grad:
+                    self.deltas[(m - 1, s, j)], grads = grads[0], grads[1:]
+                total = _accumulate(total, grads)
+        self.grads[m] = total
+
+    def _head_backward(self, s: int, j: int) -> None:
+        """G_{K-1} on micro-batch j of x_s: its share n_j / n of f_s = (1/n) Σ CE over the n valid
+        targets of x_s (n_j of them in j), the gradients of that share, delta_{K-2} of j."""
+        m, (stashed, chunks, _) = self.K - 1, self.stash[self.K - 1][0]
+        assert stashed == s, f"G_{m} backprops sample {s} but holds sample {stashed}"
+        x_saved, _ = chunks[j]
+        if j == self.engine.micro_batches - 1:
+            self.stash[m].popleft()
+        with torch.enable_grad():  # on the ambient streams, as its forward is this very call
             x = _leaf(x_saved)
-            wrt = ([x] if x.requires_grad else []) + params
-            if m == self.K - 1:  # on the ambient streams, as its forward is this very call
-                out = self.loss = self.engine.module.loss_fn(self.run(m, x), self.labels)
-                grads = torch.autograd.grad(out, wrt, materialize_grads=True)
-                self.loss = out.detach()
-            else:
-                with swapped_weights(params, kept):
-                    with _replayed(rng if self.repeat_dropout else None):
-                        out = self.run(m, x)
-                    grads = torch.autograd.grad(out, wrt, grad_outputs=self.deltas.pop((m, s)),
-                                                materialize_grads=True)
+            wrt = ([x] if x.requires_grad else []) + self.params[m]
+            out = self.engine.module.loss_fn(self.run(m, x), self.labels[j])
+            if len(self.labels) > 1:  # every micro-batch of x_s was read by G_0's forwards
+                out = out * (_valid_targets(self.labels[j]) / max(sum(map(_valid_targets, self.labels)), 1))
+            grads = torch.autograd.grad(out, wrt, materialize_grads=True)
         if x.requires_grad:
-            self.deltas[(m - 1, s)], grads = grads[0], grads[1:]
-        self.grads[m] = list(grads)
+            self.deltas[(m - 1, s, j)], grads = grads[0], grads[1:]
+        self.grads[m] = _accumulate(self.grads.get(m) if j > 0 else None, grads)
+        self.loss = out.detach() if j == 0 else self.loss + out.detach()
 
     def update(self) -> None:
-        """p.grad = Σ_m (module m's gradient of p), the tied V scaled by tie_scale, None while all
-        of p's modules are in warm-up; then the shared DP reduce and optimizer step."""
+        """Complete this iteration's sends; p.grad = Σ_m (module m's gradient of p), the tied V
+        scaled by tie_scale, None while all of p's modules are in warm-up; then the shared DP
+        reduce and optimizer step."""
+        self.flush()
         waiting = []
         for p in self.engine.module.parameters():
             p.grad = module_grad_sum(p, self.holders, self.grads, self.tie_scale)
@@ -157,12 +204,11 @@ class OuroborosState:
                 p.grad = None
         self.engine.optimizer_step()
 
-    def _load_batch(self) -> Tensor:
-        """Ring rank 0: x_t = the concatenation of this iteration's micro-batches."""
+    def _load_micro_batch(self, j: int) -> Tensor:
+        """Ring rank 0: micro-batch j of x_t (its labels kept for G_{K-1})."""
         e = self.engine
-        pairs = [compat.next_batch(e) for _ in range(e.micro_batches)]
-        ids, labels = (torch.cat([pair[i] for pair in pairs]).to(e.device) for i in (0, 1))
-        self.labels = labels
+        ids, labels = (t.to(e.device) for t in compat.next_batch(e))
+        self.labels = [labels] if j == 0 else [*self.labels, labels]
         return ids
 
     # --- ring p2p ------------------------------------------------------------------------
@@ -171,10 +217,18 @@ class OuroborosState:
         return topo.rank_of(tp=topo.tp_rank, pp=ring_rank, dp=topo.dp_rank)
 
     def send(self, x: Tensor, ring_rank: int, header: bool = False) -> None:
-        dev = self.engine.device
-        if header:  # activations announce their (B, T, C); deltas have the shape of a stashed output
-            dist.send(torch.tensor(x.shape, dtype=torch.long, device=dev), self._peer(ring_rank))
-        dist.send(x.contiguous(), self._peer(ring_rank))
+        """Post the send of ``x`` (and first its (B, T, C) if ``header``) without waiting for the
+        receiver; :meth:`flush` completes every posted send."""
+        dev, peer = self.engine.device, self._peer(ring_rank)
+        bufs = [torch.tensor(x.shape, dtype=torch.long, device=dev)] if header else []
+        for buf in [*bufs, x.contiguous()]:  # deltas have the shape of a stashed micro-batch's output
+            self.pending.append((dist.isend(buf, peer), buf))
+
+    def flush(self) -> None:
+        """Wait for every posted send (their buffers may then be freed)."""
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
 
     def recv(self, ring_rank: int, shape: tuple[int, ...] | None = None) -> Tensor:
         dev = self.engine.device
@@ -219,6 +273,7 @@ class OuroborosState:
                     total += e.module.loss_fn(self.run(K - 1, h), labels).float()
                 else:
                     self.send(self.run(r, self.recv(r - 1)), self.owner[r + 1], header=True)
+                self.flush()
         finally:
             e.module.train()
         self.loss, saved = total / n, self.loss
@@ -230,9 +285,9 @@ class OuroborosState:
     def state_dict(self) -> dict:
         """The work in flight: t, the stashed inputs (with their forward's RNG state), the deltas."""
         return {"K": self.K, "delay": self.delay, "iteration": self.iteration,
-                "stash": [[m, [(s, x.cpu(), rng, None if kept is None else [w.cpu() for w in kept])
-                               for s, x, rng, kept in q]] for m, q in self.stash.items()],
-                "deltas": [[m, s, d.cpu()] for (m, s), d in self.deltas.items()]}
+                "stash": [[m, [(s, [(x.cpu(), rng) for x, rng in chunks], None if kept is None else [w.cpu() for w in kept])
+                               for s, chunks, kept in q]] for m, q in self.stash.items()],
+                "deltas": [[m, s, j, d.cpu()] for (m, s, j), d in self.deltas.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         if (state["K"], state["delay"]) != (self.K, self.delay):
@@ -240,9 +295,10 @@ class OuroborosState:
                              f"K={self.K}, delay={self.delay}: load it with the same ds_mp.ouroboros settings")
         dev = self.engine.device
         self.iteration = state["iteration"]
-        self.stash = {m: deque((s, x.to(dev), rng, None if kept is None else [w.to(dev) for w in kept])
-                               for s, x, rng, kept in q) for m, q in state["stash"]}
-        self.deltas = {(m, s): d.to(dev) for m, s, d in state["deltas"]}
+        self.stash = {m: deque((s, [(x.to(dev), rng) for x, rng in chunks],
+                                None if kept is None else [w.to(dev) for w in kept])
+                               for s, chunks, kept in q) for m, q in state["stash"]}
+        self.deltas = {(m, s, j): d.to(dev) for m, s, j, d in state["deltas"]}
 
 
 def attach(engine: Any) -> OuroborosState:
@@ -250,33 +306,33 @@ def attach(engine: Any) -> OuroborosState:
     return engine.ouroboros
 
 
-def _exec_module_forward(self: Any, module: int, sample: int) -> None:
-    self.ouroboros.forward(module, sample)
+def _exec_module_forward(self: Any, module: int, sample: int, micro: int | None = None) -> None:
+    self.ouroboros.forward(module, sample, micro)
 
 
-def _exec_module_backward(self: Any, module: int, sample: int) -> None:
-    self.ouroboros.backward(module, sample)
+def _exec_module_backward(self: Any, module: int, sample: int, micro: int | None = None) -> None:
+    self.ouroboros.backward(module, sample, micro)
 
 
-def _exec_send_hidden(self: Any, module: int, sample: int, peer: int) -> None:
+def _exec_send_hidden(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
     st = self.ouroboros
-    st.send(st.acts.pop((module + 1, sample)), peer, header=True)
+    st.send(st.acts.pop((module + 1, sample, micro or 0)), peer, header=True)
 
 
-def _exec_recv_hidden(self: Any, module: int, sample: int, peer: int) -> None:
+def _exec_recv_hidden(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
     st = self.ouroboros
-    st.acts[(module + 1, sample)] = st.recv(peer)
+    st.acts[(module + 1, sample, micro or 0)] = st.recv(peer)
 
 
-def _exec_send_delta(self: Any, module: int, sample: int, peer: int) -> None:
+def _exec_send_delta(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
     st = self.ouroboros
-    st.send(st.deltas.pop((module - 1, sample)), peer)
+    st.send(st.deltas.pop((module - 1, sample, micro or 0)), peer)
 
 
-def _exec_recv_delta(self: Any, module: int, sample: int, peer: int) -> None:
-    st, m = self.ouroboros, module - 1  # delta_m^s has the shape of G_m's output for sample s: (B, T, C)
-    x = next(entry[1] for entry in st.stash[m] if entry[0] == sample)
-    st.deltas[(m, sample)] = st.recv(peer, (*x.shape[:2], self.module.ds_mp_ctx.n_embd))
+def _exec_recv_delta(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
+    st, m, j = self.ouroboros, module - 1, micro or 0  # delta_m^s of micro-batch j: (B_j, T, C) like G_m's output
+    x = next(chunks[j][0] for s, chunks, _ in st.stash[m] if s == sample)
+    st.deltas[(m, sample, j)] = st.recv(peer, (*x.shape[:2], self.module.ds_mp_ctx.n_embd))
 
 
 def _exec_update_modules(self: Any) -> None:

@@ -215,15 +215,16 @@ def module_grad_sum(p: nn.Parameter, holders: Holders, grads: dict[int, list[Ten
     """Step 4's gradient of ``p``: Σ over the modules holding p of their gradient (zero for a
     module in warm-up, i.e. absent from ``grads``), times ``tie_scale`` when two modules hold p
     (the tied V); None when no module holding p has a gradient yet.  ``grads``: module index ->
-    gradients in ``parameters()`` order; ``holders`` from :func:`grad_holders`."""
+    gradients in ``parameters()`` order; ``holders`` from :func:`grad_holders`.  The sum is
+    formed in place in the first module's gradient tensor (``grads`` is consumed)."""
     where = holders[id(p)]
     real = [grads[m][i] for m, i in where if m in grads]
     if not real:
         return None
-    total = real[0].clone()
+    total = real[0]
     for g in real[1:]:
         total += g
-    return total * (tie_scale if len(where) == 2 else 1.0)
+    return total.mul_(tie_scale) if len(where) == 2 else total
 
 
 # ----------------------------------------------------------------------------- reference

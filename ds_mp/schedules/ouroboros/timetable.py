@@ -97,15 +97,18 @@ def module_owner(K: int) -> dict[int, int]:
 
 # ----------------------------------------------------------------------------- instructions
 class _RingInstruction(PipeInstruction):
-    """A DeepSpeed ``PipeInstruction`` naming module ``m``, sample ``s`` and (messages) the ring
-    ``peer``; compared by value, printed in the timetable's short form."""
+    """A DeepSpeed ``PipeInstruction`` naming module ``m``, sample ``s``, (messages) the ring
+    ``peer`` and, when an iteration has several micro-batches, the ``micro``-batch j of x_s it
+    carries; compared by value, printed in the timetable's short form (``s.j`` for a micro-batch)."""
 
     _fmt = ""
 
-    def __init__(self, module: int, sample: int, peer: int | None = None) -> None:
+    def __init__(self, module: int, sample: int, peer: int | None = None, micro: int | None = None) -> None:
         kwargs = {"module": module, "sample": sample}
         if peer is not None:
             kwargs["peer"] = peer
+        if micro is not None:
+            kwargs["micro"] = micro
         super().__init__(**kwargs)
 
     def __eq__(self, other: object) -> bool:
@@ -115,21 +118,26 @@ class _RingInstruction(PipeInstruction):
         return hash((type(self).__name__, tuple(sorted(self.kwargs.items()))))
 
     def __str__(self) -> str:
-        return self._fmt.format(m=self.module, s=self.sample, p=self.kwargs.get("peer"))
+        j = self.kwargs.get("micro")
+        return self._fmt.format(m=self.module, s=self.sample if j is None else f"{self.sample}.{j}",
+                                p=self.kwargs.get("peer"))
 
 
 class ModuleForward(_RingInstruction):
-    """h_{m+1}^s = G_m(h_m^s; w^t), input stashed; G_{K-1}'s forward runs inside its backward."""
+    """h_{m+1}^s = G_m(h_m^s; w^t) for micro-batch j of x_s, input stashed; G_{K-1}'s forward runs
+    inside its backward."""
     _fmt = "F{m}:{s}"
 
 
 class ModuleBackward(_RingInstruction):
-    """G_m backprops delta_m^s; m < K-1 replays on its stash with w^t, G_{K-1} computes f_s and df_s."""
+    """G_m backprops delta_m^s: m < K-1 replays every micro-batch of its stash with w^t (no
+    ``micro``); G_{K-1} computes micro-batch j's share of f_s and df_s (``micro`` = j)."""
     _fmt = "B{m}:{s}"
 
 
 class SendHidden(_RingInstruction):
-    """Send h_{m+1}^s (output of G_m) to the rank of G_{m+1}."""
+    """Send h_{m+1}^s (output of G_m; micro-batch j) to the rank of G_{m+1}, without waiting for
+    it to arrive (the engine posts every send asynchronously and completes it at UpdateModules)."""
     _fmt = "a{m}:{s}>r{p}"
 
 
@@ -139,7 +147,8 @@ class RecvHidden(_RingInstruction):
 
 
 class SendDelta(_RingInstruction):
-    """Send delta_{m-1}^s (gradient w.r.t. G_m's input) to the rank of G_{m-1}."""
+    """Send delta_{m-1}^s (gradient w.r.t. G_m's input; micro-batch j) to the rank of G_{m-1},
+    asynchronously like SendHidden."""
     _fmt = "g{m}:{s}>r{p}"
 
 
@@ -167,49 +176,66 @@ Step = Union[ModuleForward, ModuleBackward, SendHidden, RecvHidden, SendDelta, R
 
 
 # ----------------------------------------------------------------------------- timetable
-def rank_steps(K: int, t: int, rank: int, delay: bool = True) -> list[Step]:
-    """Ordered actions of ring `rank` at iteration t (blocking p2p, posted in order).
+def rank_steps(K: int, t: int, rank: int, delay: bool = True, micro_batches: int = 1) -> list[Step]:
+    """Ordered actions of ring `rank` at iteration t (sends posted asynchronously, receives blocking).
 
-    delay=True (Algorithm 1; G_m backprops sample t - d_m, d_m = K-1-m):
+    delay=True (Algorithm 1; G_m backprops sample t - d_m, d_m = K-1-m), one micro-batch:
       rank 0:  F0:t  a0:t>r1  B0:t-K+1  a(K-2):t<r(K-2)  F(K-1):t  B(K-1):t  g1:t-K+2<r1  g(K-1):t>r(K-2)  step
       rank r:  a(r-1):t<  Fr:t  ar:t>  Br:t-d_r  gr:t-d_r>  g(r+1):t-d_r+1<  step
     The forward is sequential across ranks (DDG locks the forward); what runs in parallel is the
     backward (replay + backprop): rank r replays while the ranks after it forward, rank 0 replays
-    G_0 while the chain runs. Rank 0 receives g1 before it sends g(K-1), which breaks the gradient
-    ring (deadlock-free with blocking sends).
+    G_0 while the chain runs.
+
+    ``micro_batches`` = M > 1 pipelines the locked forward over x_t's M micro-batches j (written
+    ``t.j``): each G_m forwards and sends micro-batch j as soon as it has it, so G_{m+1} works on
+    j while G_m works on j+1, and G_{K-1} computes f_t and df_t one micro-batch at a time (their
+    sums are the whole batch's: the same update).  Replays stay per sample (B0:t-K+1 runs every
+    micro-batch of its stash) and deltas travel per micro-batch:
+      rank 0:  [F0:t.j a0:t.j>r1]_j  B0:t-K+1  [a(K-2):t.j< F(K-1):t.j B(K-1):t.j]_j  [g1:t-K+2.j<]_j  [g(K-1):t.j>]_j  step
+      rank r:  [a(r-1):t.j< Fr:t.j ar:t.j>]_j  Br:t-d_r  [gr:t-d_r.j>]_j  [g(r+1):t-d_r+1.j<]_j  step
+    Sends never wait for their receiver (the forward pipeline would otherwise deadlock: rank 0
+    sends a0:t.1 while rank 1 sends a1:t.0); rank 0 receives g1 before it sends g(K-1), which also
+    keeps M=1 deadlock-free with blocking sends.
     delay=False (synchronous backprop, for testing): forward chain, then the backward chain
       rank 0:  F0:t  a0:t>r1  a(K-2):t<  F(K-1):t  B(K-1):t  g(K-1):t>  g1:t<r1  B0:t  step
       rank r:  a(r-1):t<  Fr:t  ar:t>  g(r+1):t<  Br:t  gr:t>  step
     Messages between modules on the same rank (K=2) are local handoffs and not listed.
     """
     owner, last = module_owner(K), K - 1
+    micros: list[int | None] = [None] if micro_batches == 1 else list(range(micro_batches))
 
     def sample(m: int) -> int | None:  # sample G_m backprops at iteration t
         s = t - (K - 1 - m if delay else 0)
         return s if s >= 0 else None
 
-    def msg(cls: type[_RingInstruction], m: int, s: int | None, peer: int) -> list[Step]:
-        return [cls(m, s, peer)] if s is not None and peer != rank else []
+    def msg(cls: type[_RingInstruction], m: int, s: int | None, peer: int, j: int | None) -> list[Step]:
+        return [cls(m, s, peer, j)] if s is not None and peer != rank else []
+
+    def msgs(cls: type[_RingInstruction], m: int, s: int | None, peer: int) -> list[Step]:
+        return [st for j in micros for st in msg(cls, m, s, peer, j)]
 
     if rank == 0:
-        fwd = [ModuleForward(0, t), *msg(SendHidden, 0, t, owner[1])]
-        head = [*msg(RecvHidden, K - 2, t, owner[K - 2]), ModuleForward(last, t), ModuleBackward(last, t)]
-        send_head = msg(SendDelta, last, t, owner[K - 2])
+        fwd = [st for j in micros for st in [ModuleForward(0, t, micro=j), *msg(SendHidden, 0, t, owner[1], j)]]
+        head = [st for j in micros for st in [*msg(RecvHidden, K - 2, t, owner[K - 2], j),
+                                              ModuleForward(last, t, micro=j), ModuleBackward(last, t, micro=j)]]
+        send_head = msgs(SendDelta, last, t, owner[K - 2])
         if not delay:
-            return fwd + head + send_head + msg(RecvDelta, 1, t, owner[1]) + [ModuleBackward(0, t), UpdateModules()]
+            return fwd + head + send_head + msgs(RecvDelta, 1, t, owner[1]) + [ModuleBackward(0, t), UpdateModules()]
         s0 = sample(0)
         replay: list[Step] = [ModuleBackward(0, s0)] if s0 is not None else []
-        return fwd + replay + head + msg(RecvDelta, 1, sample(1), owner[1]) + send_head + [UpdateModules()]
+        return fwd + replay + head + msgs(RecvDelta, 1, sample(1), owner[1]) + send_head + [UpdateModules()]
     s, s_up = sample(rank), sample(rank + 1)
-    row: list[Step] = [RecvHidden(rank - 1, t, owner[rank - 1]), ModuleForward(rank, t), SendHidden(rank, t, owner[rank + 1])]
-    backward: list[Step] = [ModuleBackward(rank, s), SendDelta(rank, s, owner[rank - 1])] if s is not None else []
-    recv_up = msg(RecvDelta, rank + 1, s_up, owner[rank + 1])
+    row: list[Step] = [st for j in micros for st in [RecvHidden(rank - 1, t, owner[rank - 1], j),
+                                                     ModuleForward(rank, t, micro=j),
+                                                     SendHidden(rank, t, owner[rank + 1], j)]]
+    backward: list[Step] = [ModuleBackward(rank, s), *msgs(SendDelta, rank, s, owner[rank - 1])] if s is not None else []
+    recv_up = msgs(RecvDelta, rank + 1, s_up, owner[rank + 1])
     return row + (backward + recv_up if delay else recv_up + backward) + [UpdateModules()]
 
 
-def ouroboros_timetable(K: int, T: int, delay: bool = True) -> list[list[list[Step]]]:
-    """table[t][rank] = rank_steps(K, t, rank, delay) for t < T and every ring rank."""
-    return [[rank_steps(K, t, r, delay) for r in range(K - 1)] for t in range(T)]
+def ouroboros_timetable(K: int, T: int, delay: bool = True, micro_batches: int = 1) -> list[list[list[Step]]]:
+    """table[t][rank] = rank_steps(K, t, rank, delay, micro_batches) for t < T and every ring rank."""
+    return [[rank_steps(K, t, r, delay, micro_batches) for r in range(K - 1)] for t in range(T)]
 
 
 def format_timetable(table: list[list[list[Step]]]) -> str:
@@ -221,21 +247,23 @@ def format_timetable(table: list[list[list[Step]]]) -> str:
 class OuroborosSchedule(PipeSchedule):
     """Ouroboros as a DeepSpeed ``PipeSchedule`` for one ring rank.
 
-    ``stages`` = K-1 ring ranks, ``stage_id`` = ring rank, ``micro_batches`` = iterations; step i
-    yields ``rank_steps(K, start + i, stage_id, delay)``, run by ds_mp's pipeline engine like any
+    ``stages`` = K-1 ring ranks, ``stage_id`` = ring rank, ``micro_batches`` = iterations, ``chunks``
+    = micro-batches per iteration (DeepSpeed's gradient_accumulation_steps); step i yields
+    ``rank_steps(K, start + i, stage_id, delay, chunks)``, run by ds_mp's pipeline engine like any
     schedule (handlers in ``ds_mp.engine.ouroboros``).  The engine builds a new one-iteration
     schedule per ``train_batch`` with ``start`` = its iteration t, as DeepSpeed does.
     """
 
-    def __init__(self, micro_batches: int, stages: int, stage_id: int, start: int = 0, delay: bool = True) -> None:
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, start: int = 0, delay: bool = True,
+                 chunks: int = 1) -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
-        self.start, self.delay = start, delay
+        self.start, self.delay, self.chunks = start, delay, chunks
 
     @classmethod
     def from_engine(cls, engine) -> "OuroborosSchedule":
         state = engine.ouroboros
         return cls(micro_batches=1, stages=engine.num_stages, stage_id=engine.stage_id,
-                   start=state.next_iteration(), delay=state.delay)
+                   start=state.next_iteration(), delay=state.delay, chunks=engine.micro_batches)
 
     @staticmethod
     def pipeline_layout(cfg: Any) -> tuple[list[str], list[int]]:
@@ -244,7 +272,7 @@ class OuroborosSchedule(PipeSchedule):
 
     def steps(self) -> Iterator[list[Step]]:
         for t in range(self.start, self.start + self.micro_batches):
-            yield rank_steps(self.stages + 1, t, self.stage_id, self.delay)
+            yield rank_steps(self.stages + 1, t, self.stage_id, self.delay, self.chunks)
 
     def num_pipe_buffers(self) -> int:
         """Most inputs this rank keeps stashed at once: d_m + 1 = K - m for its first module."""

@@ -85,6 +85,10 @@ class OuroborosState:
         self.tie_scale = 0.5 if self.delay else 1.0  # g_V = tie_scale (dV_o + dV_i)
         self.stash_weights = cfg.ouroboros.recompute == "stashed"
         self.repeat_dropout = cfg.ouroboros.repeat_dropout
+        ctx = engine.module.ds_mp_ctx
+        # A replay must redraw each micro-batch's own masks only if dropout is on and repeated;
+        # otherwise it runs the whole stashed batch as one graph (larger, faster matmuls).
+        self.replay_per_micro = self.repeat_dropout and max(ctx.dropout, ctx.embd_dropout, ctx.attn_dropout) > 0
         self.iteration = 0
         self.owner = module_owner(self.K)
         funcs = engine.module.forward_funcs
@@ -149,15 +153,22 @@ class OuroborosState:
         stashed, chunks, kept = self.stash[m].popleft()
         assert stashed == s, f"G_{m} replays sample {s} but its oldest stash is sample {stashed}"
         params, total = self.params[m], None
+        deltas = [self.deltas.pop((m, s, j)) for j in range(len(chunks))]
+        sizes = [d.shape[0] for d in deltas]
+        if len(chunks) > 1 and not self.replay_per_micro:  # one graph over the whole stashed batch
+            chunks, deltas = [(torch.cat([x for x, _ in chunks]), chunks[0][1])], [torch.cat(deltas)]
         with torch.enable_grad(), swapped_weights(params, kept):
-            for j, (x_saved, rng) in enumerate(chunks):
+            for j, ((x_saved, rng), delta) in enumerate(zip(chunks, deltas)):
                 x = _leaf(x_saved)
                 with _replayed(rng if self.repeat_dropout else None):
                     out = self.run(m, x)
                 grads = torch.autograd.grad(out, ([x] if x.requires_grad else []) + params,
-                                            grad_outputs=self.deltas.pop((m, s, j)), materialize_grads=True)
-                if x.requires_grad:
-                    self.deltas[(m - 1, s, j)], grads = grads[0], grads[1:]
+                                            grad_outputs=delta, materialize_grads=True)
+                if x.requires_grad:  # delta_{m-1}^s travels per micro-batch
+                    parts = grads[0].split(sizes) if len(chunks) < len(sizes) else [grads[0]]
+                    for i, part in enumerate(parts):
+                        self.deltas[(m - 1, s, j + i)] = part
+                    grads = grads[1:]
                 total = _accumulate(total, grads)
         self.grads[m] = total
 
@@ -192,7 +203,8 @@ class OuroborosState:
             if p.grad is None:
                 waiting.append(p)
         self.grads.clear()
-        self.engine.reduce_gradients()
+        if self.engine.topology.dp > 1:  # DeepSpeed's reduction buckets and copies even over one replica
+            self.engine.reduce_gradients()
         if compat.uses_bf16_optimizer(self.engine):
             # bf16: DeepSpeed's BF16_Optimizer steps its fp32 master copies as one flat group and needs
             # every gradient, so modules in warm-up step with zeros here (a plain optimizer skips them).

@@ -179,7 +179,13 @@ class DsMpPipelineEngine(PipelineEngine):
         measure = probe is not None and probe.due(self.global_steps + 1)
         if measure:  # |G_small|² of this replica before the DP all-reduce, |G_big|² after
             probe.before(self.global_grad_norm() ** 2, self.device)
-        super()._exec_reduce_grads()
+        if self.topology.dp > 1 or compat.uses_bf16_optimizer(self) or self.zero_optimization_stage() > 0:
+            super()._exec_reduce_grads()
+        # else: one replica and the gradients already sit in p.grad: DeepSpeed's reduction would
+        # flatten every gradient into buckets, all-reduce over a group of one and copy back (two
+        # memcpys of the whole gradient per step, a no-op in value; gradient_predivide_factor
+        # scales by f and back by f / 1).  bf16 and ZeRO keep it: their reduce also moves the
+        # gradients into the optimizer's own buffers.
         if measure:
             probe.after(self.global_grad_norm() ** 2,
                         self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import time
 from dataclasses import asdict
 from typing import Any, Iterator, Sequence
@@ -46,15 +47,23 @@ class ScheduleBench(DsMpBench):
     """A ds_mp pipeline built for TeraPipe that can run any registered schedule and plan."""
 
     def __init__(self, rank: int, world: int, shape: dict, micro: int, gas: int = 1,
-                 slices: Sequence[int] | None = None) -> None:
+                 slices: Sequence[int] | None = None, partition: str | list = "uniform",
+                 output_dir: str = "") -> None:
         import ds_mp
 
         cfg = ds_mp_config(shape, pp=world, micro=micro, gas=gas, schedule="terapipe")
         cfg["ds_mp"]["terapipe"] = {"slices": list(slices or [shape["seq"]]), "granularity": GRANULARITY}
+        cfg["ds_mp"]["pipeline"]["partition"] = partition
+        if output_dir:  # where a "cost" partition keeps its per-layer profile
+            cfg["ds_mp"]["training"] = {"output_dir": output_dir}
         self.engine, self.opt, _, _ = ds_mp.initialize(model=hf_model(shape), config=cfg)
         ids, labels = batch(shape, micro * gas)
         self.micro = [(ids[i:i + micro], labels[i:i + micro]) for i in range(0, micro * gas, micro)]
         self.seq = shape["seq"]
+
+    def parts(self) -> list[int]:
+        """Pipeline layer boundaries of the stages (the partition chosen at build)."""
+        return list(self.engine.module.parts)
 
     def use(self, schedule: str, plan: list | None = None) -> None:
         """Run ``schedule`` from now on; for TeraPipe with ``plan`` = [(rows, token slices)]."""
@@ -213,7 +222,9 @@ def run(quick: bool, out_dir: str) -> dict:
     configs = [Config("hf_1x1", "benchmarks.workloads:setup_hf", 1, 1, {"shape": shape, "rows": 1}),
                Config("deepspeed_1f1b", "benchmarks.pipeline:setup_deepspeed_pipe", K, 1,
                       {"shape": shape, "rows": 1, "micro_batches": 1}),
-               Config("ds_mp", "benchmarks.terapipe:setup_schedule_bench", K, 1, {"shape": shape, "micro": 1})]
+               # ds_mp's stages balanced by measured layer cost (the head + loss weigh about 1.3 blocks)
+               Config("ds_mp", "benchmarks.terapipe:setup_schedule_bench", K, 1,
+                      {"shape": shape, "micro": 1, "partition": "cost", "output_dir": tempfile.mkdtemp()})]
     with started(configs) as groups:
         per_rank, transfer, profile_load = load_or_profile(
             groups["ds_mp"], os.path.join(out_dir, f"terapipe_profile_{tag}.json"),
@@ -232,6 +243,7 @@ def run(quick: bool, out_dir: str) -> dict:
         times = interleave(runs, repeats, steps)
         ds.call("use", "terapipe", [(1, dp)])
         traces = ds.call("trace")[0]
+        parts = ds.call("parts")[0]
     write_chrome_trace(traces, os.path.join(out_dir, "timeline_terapipe.json"))
     tl = timeline_png(traces, os.path.join(out_dir, "timeline_terapipe.png"),
                       f"ds_mp TeraPipe, PP={K}, 1 × {L} tokens, DP slices {dp}")
@@ -291,7 +303,8 @@ def run(quick: bool, out_dir: str) -> dict:
                       (len(dp), med["terapipe_dp"], pred["terapipe_dp"]), med["deepspeed_1f1b"], L)
     for n in med:
         res[n].update(predicted_s=pred[n], slices=slicings.get(n, [L]))
-    return {"workload": s.describe() + f", batch 1 × {L}, PP={K}, 2 ranks × 1 thread",
+    return {"workload": s.describe() + f", batch 1 × {L}, PP={K}, 2 ranks × 1 thread; ds_mp pipeline layer "
+                        f"boundaries {parts} (partition \"cost\"; DeepSpeed's 1F1B on its default split)",
             "configs": res, "ratios": ratios, "summary": summary, "repeats": repeats, "steps_per_repeat": steps,
             "dp_slices": dp, "cost_model": cost.to_dict(), "intervals": intervals, "fit_error": err, "stage_fit_errors": stage_err,
             "forward_fraction": fwd, "trace": tl, "traced_vs_profiled_compute": inflation,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, canonical_name, expected_shapes,
-                                      is_sharded_dir, open_safetensors, slice_reader, st_dtype,
+                                      SafetensorsRanges, is_sharded_dir, open_safetensors, st_dtype,
                                       write_safetensors_streaming)
 from ds_mp.models.gpt2 import WeightSource, hf_param_name, tp_kind
 from ds_mp.tensor_parallel.sharding import read_shard, shard, unshard
@@ -64,7 +64,8 @@ class HFReader:
         self.config = read_hf_config(path)
         self._where: dict[str, tuple[Any, str]] = {}  # canonical name -> (source, stored key)
         self._shape: dict[str, tuple[int, ...]] = {}
-        self.elements_read = [0]  # tensor elements read through get_shard (safetensors slices)
+        self.elements_read = [0]  # tensor elements read through get_shard (safetensors ranges)
+        self._headers: dict[str, SafetensorsRanges] = {}  # safetensors file -> its parsed header
         for file in self._weight_files():
             self._index(file)
         self._validate()
@@ -90,8 +91,9 @@ class HFReader:
         per read, so no memory map outlives its tensor) or the mmap-loaded ``.bin`` dict."""
         handle: str | dict[str, torch.Tensor]
         if file.endswith(".safetensors"):
-            f = open_safetensors(file)
+            f = open_safetensors(file)  # validates the file (truncation, corrupt header)
             handle, keys = file, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            self._headers[file] = SafetensorsRanges(file, self.elements_read)
         else:
             if not os.path.isfile(file):
                 raise CheckpointError(f"{file}: file missing; the checkpoint is incomplete, re-copy it")
@@ -137,22 +139,23 @@ class HFReader:
 
     def dtype_of(self, name: str) -> torch.dtype:
         handle, key = self._where[canonical_name(name)]
-        return st_dtype(open_safetensors(handle).get_slice(key).get_dtype()) if isinstance(handle, str) \
-            else handle[key].dtype
+        return st_dtype(self._headers[handle].entries[key]["dtype"]) if isinstance(handle, str) else handle[key].dtype
 
     def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
                   padded_vocab: int = 0) -> torch.Tensor:
         """``shard(get(name), kind, rank, size, ...)``: from safetensors only the rows/columns
-        of this shard are read (``get_slice``; the three q|k|v column ranges of ``c_attn``,
-        the vocab rows); a ``pytorch_model.bin`` is memory-mapped and cut after a full read."""
+        of this shard are read, straight into the shard (:class:`SafetensorsRanges`; the three
+        q|k|v column ranges of ``c_attn``, the vocab rows); a ``pytorch_model.bin`` is
+        memory-mapped and cut after a full read."""
         name = canonical_name(name)
         if name not in self._where:
             raise CheckpointError(f"{self.path}: no tensor {name!r} in this GPT-2 checkpoint")
         handle, key = self._where[name]
         if not isinstance(handle, str):
             return shard(handle[key], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab).clone()
-        read = slice_reader(open_safetensors(handle), key, self.elements_read)
-        return read_shard(read, self._shape[name], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab)
+        ranges = self._headers[handle]
+        return read_shard(lambda dim, lo, hi, out: ranges.read(key, dim, lo, hi, out), self._shape[name], kind,
+                          rank, size, n_head=n_head, padded_vocab=padded_vocab, dtype=self.dtype_of(name))
 
 
 def open_reader(path: str) -> HFReader | ShardedReader:

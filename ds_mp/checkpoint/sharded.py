@@ -15,12 +15,14 @@ on stage 0).  Shards are cut by :func:`ds_mp.tensor_parallel.sharding.shard` wit
 kind from ``GPT2_TP_PLAN``, so ``unshard`` of the TP shards of one name gives the full HF
 tensor (vocab padding dropped) and any other layout can re-cut it: the format is
 layout-free.  :class:`ShardedReader` validates every file header up front and reads
-tensors lazily (``safe_open``), one name at a time.
+tensors lazily, one name at a time, a TP shard as positioned reads of just its ranges
+(:class:`SafetensorsRanges`).
 """
 from __future__ import annotations
 
 import bisect
 import json
+import math
 import os
 from typing import Any
 
@@ -135,20 +137,60 @@ def write_sharded(reader: Any, cfg: Any, out: str, tp: int, parts: list[int], pa
     write_meta(out, make_meta(cfg, tp, parts, padded_vocab))
 
 
-def slice_reader(handle: Any, key: str, counter: list[int] | None = None) -> Any:
-    """``read(dim, lo, hi)`` over the stored tensor ``key`` of an open safetensors file:
-    only that index range is read (``get_slice``); ``counter[0]`` adds the elements read."""
-    sl = handle.get_slice(key)
-    ndim = len(sl.get_shape())
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-    def read(dim: int, lo: int, hi: int) -> torch.Tensor:
-        t = sl[lo:hi] if dim == 0 else sl[(slice(None),) * dim + (slice(lo, hi),)]
-        if counter is not None:
-            counter[0] += t.numel()
-        return t
 
-    assert ndim >= 1
-    return read
+class SafetensorsRanges:
+    """Index ranges of the tensors of one safetensors file, read with ``os.preadv`` straight
+    into caller-provided tensors.
+
+    No memory map: ``safe_open``'s map keeps every page a read touched counted in this
+    process' resident memory until the handle is collected (a 98 MiB ``wte`` shard read
+    through it cost 98 MiB of file pages on top of the shard), and a ``get_slice`` returns a
+    new tensor that the caller then copies into place.  Here reading a shard costs the shard.
+    Only the header is parsed here; ``open_safetensors`` validates the file (truncation...).
+    ``counter[0]`` adds the elements read."""
+
+    def __init__(self, path: str, counter: list[int] | None = None) -> None:
+        self.path, self.counter = path, counter
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        self.data_start = 8 + n
+        self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
+
+    def read(self, key: str, dim: int, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Write the stored tensor ``key``'s index range ``[lo, hi)`` along ``dim`` into ``out``
+        (shape: the stored shape with ``hi - lo`` along ``dim``; a view with a contiguous last
+        dim, e.g. a ``narrow`` of a fresh tensor).  The range is ``prod(shape[:dim])``
+        contiguous runs of the file: one read each."""
+        entry = self.entries[key]
+        shape, begin = entry["shape"], entry["data_offsets"][0]
+        if entry["dtype"] != _DTYPES.get(out.dtype):
+            raise CheckpointError(f"{self.path}: {key} is stored as {entry['dtype']}, read into {out.dtype}")
+        expect = [*shape[:dim], hi - lo, *shape[dim + 1:]]
+        if list(out.shape) != expect:
+            raise CheckpointError(f"{self.path}: {key}[{lo}:{hi}] along dim {dim} has shape {expect}, "
+                                  f"destination {list(out.shape)}")
+        item, inner = out.element_size(), math.prod(shape[dim + 1:])
+        outer = math.prod(shape[:dim])
+        # the destination's bytes as a numpy array sharing its memory: one row per contiguous run
+        rows = out.view(_INT_OF_SIZE[item]).numpy().reshape(outer, (hi - lo) * inner)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for j in range(outer):
+                row = memoryview(rows[j]).cast("B")
+                offset, done = self.data_start + begin + (j * shape[dim] + lo) * inner * item, 0
+                while done < len(row):
+                    got = os.preadv(fd, [row[done:]], offset + done)
+                    if got <= 0:
+                        raise CheckpointError(f"{self.path}: {key} ends early; the file is truncated, re-create "
+                                              "or re-copy it")
+                    done += got
+        finally:
+            os.close(fd)
+        if self.counter is not None:
+            self.counter[0] += out.numel()
 
 
 def open_safetensors(path: str) -> Any:
@@ -188,6 +230,7 @@ class ShardedReader:
         self.shapes = expected_shapes(self.config)
         self.state_keys: dict[str, list[str]] = {}
         self.elements_read = [0]  # tensor elements read through get_shard / get_state_shard
+        self._headers: dict[str, SafetensorsRanges] = {}  # file -> its parsed header (ranges read with pread)
         for s in range(meta["pp"]):
             want = {n for n in self.shapes if self.stage_of(n) == s}
             for r in range(self.tp):
@@ -240,24 +283,26 @@ class ShardedReader:
         shards = [self._open("model", s, r).get_tensor(name) for r in range(self.tp)]
         return unshard(shards, tp_kind(name), n_head=self.config.n_head, vocab=self.config.vocab_size)
 
-    def _read_range(self, prefix: str, key: str, name: str, kind: str, dim: int, lo: int, hi: int) -> torch.Tensor:
-        """The full tensor's range ``[lo, hi)`` along ``dim``, read from the overlapping saved
-        shard files only (each through a slice)."""
+    def _ranges(self, prefix: str, s: int, r: int) -> SafetensorsRanges:
+        path = shard_file(self.path, prefix, s, r)
+        if path not in self._headers:
+            self._headers[path] = SafetensorsRanges(path, self.elements_read)
+        return self._headers[path]
+
+    def _read_range(self, prefix: str, key: str, name: str, kind: str, dim: int, lo: int, hi: int,
+                    out: torch.Tensor) -> None:
+        """Write the full tensor's range ``[lo, hi)`` along ``dim`` into ``out``, from the
+        overlapping saved shard files only (each piece read straight into its place)."""
         s, n_head, padded = self.stage_of(name), self.config.n_head, self.meta["padded_vocab"]
         full = self.shapes[name]
-        pieces: list[tuple[int, torch.Tensor]] = []
         for k in range(1 if kind == "replicated" else self.tp):
             _, ranges, _ = shard_ranges(kind, k, self.tp, full, n_head=n_head, padded_vocab=padded)
-            spans = locate(lo, hi, ranges)
-            if spans:
-                read = slice_reader(self._open(prefix, s, k), key, self.elements_read)
-                pieces += [(glo, read(dim, llo, lhi)) for llo, lhi, glo in spans]
-        pieces.sort(key=lambda p: p[0])
-        return pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in pieces], dim=dim)
+            for llo, lhi, glo in locate(lo, hi, ranges):
+                self._ranges(prefix, s, k).read(key, dim, llo, lhi, out.narrow(dim, glo - lo, lhi - llo))
 
     def dtype_of(self, name: str) -> torch.dtype:
         name = canonical_name(name)
-        return st_dtype(self._open("model", self.stage_of(name), 0).get_slice(name).get_dtype())
+        return st_dtype(self._ranges("model", self.stage_of(name), 0).entries[name]["dtype"])
 
     def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
                   padded_vocab: int = 0) -> torch.Tensor:
@@ -266,8 +311,9 @@ class ShardedReader:
         name = canonical_name(name)
         if name not in self.shapes:
             raise CheckpointError(f"{self.path}: no tensor {name!r} in a GPT-2 with this config")
-        return read_shard(lambda d, lo, hi: self._read_range("model", name, name, kind, d, lo, hi),
-                          self.shapes[name], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab)
+        return read_shard(lambda d, lo, hi, out: self._read_range("model", name, name, kind, d, lo, hi, out),
+                          self.shapes[name], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab,
+                          dtype=self.dtype_of(name))
 
     def get_state_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
                         padded_vocab: int = 0) -> dict[str, Any]:
@@ -280,10 +326,12 @@ class ShardedReader:
         for key in self.state_keys.get(name, []):
             stored = f"{name}::{key}"
             f = self._open("optim", s, 0)
-            if tuple(f.get_slice(stored).get_shape()) == self.local_shape(name):
-                out[key] = read_shard(lambda d, lo, hi: self._read_range("optim", stored, name, kind, d, lo, hi),
-                                      self.shapes[name], kind, rank, size, n_head=n_head,
-                                      padded_vocab=padded_vocab)
+            sl = f.get_slice(stored)
+            if tuple(sl.get_shape()) == self.local_shape(name):
+                out[key] = read_shard(
+                    lambda d, lo, hi, o: self._read_range("optim", stored, name, kind, d, lo, hi, o),
+                    self.shapes[name], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab,
+                    dtype=st_dtype(sl.get_dtype()))
             else:
                 out[key] = f.get_tensor(stored)
         if self.meta.get("has_optimizer"):

@@ -56,27 +56,29 @@ def _stream_seed(seed: int, name: str, block: int) -> int:
 
 
 def fresh_tensor(name: str, shape: tuple[int, ...], seed: int, n_layer: int, std: float = 0.02,
-                 dim: int = 0, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-    """Index range ``[lo, hi)`` along ``dim`` of the fresh fp32 tensor ``name`` (whole by default).
+                 dim: int = 0, lo: int = 0, hi: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Index range ``[lo, hi)`` along ``dim`` of the fresh fp32 tensor ``name`` (whole by default),
+    written into ``out`` when given (a view of that shape), else into a new tensor; returned.
 
     Rows (dim 0) come in blocks of :data:`ROWS_PER_DRAW`, each drawn from its own stream, so
-    any row range is produced without the others; a range along the last dim is cut from
-    each row block as it is drawn (peak: one block, not the tensor)."""
+    any row range is produced without the others; each block's part of the range is copied
+    into place as it is drawn (peak: the range plus one block)."""
     rule, sd = init_rule(name, n_layer, std)
     hi = shape[dim] if hi is None else hi
     out_shape = list(shape)
     out_shape[dim] = hi - lo
+    out = torch.empty(out_shape) if out is None else out
     if rule != "normal":
-        return torch.zeros(out_shape) if rule == "zeros" else torch.ones(out_shape)
+        return out.fill_(0.0 if rule == "zeros" else 1.0)
     rows = (lo, hi) if dim == 0 else (0, shape[0])
-    parts = []
     for b in range(rows[0] // ROWS_PER_DRAW, -(-rows[1] // ROWS_PER_DRAW)):
         b_lo, b_hi = b * ROWS_PER_DRAW, min((b + 1) * ROWS_PER_DRAW, shape[0])
         g = torch.Generator().manual_seed(_stream_seed(seed, name, b))
         block = torch.empty((b_hi - b_lo, *shape[1:])).normal_(0.0, sd, generator=g)
-        block = block[max(rows[0], b_lo) - b_lo: min(rows[1], b_hi) - b_lo]
-        parts.append(block if dim == 0 else block.narrow(dim, lo, hi - lo).clone())
-    return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+        r_lo, r_hi = max(rows[0], b_lo), min(rows[1], b_hi)
+        part = block[r_lo - b_lo: r_hi - b_lo]
+        out[r_lo - rows[0]: r_hi - rows[0]] = part if dim == 0 else part.narrow(dim, lo, hi - lo)
+    return out
 
 
 def fresh_source(hf_config: Any, seed: int, std: float = 0.02) -> WeightSource:
@@ -97,7 +99,7 @@ def fresh_source(hf_config: Any, seed: int, std: float = 0.02) -> WeightSource:
 
     def get_shard(name: str, kind: str, rank: int, size: int, **meta: int) -> torch.Tensor:
         name = full_name(name)
-        return read_shard(lambda d, lo, hi: fresh_tensor(name, shapes[name], seed, L, std, d, lo, hi),
+        return read_shard(lambda d, lo, hi, out: fresh_tensor(name, shapes[name], seed, L, std, d, lo, hi, out),
                           shapes[name], kind, rank, size, **meta)
 
     return WeightSource(get, hf_config, get_shard)

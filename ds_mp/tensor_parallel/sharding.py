@@ -114,22 +114,27 @@ def shard_ranges(kind: str, rank: int, size: int, shape: tuple[int, ...], *, n_h
     return 0, ([(lo, hi)] if hi > lo else []), per
 
 
-def read_shard(read: Callable[[int, int, int], torch.Tensor], shape: tuple[int, ...], kind: str, rank: int,
+def read_shard(read: Callable[[int, int, int, torch.Tensor], None], shape: tuple[int, ...], kind: str, rank: int,
                size: int, *, n_head: int = 0, padded_vocab: int = 0,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
-    """This rank's shard of a full tensor of ``shape`` that is never materialised:
-    ``read(dim, lo, hi)`` returns the full tensor's index range ``[lo, hi)`` along ``dim``
-    (e.g. a safetensors ``get_slice``).  Equal to ``shard(full, ...)`` (a fresh tensor)."""
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """This rank's shard of a full tensor of ``shape`` that is never materialised, equal to
+    ``shard(full, ...)`` (a fresh ``dtype`` tensor).
+
+    The shard is allocated once; ``read(dim, lo, hi, out)`` writes the full tensor's index
+    range ``[lo, hi)`` along ``dim`` into ``out``, the view of the shard that holds it (e.g. a
+    positioned file read, a seeded draw), and the vocab padding rows are zeroed: building a
+    shard costs the shard, with no pieces to concatenate."""
     dim, ranges, length = shard_ranges(kind, rank, size, shape, n_head=n_head, padded_vocab=padded_vocab)
-    pieces = [read(dim, lo, hi) for lo, hi in ranges]
-    got = sum(p.shape[dim] for p in pieces)
-    if got < length or not pieces:  # vocab padding rows
-        out_shape = list(shape)
-        out_shape[dim] = length - got
-        ref_dtype = pieces[0].dtype if pieces else (dtype or torch.float32)
-        pieces.append(torch.zeros(out_shape, dtype=ref_dtype))
-    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
-    return out.contiguous() if dtype is None else out.to(dtype).contiguous()
+    out_shape = list(shape)
+    out_shape[dim] = length
+    out = torch.empty(out_shape, dtype=dtype)
+    at = 0
+    for lo, hi in ranges:
+        read(dim, lo, hi, out.narrow(dim, at, hi - lo))
+        at += hi - lo
+    if at < length:  # vocab padding rows
+        out.narrow(dim, at, length - at).zero_()
+    return out
 
 
 def locate(lo: int, hi: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

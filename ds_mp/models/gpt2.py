@@ -137,9 +137,10 @@ ShardGetter = Callable[..., torch.Tensor]  # (name, kind, rank, size, n_head=, p
 class WeightSource:
     """HF-layout tensors by name: ``get("transformer.h.0.ln_1.weight")`` (the full tensor) and
     ``get_shard(name, kind, rank, size, n_head=, padded_vocab=)`` (one TP shard, equal to
-    ``shard(get(name), ...)``).  A source that can read or create a shard without the full
-    tensor (safetensors slices, sliced init) passes ``shard_getter``; the layers ask for
-    shards through :meth:`lazy`, so a rank materialises only what it keeps.  ``names``: every
+    ``shard(get(name), ...)``, as a new tensor the caller owns).  A source that can read or
+    create a shard without the full tensor (safetensors ranges, sliced init) passes
+    ``shard_getter`` (returning a new tensor too); the layers ask for shards through
+    :meth:`lazy`, so a rank materialises only what it keeps, once.  ``names``: every
     name it holds, where known (optional tensors such as LoRA factors are looked up with
     :meth:`has`)."""
 
@@ -196,6 +197,9 @@ class LazyWeight:
         self.src, self.name = src, name
 
     def shard(self, kind: str, rank: int, size: int, **meta: int) -> torch.Tensor:
+        """This rank's shard as a new tensor that the caller owns (``tp_parameter`` takes it
+        over without a copy): never a view of a tensor kept elsewhere or of a memory-mapped
+        file, which the parameter would keep alive (resident)."""
         return self.src.get_shard(self.name, kind, rank, size, **meta)
 
 
@@ -553,17 +557,19 @@ class GPT2Pipeline(PipelineModule):
     def _synchronize_tied_weights(self) -> None:
         """DeepSpeed broadcasts the tied ``wte`` from its first owner when the module is built.
         Every stage here built its copy from the same weight source, so the copies already agree:
-        a two-number all-reduce (min and max of a checksum) confirms it, and the full broadcast
-        (which also doubled the last stage's memory for the tied shard while building) runs only
-        if they differ.  Under no_grad: outside it autograd would record the in-place collective
-        on the leaf and warn on every backward that it backpropagates through ``c10d::broadcast_``."""
+        an all-reduce of per-row checksums (their max and min over the copies) confirms it, and
+        the full broadcast (which also doubled the last stage's memory for the tied shard while
+        building) runs only if a row differs.  The row sums are fp32 reductions along each row
+        (deterministic, no temporary the size of the shard: a float64 sum upcast its chunks and
+        left ~50 MiB of freed heap behind on GPT-2 medium).  Under no_grad: outside it autograd
+        would record the in-place collective on the leaf and warn on every backward that it
+        backpropagates through ``c10d::broadcast_``."""
         with torch.no_grad():
             for _, w, group, ranks in tied_weights(self):
-                # float64 sum in row chunks: no full-size upcast copy of the (large) tied shard
-                check = sum(c.sum(dtype=torch.float64) for c in w.detach().split(1024)).reshape(1)
-                both = torch.cat([check, -check])  # all-reduce MAX: (max, -min)
+                rows = w.detach().reshape(w.shape[0], -1).sum(dim=1)  # (rows,)
+                both = torch.cat([rows, -rows])  # all-reduce MAX: (max, -min) per row
                 torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
-                if both[0] != -both[1]:
+                if not torch.equal(both[:len(rows)], -both[len(rows):]):
                     torch.distributed.broadcast(w, src=min(ranks), group=group)
 
     def allreduce_tied_weight_gradients(self) -> None:

@@ -70,10 +70,20 @@ def _check_tensors(src: Any, out: Any, cfg: Any) -> str:
     return f"verified: all {len(expected_shapes(cfg))} tensors bit-exact"
 
 
+def _no_lora(reader: HFReader | ShardedReader, src: str) -> None:
+    """A LoRA run's training checkpoint holds the frozen base and the factors: converting only
+    the base would silently drop the fine-tuning."""
+    if isinstance(reader, ShardedReader) and reader.lora:
+        raise CheckpointError(f"{src}: a LoRA run's training checkpoint (ds_mp.lora {reader.lora}); its base "
+                              "weights alone are not the fine-tuned model: use the run's <output_dir>/hf "
+                              "(merged) or <output_dir>/adapter, or ds_mp.save_lora after resuming it")
+
+
 def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str | list[int] = "uniform", vocab_pad_multiple: int = 128,
              verify: bool = True, atol: float = 1e-5, overwrite: bool = False, verify_logits: bool = False) -> str:
     """Write ``src`` (HF or sharded dir) as a sharded directory for TP=``tp``, PP=``pp``."""
     reader = open_reader(src)
+    _no_lora(reader, src)
     cfg = reader.config
     if tp < 1 or cfg.n_head % tp:
         raise CheckpointError(f"--tp {tp} does not divide n_head={cfg.n_head}; use a divisor of {cfg.n_head}")
@@ -125,6 +135,7 @@ def ds_to_hf(src: str, out: str, tokenizer_dir: str | None = None, verify: bool 
     if not is_sharded_dir(src):
         raise CheckpointError(f"{src}: not a ds_mp sharded checkpoint (no ds_mp_meta.json)")
     reader = ShardedReader(src)
+    _no_lora(reader, src)
     cfg = reader.config
     with atomic_dir(out, overwrite=overwrite) as tmp:
         write_hf_streaming(reader, cfg, tmp, tokenizer_dir)

@@ -14,7 +14,9 @@ A tensor is stored in the file of the stage that holds its layer (the tied ``wte
 on stage 0).  Shards are cut by :func:`ds_mp.tensor_parallel.sharding.shard` with the
 kind from ``GPT2_TP_PLAN``, so ``unshard`` of the TP shards of one name gives the full HF
 tensor (vocab padding dropped) and any other layout can re-cut it: the format is
-layout-free.  :class:`ShardedReader` validates every file header up front and reads
+layout-free.  A LoRA run's training checkpoint also holds the factors
+(``transformer.h.<i>.<module>.lora_A/B``, cut by ``GPT2_LORA_PLAN``; ``"lora"`` in the meta
+names them).  :class:`ShardedReader` validates every file header up front and reads
 tensors lazily, one name at a time, a TP shard as positioned reads of just its ranges
 (:class:`SafetensorsRanges`).
 """
@@ -29,7 +31,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ds_mp.models.gpt2 import GPT2_TP_PLAN, layer_index, param_shapes, pipeline_layers, tp_kind
+from ds_mp.models.gpt2 import (BLOCK_RENAME, GPT2_TP_PLAN, layer_index, lora_targeted, param_shapes, pipeline_layers,
+                              tp_kind)
 from ds_mp.tensor_parallel.sharding import locate, read_shard, shard, shard_ranges, unshard
 
 FORMAT, VERSION = "ds_mp.sharded", 1
@@ -51,6 +54,22 @@ def canonical_name(name: str) -> str:
 expected_shapes = param_shapes  # every GPT-2 parameter (HF name, HF order) and its full shape
 
 
+def lora_shapes(cfg: Any, lora: dict | None) -> dict[str, tuple[int, ...]]:
+    """The LoRA factors of a run with ``lora`` (``{"r": …, "target_modules": […]}``, as in
+    ``ds_mp_meta.json``) and their full shapes in the Conv1D layout, ``lora_A`` (in, r) and
+    ``lora_B`` (r, out), in HF order; empty without LoRA.  They shard by ``GPT2_LORA_PLAN``."""
+    if not lora or not lora.get("r"):
+        return {}
+    r, base, out = lora["r"], param_shapes(cfg), {}
+    for i in range(cfg.n_layer):
+        for module in BLOCK_RENAME.values():
+            if lora_targeted(module, lora["target_modules"]):
+                prefix = f"transformer.h.{i}.{module}"
+                n_in, n_out = base[prefix + ".weight"]
+                out[prefix + ".lora_A"], out[prefix + ".lora_B"] = (n_in, r), (r, n_out)
+    return out
+
+
 def stage_of(name: str, layers: list[str], parts: list[int]) -> int:
     """The stage whose layer range ``[parts[s], parts[s+1])`` holds ``name``'s layer."""
     return bisect.bisect_right(parts, layer_index(canonical_name(name), layers)) - 1
@@ -67,12 +86,14 @@ def shard_file(path: str, prefix: str, stage: int, rank: int) -> str:
 
 
 def make_meta(cfg: Any, tp: int, parts: list[int], padded_vocab: int, has_optimizer: bool = False,
-              layers: list[str] | None = None) -> dict:
-    """``layers``: the pipeline's layer order when it is not ``pipeline_layers`` (a ring layout)."""
+              layers: list[str] | None = None, lora: dict | None = None) -> dict:
+    """``layers``: the pipeline's layer order when it is not ``pipeline_layers`` (a ring layout);
+    ``lora``: ``{"r", "alpha", "target_modules"}`` of a LoRA run, whose files also hold the
+    factors (:func:`lora_shapes`)."""
     return {"format": FORMAT, "version": VERSION, "tp": tp, "pp": len(parts) - 1, "parts": list(parts),
             "layers": list(layers or pipeline_layers(cfg.n_layer)),
             "vocab_size": cfg.vocab_size, "padded_vocab": padded_vocab, "has_optimizer": has_optimizer,
-            "hf_config": cfg.to_dict()}
+            "lora": lora, "hf_config": cfg.to_dict()}
 
 
 def write_meta(path: str, meta: dict) -> None:
@@ -209,7 +230,8 @@ def is_sharded_dir(path: str) -> bool:
 
 
 class ShardedReader:
-    """Validated, lazy access to a sharded directory: full tensors by HF name."""
+    """Validated, lazy access to a sharded directory: full tensors by HF name (with the LoRA
+    factors of a LoRA run's training checkpoint, see :func:`lora_shapes`)."""
 
     def __init__(self, path: str) -> None:
         from transformers import GPT2Config
@@ -227,7 +249,8 @@ class ShardedReader:
             raise CheckpointError(f"{path}: model_type {meta['hf_config'].get('model_type')!r}; ds_mp reads GPT-2")
         self.meta, self.tp, self.parts = meta, meta["tp"], meta["parts"]
         self.config = GPT2Config.from_dict(meta["hf_config"])
-        self.shapes = expected_shapes(self.config)
+        self.lora = meta.get("lora") or None  # {"r", "alpha", "target_modules"} of a LoRA run
+        self.shapes = {**expected_shapes(self.config), **lora_shapes(self.config, self.lora)}
         self.state_keys: dict[str, list[str]] = {}
         self.elements_read = [0]  # tensor elements read through get_shard / get_state_shard
         self._headers: dict[str, SafetensorsRanges] = {}  # file -> its parsed header (ranges read with pread)

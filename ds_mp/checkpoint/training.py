@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import commit_dir, fresh_dir, write_text_atomic
-from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, make_meta, shard_file,
-                                      write_meta)
+from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, lora_shapes, make_meta,
+                                      shard_file, write_meta)
 from ds_mp.models.gpt2 import hf_param_name, tp_kind
 
 TRAINER_STATE = "trainer_state.pt"
@@ -74,6 +74,13 @@ def _params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
     return [(hf_param_name(n, engine.module), p) for n, p in engine.module.named_parameters()]
 
 
+def _lora_meta(engine: Any) -> dict | None:
+    """``{"r", "alpha", "target_modules"}`` of a LoRA engine (its factors are saved and resumed
+    like any parameter), None without LoRA."""
+    lora = engine.module.ds_mp_ctx.lora
+    return None if lora is None else {"r": lora.r, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
+
+
 def _everywhere(what: str, fn: Callable[[], None]) -> None:
     """Run ``fn`` on this rank, then raise on every rank if it failed on any (collective)."""
     try:
@@ -100,7 +107,7 @@ def _rank_tensors(engine: Any, opt: Any) -> tuple[dict, dict, dict]:
     state: dict[str, torch.Tensor] = {}
     extras: dict[str, dict[str, Any]] = {}
     for name, p in _params(engine):
-        if native:
+        if native and p.requires_grad:  # frozen (LoRA's base): no master, no state; the module weight
             from deepspeed.utils import safe_get_full_fp32_param
 
             master = safe_get_full_fp32_param(p)  # collective over the DP group
@@ -108,7 +115,7 @@ def _rank_tensors(engine: Any, opt: Any) -> tuple[dict, dict, dict]:
             entries.update(compat.flat_state_extras(p, opt))
         else:
             master = p
-            entries = dict(opt.state.get(p, {})) if opt is not None else {}
+            entries = dict(opt.state.get(p, {})) if opt is not None and not native else {}
         if name == "transformer.wte.weight" and topo.pp_rank != 0:
             continue  # the tied copy on the last stage is identical; stored once on stage 0
         model[name] = master.detach().float().cpu().contiguous() if native else master.detach().cpu().contiguous()
@@ -172,7 +179,7 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
         if topo.rank == 0:
             meta = make_meta(engine.hf_config, topo.tp, list(engine.module.parts),
                              engine.module.ds_mp_ctx.padded_vocab, has_optimizer=opt is not None,
-                             layers=engine.module.layer_names)
+                             layers=engine.module.layer_names, lora=_lora_meta(engine))
             write_meta(tmp, meta)
             torch.save(_trainer_state(engine, _base_optimizer(engine), client_state or {}),
                        os.path.join(tmp, TRAINER_STATE))
@@ -257,6 +264,11 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict
         raise CheckpointError(f"{path}: saved model shape (n_layer={reader.config.n_layer}, n_embd="
                               f"{reader.config.n_embd}, vocab={reader.config.vocab_size}) differs from the engine's; "
                               "resume with the same model")
+    saved, have = reader.lora, _lora_meta(engine)
+    if (lora_shapes(reader.config, saved) != lora_shapes(engine.hf_config, have)  # the same factors, same scaling
+            or (saved or {}).get("alpha") != (have or {}).get("alpha")):
+        raise CheckpointError(f"{path}: saved with ds_mp.lora {saved or 'off'}, the engine has {have or 'off'}; "
+                              "resume with the same LoRA r, alpha and target_modules")
     if opt is not None and not reader.meta.get("has_optimizer"):
         raise CheckpointError(f"{path}: holds weights only (no optimizer state); start from it with "
                               "ds_mp.training.init_from instead of resuming")
@@ -274,7 +286,7 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict
             kind = tp_kind(name)
             weight = reader.get_shard(name, kind, topo.tp_rank, topo.tp, **meta)
             p.copy_(weight)  # a bf16 module weight: the master rounded, as DeepSpeed keeps it
-            if opt is None:
+            if opt is None or not p.requires_grad:  # frozen (LoRA's base): no master, no optimizer state
                 continue
             state = reader.get_state_shard(name, kind, topo.tp_rank, topo.tp, **meta)
             if native:  # fp32 master + state into this DP rank's fragments of the flat partitions

@@ -93,29 +93,51 @@ def _loop_rank(rank: int, config_path: str, *extra: str) -> int:
     return loop.main(["--deepspeed_config", config_path, *extra])
 
 
-def test_training_loop_with_lora_checkpoints_and_exports(tmp_path):
-    """launch/finetune.py's loop on 2 ranks (TP=2) with ds_mp.lora: trains, checkpoints, writes <out>/adapter (PEFT) and <out>/hf (merged) that agree."""
+def test_training_loop_with_lora_checkpoints_resume_and_exports(tmp_path):
+    """launch/finetune.py's loop on 2 ranks (TP=2) with ds_mp.lora (LoRA dropout on): trains 4 steps,
+    checkpoints, writes <out>/adapter (PEFT) and <out>/hf (merged) that agree; ``--resume`` from the
+    step-2 checkpoint (base, factors, Adam state of the factors, data position, RNG) repeats steps
+    3–4 exactly."""
     import json
     import os
+    import shutil
 
     from peft import PeftModel
     from transformers import GPT2LMHeadModel
 
-    from launcher_utils import tiny_dataset, train_config
+    from ds_mp.checkpoint import CheckpointError, ShardedReader, ds_to_hf
+    from launcher_utils import read_log, tiny_dataset, train_config
 
     data = tiny_dataset(str(tmp_path))
     base_dir = str(tmp_path / "base")
     tiny_gpt2(seed=0, n_layer=2, n_embd=32, n_head=4, vocab=512).save_pretrained(base_dir)
-    cfg = train_config(str(tmp_path), data, tp=2, pp=1, steps=4, lr=1e-2, model=base_dir,
-                       lora={"r": 4, "alpha": 8, "dropout": 0.05, "target_modules": ["c_attn", "c_proj"]})
+    lora = {"r": 4, "alpha": 8, "dropout": 0.05, "target_modules": ["c_attn", "c_proj"]}
+    cfg = train_config(str(tmp_path), data, tp=2, pp=1, steps=4, lr=1e-2, model=base_dir, lora=lora)
     path = str(tmp_path / "config.json")
     with open(path, "w") as f:
         json.dump(cfg, f)
     assert run_ranks(_loop_rank, 2, path, timeout=240) == [0, 0]
     out = tmp_path / "run"
-    assert os.path.isdir(out / "checkpoints" / "step4")
-    # resume is refused before any collective (one line), not crashed into
-    assert run_ranks(_loop_rank, 2, path, "--resume", "--steps", "6", timeout=120) == [2, 2]
+    uninterrupted = [r["loss"] for r in read_log(str(out))]
+    reader = ShardedReader(str(out / "checkpoints" / "step2"))
+    assert reader.lora == {"r": 4, "alpha": 8, "target_modules": ["c_attn", "c_proj"]}
+    factor = "transformer.h.1.attn.c_attn.lora_B"  # saved as 2 qkv shards, read at TP=1: layout-free
+    assert reader.get(factor).shape == (4, 96) and reader.get(factor).abs().max() > 0
+    assert torch.equal(reader.get_shard(factor, "qkv", 0, 1, n_head=4), reader.get(factor))
+    assert set(reader.get_state(factor)) == {"exp_avg", "exp_avg_sq", "step"}  # AdamW state of the factors
+    assert reader.state_keys.get("transformer.h.1.attn.c_attn.weight") is None  # frozen base: no state
+    with pytest.raises(CheckpointError, match="LoRA run's training checkpoint"):  # not the base alone
+        ds_to_hf(reader.path, str(tmp_path / "base_only"))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step2", resumed / "checkpoints" / "step2")
+    (resumed / "checkpoints" / "latest").write_text("step2\n")
+    cfg["ds_mp"]["training"].update(output_dir=str(resumed), export_hf=False)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    assert run_ranks(_loop_rank, 2, path, "--resume", timeout=240) == [0, 0]
+    rows = read_log(str(resumed))
+    assert [int(r["step"]) for r in rows] == [3, 4]
+    assert [r["loss"] for r in rows] == uninterrupted[2:]  # printed with 6 decimals: exact to fp32 print
     adapter = json.load(open(out / "adapter" / "adapter_config.json"))
     assert adapter["r"] == 4 and adapter["fan_in_fan_out"] and adapter["base_model_name_or_path"] == base_dir
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -145,9 +145,6 @@ def _run(args: argparse.Namespace) -> int:
     resume_tag = read_latest(ckpt_root) if args.resume else None
     if args.resume and resume_tag is None:
         raise ConfigError(f"--resume: no finished checkpoint under {ckpt_root}; run without --resume first")
-    if resume_tag is not None and cfg.lora.r:  # the sharded reader knows GPT-2's HF tensors only
-        raise ConfigError("--resume: not supported yet with ds_mp.lora (the sharded checkpoint reader does not "
-                          "know the LoRA factors); start a new run, or merge <output_dir>/hf and fine-tune from it")
 
     engine, _, _, _ = ds_mp.initialize(model=init, config=raw)
     topo, rank0 = engine.topology, torch.distributed.get_rank() == 0
@@ -161,13 +158,16 @@ def _run(args: argparse.Namespace) -> int:
         state = load_checkpoint(engine, ckpt_root, resume_tag)
         start_step = int(state["step"])
         restore_sampler(sampler, state, start_step)
-        if state.get("rng") is not None and state.get("layout") == _layout(topo):
-            set_rng_state(state["rng"])
+        rng = state.get("rng")
+        if rng is not None and state.get("layout") == _layout(topo):  # the same ranks: each its own streams
+            set_rng_state(rng[torch.distributed.get_rank()] if isinstance(rng, list) else rng)
     log = CsvLog(os.path.join(tcfg.output_dir, "log.csv"), resume=resume_tag is not None) if rank0 else None
 
     def save(step: int, tag: str | None = None) -> None:
+        rngs: list = [None] * torch.distributed.get_world_size()  # every rank's streams (they differ over
+        torch.distributed.all_gather_object(rngs, rng_state())  # TP and PP), by global rank: exact dropout
         save_checkpoint(engine, ckpt_root, tag or f"step{step}",
-                        {"step": step, "data": data_path, "rng": rng_state(), "layout": _layout(topo),
+                        {"step": step, "data": data_path, "rng": rngs, "layout": _layout(topo),
                          "sampler": sampler.state_dict()})
 
     tokens_per_step = micro * gas * topo.dp * cfg.data.seq_len

@@ -108,6 +108,37 @@ def test_sliced_reads_equal_full_read_and_read_only_the_shard(dirs, which):
                     assert reader.elements_read[0] < full.numel()
 
 
+_SHARD_RSS = r"""
+import sys
+from ds_mp.checkpoint.hf import HFReader
+def peak():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
+reader = HFReader(sys.argv[1])
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak RSS to the current RSS
+base = peak()
+wte = reader.get_shard("transformer.wte.weight", "vocab", 1, 2, padded_vocab=int(sys.argv[2]))
+print("RISE_KIB", peak() - base, "SHARD_KIB", wte.numel() * wte.element_size() // 1024)
+"""
+
+
+def test_reading_a_shard_costs_the_shard(tmp_path):
+    """The last TP rank's ``wte`` shard (rows read, padding rows added) from an HF dir: the peak RSS
+    rises by the shard, not by the shard plus the file pages a memory map keeps resident plus a
+    concatenation for the padding (3× the shard before)."""
+    import subprocess
+    import sys
+
+    hf = str(tmp_path / "hf")
+    tiny_gpt2(n_layer=1, n_embd=512, n_head=4, vocab=32000).save_pretrained(hf)  # wte: 62.5 MiB
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _SHARD_RSS, hf, str(padded_vocab_size(32000, 2))],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rise, shard_kib = (int(v) for v in out.stdout.split("RISE_KIB")[1].split()[::2])
+    assert rise < 1.25 * shard_kib, (rise, shard_kib)
+
+
 def test_qkv_shard_is_three_column_ranges():
     dim, ranges, length = shard_ranges("qkv", 1, 2, (48, 144), n_head=6)
     assert (dim, ranges, length) == (1, [(24, 48), (72, 96), (120, 144)], 72)

@@ -28,6 +28,7 @@ import math
 import os
 from typing import Any
 
+import numpy
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -196,7 +197,10 @@ class SafetensorsRanges:
         item, inner = out.element_size(), math.prod(shape[dim + 1:])
         outer = math.prod(shape[:dim])
         # the destination's bytes as a numpy array sharing its memory: one row per contiguous run
-        rows = out.view(_INT_OF_SIZE[item]).numpy().reshape(outer, (hi - lo) * inner)
+        dest = out.view(_INT_OF_SIZE[item]).numpy()
+        rows = dest.reshape(outer, (hi - lo) * inner)
+        if rows.size and not numpy.may_share_memory(rows, dest):  # reshape copied: out is not such a view
+            raise ValueError(f"SafetensorsRanges.read: destination strides {out.stride()} are not a range view")
         fd = os.open(self.path, os.O_RDONLY)
         try:
             for j in range(outer):

@@ -288,13 +288,9 @@ def machine() -> dict:
     import torch
     import transformers
 
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu_count": os.cpu_count(), "cpu": model, "load_avg_1m": round(os.getloadavg()[0], 2),
+    from ds_mp.models.cost_profile import cpu_model
+
+    return {"cpu_count": os.cpu_count(), "cpu": cpu_model(), "load_avg_1m": round(os.getloadavg()[0], 2),
             "python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "transformers": transformers.__version__, "platform": platform.platform(),
             "date": datetime.datetime.now().isoformat(timespec="seconds")}

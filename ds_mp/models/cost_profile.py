@@ -72,13 +72,16 @@ def device_label(device: torch.device) -> str:
         return f"cuda {torch.cuda.get_device_name(device)}"
     if device.type != "cpu":
         return device.type
-    model = platform.processor() or platform.machine()
+    return f"cpu {cpu_model()}, {torch.get_num_threads()} threads"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` knows)."""
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
-    return f"cpu {model}, {torch.get_num_threads()} threads"
+        return platform.processor() or platform.machine()
 
 
 def profile_key(hf_config: Any, *, rows: int, seq: int, dtype: torch.dtype, device: torch.device, tp: int,
@@ -194,5 +197,5 @@ def _read_cache(path: str) -> dict:
     return entries if isinstance(entries, dict) else {}
 
 
-__all__ = ["PROFILE_NAME", "synced_seconds", "device_label", "profile_key", "measure_layer_costs",
+__all__ = ["PROFILE_NAME", "synced_seconds", "device_label", "cpu_model", "profile_key", "measure_layer_costs",
            "agreed_layer_costs"]

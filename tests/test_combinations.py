@@ -99,7 +99,8 @@ def steps_for(case: tuple) -> list[list]:
 
 # --- a guard on the devices of collective arguments ------------------------------------------
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                "reduce_scatter", "send", "recv", "isend", "irecv", "reduce")
+                "all_gather_single", "reduce_scatter_single", "reduce_scatter", "send", "recv", "isend", "irecv",
+                "reduce")
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "randn", "rand", "arange")
 
 
@@ -334,8 +335,8 @@ def _sp_rank(rank: int) -> dict:
 
 
 def test_sequence_parallel_collectives_equal_their_sums() -> None:
-    """reduce_scatter_to_sequence / gather_from_sequence (one reduce_scatter_tensor /
-    all_gather_into_tensor each, the path NCCL also takes) give the sums they stand for, forward
+    """reduce_scatter_to_sequence / gather_from_sequence (one reduce_scatter_single /
+    all_gather_single each, the path NCCL also takes) give the sums they stand for, forward
     and backward, with chunks along dim 1 (not dim 0), in fp32 and bf16."""
     for r in run_ranks(_sp_rank, 2, timeout=120):
         assert r["shape"] == (2, 3, 5), r

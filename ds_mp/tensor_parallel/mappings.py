@@ -11,10 +11,11 @@ needs exactly one all-reduce forward and one backward.
 
 Sequence parallelism (Korthikanti et al.) replaces f/g around the LayerNorm/dropout regions
 by an all-gather along the sequence (forward; reduce-scatter backward) and a
-reduce-scatter (forward; all-gather backward): ``dist.all_gather_into_tensor`` and
-``dist.reduce_scatter_tensor`` on chunks stacked along a new leading dim (the layout both
-NCCL and gloo accept; gloo has both, and reduces bf16/fp16, from torch 2.13 on, the
-package's lower bound).
+reduce-scatter (forward; all-gather backward): ``dist.all_gather_single`` and
+``dist.reduce_scatter_single`` (torch 2.13's names for ``all_gather_into_tensor`` /
+``reduce_scatter_tensor``) on chunks stacked along a new leading dim (the layout both NCCL
+and gloo accept; gloo has both, and reduces bf16/fp16, from torch 2.13 on, the package's
+lower bound).
 """
 from __future__ import annotations
 
@@ -40,26 +41,26 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` (rank order): one ``all_gather_into_tensor``
+    """Concatenate every rank's ``x`` along ``dim`` (rank order): one ``all_gather_single``
     into ``(n, *x.shape)``."""
     n = _world(group)
     if n == 1:
         return x
     out = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous().unsqueeze(0), group=group)
+    dist.all_gather_single(out, x.contiguous().unsqueeze(0), group=group)
     return torch.cat(out.unbind(0), dim=dim)
 
 
 def _start_reduce_scatter(x: torch.Tensor, dim: int, group: Group, async_op: bool) -> tuple[Any, torch.Tensor]:
     """Launch the sum of ``x`` over ``group`` keeping this rank's chunk along ``dim``: the chunks
     are stacked contiguously along a new dim 0 (rank r's at ``[r]``) for one
-    ``reduce_scatter_tensor`` (1/p of an all-reduce's traffic).  Returns (work, ``(1, …)`` output)."""
+    ``reduce_scatter_single`` (1/p of an all-reduce's traffic).  Returns (work, ``(1, …)`` output)."""
     n = _world(group)
     if x.shape[dim] % n:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by {n} ranks")
     stacked = torch.stack(x.chunk(n, dim=dim)).contiguous()
     out = torch.empty((1, *stacked.shape[1:]), dtype=x.dtype, device=x.device)
-    return dist.reduce_scatter_tensor(out, stacked, group=group, async_op=async_op), out
+    return dist.reduce_scatter_single(out, stacked, group=group, async_op=async_op), out
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

@@ -69,6 +69,9 @@ def _rank(rank: int, world: int, port: int, cfg: dict, steps: int, dropout: floa
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"losses": losses, "seconds": clock}, f)
+    from ds_mp.engine.initialize import shutdown_distributed
+
+    shutdown_distributed(clean=True)  # a gloo group left to exit-time destructors can abort a finished rank
 
 
 def train_curve(name: str, cfg: dict, world: int, steps: int, data: str, dropout: float = 0.0) -> dict:

@@ -62,6 +62,7 @@ def _rank(rank: int, world: int, port: int, shape: dict, tp: int, pp: int, model
     torch.set_num_threads(1)
     base = _reset_peak()
     import ds_mp
+    from ds_mp.engine.initialize import shutdown_distributed
 
     for module in IMPORTS:
         importlib.import_module(module)
@@ -79,6 +80,7 @@ def _rank(rank: int, world: int, port: int, shape: dict, tp: int, pp: int, model
     with open(os.path.join(out, f"r{rank}.json"), "w") as f:
         json.dump({"rank": rank, "peak_rise_mib": rise, "params_mib": params, "imports_mib": imports,
                    "init_s": t_init, "first_step_s": t_step}, f)
+    shutdown_distributed(clean=True)  # a gloo group left to exit-time destructors can abort a finished rank
 
 
 def _spawn(shape: dict, tp: int, pp: int, model_dir: str | None) -> list[dict]:

@@ -46,6 +46,9 @@ def _rank(rank: int, world: int, port: int, shape: dict, rows: int, micro: int, 
                              "ds_mp Ouroboros, K=3 modules on 2 ranks (steady state)")
         with open(os.path.join(result_dir, "stats.json"), "w") as f:
             json.dump(stats, f, default=float)
+    from ds_mp.engine.initialize import shutdown_distributed
+
+    shutdown_distributed(clean=True)  # a gloo group left to exit-time destructors can abort a finished rank
 
 
 def run(quick: bool, out_dir: str) -> dict:

@@ -12,6 +12,9 @@ and gradient clipping, so the same token budget; 2 ranks × 1 thread each):
     ouroboros_m4 the same, the R rows read as 4 micro-batches: the locked forward is pipelined
                  over them (rank 0's head works on micro-batch j while rank 1 forwards j+1; the
                  same update as ``ouroboros`` up to fp32 rounding)
+    ouroboros_kept  Ouroboros K=3 with ``recompute: "none"``: each delayed module keeps its
+                 forward's graph (against a snapshot of its weights) until its delayed backward
+                 instead of replaying the forward: weight stashing's maths without the replay
 
 Every step is a real training step on the embedded stdlib corpus
 (``ds_mp.data.ensure_default_dataset``); the groups take turns round-robin, so a step's
@@ -20,8 +23,9 @@ the validation loss on the same held-out sequences (not timed).  Reported: token
 (median step time, each with a 90% bootstrap interval, judged by ``Ratio.verdict``: "met"
 only when the interval clears the target), training loss vs tokens for all configurations in
 one plot, the final validation loss ratio, and where the time goes per rank (the engines'
-instruction traces).  Every configuration trains with the paper's schedule: AdamW, linear
-warm-up then cosine decay (DeepSpeed's WarmupCosineLR), clipping 1.0.
+instruction traces).  Every configuration trains with the paper's optimizer and schedule:
+Adam(W) at lr 2.5e-4 (the paper's §5), linear warm-up then cosine decay (DeepSpeed's
+WarmupCosineLR), clipping 1.0.
 Targets (issue #15): Ouroboros K=3 ≥ 1.5× the tokens/s of ``sync_m1`` (1.6× kept as a stretch
 line); final validation loss within 3% of synchronous backprop at equal tokens.
 """
@@ -39,7 +43,7 @@ from benchmarks.workloads import Bench, Shape, hf_model
 
 DESCRIPTION = "Ouroboros K=3 on 2 ranks vs synchronous PP=2 (1 and 4 micro-batches): tokens/s, loss vs tokens"
 SPEEDUP_TARGET, SPEEDUP_STRETCH, LOSS_TARGET = 1.5, 1.6, 1.03  # tokens/s vs sync_m1; final val loss vs sync_m1
-LR, WARMUP, CLIP, MICRO_BATCHES = 1e-3, 10, 1.0, 4
+LR, WARMUP, CLIP, MICRO_BATCHES = 2.5e-4, 10, 1.0, 4  # LR: the paper's (Adam, 2.5e-4, cosine)
 FULL = {"shape": Shape(n_layer=6, n_embd=256, n_head=8, vocab=8192, seq=128, n_positions=128),
         "rows": 8, "rounds": 6, "steps": 12, "val_batches": 4}
 QUICK = {"shape": Shape(n_layer=4, n_embd=128, n_head=4, vocab=8192, seq=64, n_positions=64),
@@ -52,12 +56,13 @@ def dataset_path() -> str:
     return ensure_default_dataset()  # built once under ~/.cache/ds_mp, vocab 8192
 
 
-def engine_config(shape: Shape, rows: int, schedule: str, micro_batches: int, total_steps: int = 100) -> dict:
+def engine_config(shape: Shape, rows: int, schedule: str, micro_batches: int, total_steps: int = 100,
+                  recompute: str = "current") -> dict:
     """DeepSpeed JSON for one configuration: AdamW (torch), the paper's linear warm-up then cosine
     decay to 0.1·lr over ``total_steps``, clipping 1.0, fp32."""
     block: dict[str, Any] = {"pipeline": {"stages": 2, "schedule": schedule}, "data": {"seq_len": shape.seq}}
     if schedule == "ouroboros":
-        block["ouroboros"] = {"modules": 3}
+        block["ouroboros"] = {"modules": 3, "recompute": recompute}
     return {"train_micro_batch_size_per_gpu": rows // micro_batches, "gradient_accumulation_steps": micro_batches,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
             "scheduler": {"type": "WarmupCosineLR", "params": {
@@ -71,13 +76,14 @@ class TrainBench(Bench):
     rows for every configuration: one sampler stream of R-row steps, cut into micro-batches)."""
 
     def __init__(self, rank: int, world: int, shape: dict, rows: int, schedule: str, micro_batches: int,
-                 data: str, val_batches: int, total_steps: int = 100) -> None:
+                 data: str, val_batches: int, total_steps: int = 100, recompute: str = "current") -> None:
         import ds_mp
         from ds_mp.data import ChunkSampler, TokenDataset, ValidationBatches
 
         s = Shape(**shape)
         self.engine, _, _, _ = ds_mp.initialize(model=hf_model(shape),
-                                                config=engine_config(s, rows, schedule, micro_batches, total_steps))
+                                                config=engine_config(s, rows, schedule, micro_batches, total_steps,
+                                                                     recompute))
         self.engine.trace_enabled = True  # a few perf_counter calls per instruction
         self.ouroboros = schedule == "ouroboros"
         self.micro_batches = micro_batches
@@ -117,9 +123,11 @@ def configs(quick: bool, data: str) -> list[Config]:
     common = {"shape": asdict(p["shape"]), "rows": p["rows"], "data": data, "val_batches": p["val_batches"],
               "total_steps": p["rounds"] * p["steps"]}
     setup = "benchmarks.ouroboros:setup_train"
-    return [Config(f"{name}_m{m}" if m > 1 or name == "sync" else name, setup, 2, 1,
-                   {**common, "schedule": schedule, "micro_batches": m})
-            for name, schedule in (("sync", "1f1b"), ("ouroboros", "ouroboros")) for m in (1, MICRO_BATCHES)]
+    return [*(Config(f"{name}_m{m}" if m > 1 or name == "sync" else name, setup, 2, 1,
+                     {**common, "schedule": schedule, "micro_batches": m})
+              for name, schedule in (("sync", "1f1b"), ("ouroboros", "ouroboros")) for m in (1, MICRO_BATCHES)),
+            Config("ouroboros_kept", setup, 2, 1, {**common, "schedule": "ouroboros", "micro_batches": 1,
+                                                   "recompute": "none"})]
 
 
 def train_side_by_side(cfgs: list[Config], rounds: int, steps: int) -> tuple[dict, dict, dict]:
@@ -157,7 +165,8 @@ def loss_plot(path: str, tokens_per_step: int, steps_per_round: int, hist: dict,
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
     m4 = f"_m{MICRO_BATCHES}"
-    colors = {"sync_m1": "#4C72B0", f"sync{m4}": "#55A868", "ouroboros": "#C44E52", f"ouroboros{m4}": "#DD8452"}
+    colors = {"sync_m1": "#4C72B0", f"sync{m4}": "#55A868", "ouroboros": "#C44E52", f"ouroboros{m4}": "#DD8452",
+              "ouroboros_kept": "#8172B3"}
     for name, h in hist.items():  # the _m4 runs dashed on top of their m1 twin: the same maths
         losses, wide, style = h[0]["losses"], 1.2 if name.endswith(m4) else 3.0, "--" if name.endswith(m4) else "-"
         x = [(i + 1) * tokens_per_step for i in range(len(losses))]
@@ -217,22 +226,25 @@ def run(quick: bool, out_dir: str) -> dict:
     intervals = {f"{n}_tokens_per_s_vs_sync_m1": r.as_dict() for n, r in speed.items() if n != "sync_m1"}
     intervals[f"ouroboros{m4}_tokens_per_s_vs_sync{m4}"] = vs_m4.as_dict()
     summary = []
-    for n in ("ouroboros", f"ouroboros{m4}"):
-        r, batches = speed[n], "one micro-batch" if n == "ouroboros" else f"{MICRO_BATCHES} pipelined micro-batches"
+    variants = ("ouroboros", f"ouroboros{m4}", "ouroboros_kept")
+    for n in variants:
+        r, batches = speed[n], {"ouroboros": "one micro-batch", "ouroboros_kept": "one micro-batch, recompute none"
+                                }.get(n, f"{MICRO_BATCHES} pipelined micro-batches")
         summary.append(f"Ouroboros K=3 ({batches}) tokens/s vs synchronous PP=2, one micro-batch: {r} "
                        f"(target ≥ {SPEEDUP_TARGET}×: {r.verdict(SPEEDUP_TARGET)}; stretch ≥ {SPEEDUP_STRETCH}×: "
                        f"{r.verdict(SPEEDUP_STRETCH)})")
     summary.append(f"Ouroboros K=3 vs 1F1B, both with {MICRO_BATCHES} micro-batches: {vs_m4}")
-    for n in ("ouroboros", f"ouroboros{m4}"):
+    for n in variants:
         summary.append(f"final validation loss (warm-up + cosine), {n} / sync_m1: {loss[n]:.3f} ({final[n]:.3f} vs "
                        f"{final['sync_m1']:.3f}; target ≤ {LOSS_TARGET}: {'met' if loss[n] <= LOSS_TARGET else 'NOT met'})")
     summary.append(f"sync{m4} / sync_m1 final validation loss: {loss[f'sync{m4}']:.4f} (same maths, fp32 rounding)")
     busy = breakdown(hist, total_steps)
-    for n in ("ouroboros", f"ouroboros{m4}"):
+    for n in variants:
         compute = [ms["forward"] + ms["backward"] + ms["optimizer"] for ms in busy[n]]
         summary.append(f"{n} compute per step: rank 0 (embedding, G_0, G_2, LM head) {compute[0]:.0f} ms, rank 1 "
-                       f"(G_1) {compute[1]:.0f} ms, step {1e3 * res[n]['median_s']:.0f} ms; delayed modules replay "
-                       "their forward (features replay), synchronous backprop does not")
+                       f"(G_1) {compute[1]:.0f} ms, step {1e3 * res[n]['median_s']:.0f} ms"
+                       + ("; delayed modules replay their forward (features replay), synchronous backprop does not"
+                          if n != "ouroboros_kept" else "; delayed modules keep their forward's graph (no replay)"))
     for line in summary:
         print("  " + line)
     plot = loss_plot(os.path.join(out_dir, "ouroboros.png"), tokens, steps, hist, val, speed)

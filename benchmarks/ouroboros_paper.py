@@ -8,6 +8,11 @@ embedded stdlib corpus with a tiny GPT-2; part of ``python -m benchmarks.run --o
                 learning rate (paper Fig. 5a: without warm-up Ouroboros may diverge)
     dropout     K = 3 with dropout 0.1, the replay repeating its forward's masks or drawing
                 fresh ones (``ouroboros.repeat_dropout``; paper Fig. 5b)
+    lr          K = 3 at the paper's lr (2.5e-4) and at 4× it, synchronous vs Ouroboros with
+                features replay (``recompute: "current"``) and with the forward's weights kept
+                (``"none"``): how the delayed gradients' lag grows with the step size (not in the paper)
+
+The paper's optimizer (§5): Adam, lr 2.5e-4, cosine decay; clipping 1 here.
 
 Every run starts from the same weights and reads the same batches in the same order.  Wall
 time on this 2-core machine is only indicative for K = 4 (3 ranks share 2 cores).
@@ -91,14 +96,17 @@ def _tail(losses: list[float], n: int = 10) -> float:
     return float("inf") if any(x != x or x == float("inf") for x in tail) else sum(tail) / len(tail)
 
 
-def plot(path: str, curves: dict, warm: dict, drop: dict) -> str:
+PAPER_LR, HIGH_LR = 2.5e-4, 1e-3
+
+
+def plot(path: str, curves: dict, warm: dict, drop: dict, lrs: dict) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tokens = ROWS * SHAPE["seq"]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4))
     colors = {2: "#4C72B0", 3: "#C44E52", 4: "#55A868"}
     for (kind, K), r in curves.items():
         style = "-" if kind == "ouroboros" else ":"
@@ -113,6 +121,10 @@ def plot(path: str, curves: dict, warm: dict, drop: dict) -> str:
     for rep, r in drop.items():
         axes[3].plot(r["losses"], linewidth=1, label="repeated masks" if rep else "fresh masks")
     axes[3].set(title="(Fig. 5b) K=3, dropout 0.1", xlabel="step", ylabel="training loss")
+    for (kind, lr), r in lrs.items():
+        axes[4].plot(r["losses"], {"sync": ":", "current": "-", "none": "--"}[kind], linewidth=1,
+                     color="#C44E52" if lr == HIGH_LR else "#4C72B0", label=f"{kind}, lr {lr:g}")
+    axes[4].set(title="K=3: lr vs delayed gradients", xlabel="step", ylabel="training loss")
     for ax in axes:
         ax.legend(fontsize=7)
         top = min(12.0, max((max(l.get_ydata()) for l in ax.get_lines()), default=10.0))
@@ -126,7 +138,7 @@ def plot(path: str, curves: dict, warm: dict, drop: dict) -> str:
 def experiments(quick: bool, out_dir: str, data: str) -> dict:
     """Run the three experiments; return a section for the ouroboros benchmark's result."""
     p = QUICK if quick else FULL
-    n, lr = p["curve_steps"], 1e-3
+    n, lr = p["curve_steps"], PAPER_LR
     curves: dict[tuple[str, int], dict] = {}
     for K in (2, 3, 4):
         curves[("sync", K)] = train_curve(f"sync PP={K - 1}", run_config("1f1b", K - 1, n, lr, n // 10), K - 1, n, data)
@@ -140,7 +152,15 @@ def experiments(quick: bool, out_dir: str, data: str) -> dict:
                              run_config("ouroboros", 2, nd, lr, nd // 10, {"repeat_dropout": rep}), 2, nd, data,
                              dropout=0.1)
             for rep in (True, False)}
-    path = plot(os.path.join(out_dir, "ouroboros_paper.png"), curves, warm, drop)
+    lrs = {("sync", lr): curves[("sync", 3)], ("current", lr): curves[("ouroboros", 3)]}
+    for rate in (lr, HIGH_LR):
+        if rate != lr:
+            lrs[("sync", rate)] = train_curve(f"sync PP=2 lr {rate:g}", run_config("1f1b", 2, n, rate, n // 10), 2, n, data)
+            lrs[("current", rate)] = train_curve(f"ouroboros K=3 lr {rate:g}", run_config("ouroboros", 2, n, rate, n // 10),
+                                                 2, n, data)
+        lrs[("none", rate)] = train_curve(f"ouroboros K=3 recompute none lr {rate:g}",
+                                          run_config("ouroboros", 2, n, rate, n // 10, {"recompute": "none"}), 2, n, data)
+    path = plot(os.path.join(out_dir, "ouroboros_paper.png"), curves, warm, drop, lrs)
     rows = [[f"K={K}", f"{_tail(curves[('sync', K)]['losses']):.3f}", f"{_tail(curves[('ouroboros', K)]['losses']):.3f}",
              f"{_tail(curves[('ouroboros', K)]['losses']) / _tail(curves[('sync', K)]['losses']):.3f}",
              f"{curves[('sync', K)]['seconds'][-1] / curves[('ouroboros', K)]['seconds'][-1]:.2f}×"] for K in (2, 3, 4)]
@@ -149,12 +169,17 @@ def experiments(quick: bool, out_dir: str, data: str) -> dict:
                "paper Fig. 5a in small (K=3, lr 3e-3): final loss by warm-up steps "
                + ", ".join(f"{w}: {_tail(r['losses']):.3f}" for w, r in warm.items()),
                "paper Fig. 5b in small (K=3, dropout 0.1): final loss repeated masks "
-               f"{_tail(drop[True]['losses']):.3f}, fresh masks {_tail(drop[False]['losses']):.3f}"]
+               f"{_tail(drop[True]['losses']):.3f}, fresh masks {_tail(drop[False]['losses']):.3f}",
+               "K=3, final loss Ouroboros/sync by lr: " + "; ".join(
+                   f"lr {rate:g}: current {_tail(lrs[('current', rate)]['losses']) / _tail(lrs[('sync', rate)]['losses']):.3f}, "
+                   f"none {_tail(lrs[('none', rate)]['losses']) / _tail(lrs[('sync', rate)]['losses']):.3f} "
+                   f"(sync {_tail(lrs[('sync', rate)]['losses']):.3f})" for rate in (lr, HIGH_LR))]
     for line in summary:
         print("  " + line)
     return {"summary": summary, "plots": [os.path.basename(path)],
             "raw": {"curves": {f"{k}_K{K}": v for (k, K), v in curves.items()}, "warmup": warm,
-                    "dropout": {str(k): v for k, v in drop.items()}},
+                    "dropout": {str(k): v for k, v in drop.items()},
+                    "lr": {f"{kind}_lr{rate:g}": v for (kind, rate), v in lrs.items()}},
             "tables": [table(f"paper experiments in small: GPT-2 {SHAPE['n_layer']}×{SHAPE['n_embd']}, "
                              f"{ROWS}×{SHAPE['seq']} tokens per step, AdamW + warm-up + cosine",
                              ["modules", "sync final loss", "Ouroboros final loss", "Ouroboros / sync",

@@ -64,7 +64,9 @@ class OuroborosConfig:
     modules: int = 0  # K modules on K-1 ranks (0 = pipeline.stages + 1)
     delay: bool = True  # False reduces to synchronous backprop (for testing)
     split: Union[str, list] = "balanced"  # "balanced" (rank costs, head included), "equal" (paper), [blocks per module]
-    recompute: str = "current"  # replay delayed modules with the "current" weights or the "stashed" ones
+    # replay delayed modules with the "current" weights or the "stashed" ones, or "none": keep the forward's
+    # graph (activations) until its delayed backward, the maths of "stashed" without the replay's forward
+    recompute: str = "current"
     repeat_dropout: bool = True  # the replay applies its forward's dropout masks (False: fresh masks, an ablation)
 
 
@@ -299,9 +301,13 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
         elif osplit not in ("balanced", "equal"):
             raise ConfigError(f"ds_mp.ouroboros.split: {osplit!r} is not 'balanced', 'equal' or a list of "
                               f"{k} block counts")
-        if cfg.ouroboros.recompute not in ("current", "stashed"):
+        if cfg.ouroboros.recompute not in ("current", "stashed", "none"):
             raise ConfigError(f"ds_mp.ouroboros.recompute: {cfg.ouroboros.recompute!r} is not 'current' "
-                              "(features replay with the current weights) or 'stashed' (the forward's weights)")
+                              "(features replay with the current weights), 'stashed' (the forward's weights) or "
+                              "'none' (keep the forward's activations: 'stashed' without the replay)")
+        if cfg.ouroboros.recompute == "none" and not cfg.ouroboros.repeat_dropout:
+            raise ConfigError("ds_mp.ouroboros.repeat_dropout: false draws fresh masks in a replay, but recompute "
+                              "'none' keeps the forward's graph and replays nothing; use recompute 'stashed'")
         if pp.activation_checkpoint_interval:
             raise ConfigError("ds_mp.pipeline.activation_checkpoint_interval: ouroboros already recomputes every "
                               "delayed module's forward (features replay); set it to 0")

@@ -131,6 +131,8 @@ def two_ranks(tmp_path_factory) -> dict:
                      "k3_bf16": ("train", {**ds_cfg(3), "bf16": {"enabled": True}}),
                      "k3_stashed": ("train", ds_cfg(3, ouroboros={"recompute": "stashed"})),
                      "k3_stashed_resume": ("resume", ds_cfg(3, ouroboros={"recompute": "stashed"}), ckpt + "_s", 3),
+                     "k3_kept": ("train", ds_cfg(3, micro=1, gas=2, ouroboros={"recompute": "none"}), 1, 2, 1),
+                     "k3_kept_resume": ("resume", ds_cfg(3, ouroboros={"recompute": "none"}), ckpt + "_n", 3),
                      "k3_adamw_equal": ("train", ds_cfg(3, "AdamW", lr=0.01, weight_decay=0.1, torch_adam=True,
                                                         ouroboros={"split": "equal"}))})
 
@@ -234,6 +236,19 @@ def test_stashed_weights_and_warm_up_skip_equal_reference(two_ranks):
 
     assert_same(two_ranks["k3_adamw_equal"][0], *reference(adamw, 3, DATA, split="equal"), weight_atol=ADAM_ATOL)
     for r in two_ranks["k3_stashed_resume"]:
+        assert r["tail"] == r["losses"][r["resumed_at"]:]
+
+
+def test_kept_graphs_equal_stashed_replay(two_ranks):
+    """recompute="none" keeps each delayed forward's graph (against a snapshot of its weights)
+    instead of replaying it: the maths of "stashed", here over 2 micro-batches per iteration; a
+    resume (graphs are not saved) replays the in-flight samples with the saved snapshots and
+    continues the uninterrupted run exactly."""
+    data = batches(STEPS * 2, 1, SEQ, VOCAB)
+    assert_same(two_ranks["k3_kept"][0], *reference(lambda p: torch.optim.SGD(p, lr=0.1), 3,
+                                                    [concat(data[2 * t:2 * t + 2]) for t in range(STEPS)],
+                                                    recompute="stashed"))
+    for r in two_ranks["k3_kept_resume"]:
         assert r["tail"] == r["losses"][r["resumed_at"]:]
 
 

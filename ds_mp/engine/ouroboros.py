@@ -9,7 +9,8 @@ update is exactly ``OuroborosReference.step`` (``ds_mp.schedules.ouroboros.algor
     forward with w^t, send h; replay G_m on the stashed input of sample t - d_m with the CURRENT
     weights w^t (``ouroboros.recompute = "current"``; ``"stashed"`` replays with the weights the
     forward used) under the forward's captured RNG state, so dropout masks repeat and no graph
-    outlives an optimizer step; send delta; ``UpdateModules``: p.grad = the sum of the module
+    outlives an optimizer step (``"none"``: the forward ran against a snapshot of w^s with its graph
+    kept, and the delayed backward uses that graph: "stashed" without the replay); send delta; ``UpdateModules``: p.grad = the sum of the module
     gradients of p (the tied V: 1/2 (dV_o + dV_i), or the sum when delay=False), None for a
     parameter whose modules are all still in warm-up (the optimizer skips it), then the
     engine's own DP reduce and optimizer step — DeepSpeed's optimizer and LR scheduler, ds_mp's
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
-from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum, swapped_weights
+from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
                                                  SendHidden, UpdateModules, config_split, module_owner, ring_layout)
 from ds_mp.tensor_parallel.random import rng_state, set_rng_state
@@ -71,6 +72,25 @@ def _accumulate(total: list[Tensor] | None, grads: tuple[Tensor, ...] | list[Ten
     return total
 
 
+class _Layers(nn.Module):
+    """The pipeline layers of one module G_m as one ``nn.Module`` (a tied layer is a partial over
+    the tied module), so ``torch.func.functional_call`` can run them on other weights."""
+
+    def __init__(self, funcs: list) -> None:
+        super().__init__()
+        owners: dict[int, nn.Module] = {}
+        for f in funcs:
+            module = f if isinstance(f, nn.Module) else f.args[0]
+            owners.setdefault(id(module), module)
+        self.owners = nn.ModuleList(owners.values())
+        self.funcs = list(funcs)
+
+    def forward(self, x: Any) -> Tensor:
+        for f in self.funcs:
+            x = f(x)
+        return x
+
+
 def _valid_targets(labels: Tensor) -> int:
     """Targets the loss counts: HF's shift (labels[:, 1:]) without the ignored -100."""
     return int((labels[:, 1:] != -100).sum())
@@ -83,7 +103,9 @@ class OuroborosState:
         cfg = engine.ds_mp_config
         self.engine, self.K, self.delay = engine, engine.num_stages + 1, cfg.ouroboros.delay
         self.tie_scale = 0.5 if self.delay else 1.0  # g_V = tie_scale (dV_o + dV_i)
-        self.stash_weights = cfg.ouroboros.recompute == "stashed"
+        # "stashed" and "none" keep w^s; "none" also keeps the forward's graph instead of replaying it
+        self.stash_weights = cfg.ouroboros.recompute in ("stashed", "none")
+        self.keep_graph = cfg.ouroboros.recompute == "none"
         self.repeat_dropout = cfg.ouroboros.repeat_dropout
         ctx = engine.module.ds_mp_ctx
         # A replay must redraw each micro-batch's own masks only if dropout is on and repeated;
@@ -98,11 +120,14 @@ class OuroborosState:
             self.ranges = {0: (0, 2 + n0), self.K - 1: (2 + n0, len(funcs))}
         else:
             self.ranges = {mine[0]: (0, len(funcs))}
-        self.params = {m: self._module_params(funcs[a:b]) for m, (a, b) in self.ranges.items()}
+        self.layers = {m: _Layers(funcs[a:b]) for m, (a, b) in self.ranges.items()}
+        # G_m's parameters (each once; the tied wte under its first name) and their names in layers[m]
+        self.names = {m: [n for n, _ in mod.named_parameters()] for m, mod in self.layers.items()}
+        self.params = {m: list(mod.parameters()) for m, mod in self.layers.items()}
         self.holders = grad_holders(self.params)
-        # G_m's stash per sample: (sample, [(micro-batch input, RNG state of its forward)], its
-        # weights when recompute="stashed")
-        self.stash: dict[int, deque[tuple[int, list[tuple[Tensor, dict]], list[Tensor] | None]]] = {
+        # G_m's stash per sample: (sample, [(micro-batch input, RNG state of its forward, its graph
+        # (input leaf, output) when recompute="none")], its weights w^s when recompute="stashed"/"none")
+        self.stash: dict[int, deque[tuple[int, list[tuple[Tensor, dict | None, tuple | None]], list[Tensor] | None]]] = {
             m: deque() for m in self.ranges}
         self.acts: dict[tuple[int, int, int], Tensor] = {}    # (m, s, j) -> input of G_m, micro-batch j of x_s
         self.deltas: dict[tuple[int, int, int], Tensor] = {}  # (m, s, j) -> delta_m^s of micro-batch j
@@ -111,38 +136,41 @@ class OuroborosState:
         self.labels: list[Tensor] = []  # ring rank 0: the labels of x_t's micro-batches read so far
         self.pending: list[tuple[Any, Tensor]] = []  # posted sends (work, buffer kept alive until done)
 
-    @staticmethod
-    def _module_params(funcs: list) -> list[nn.Parameter]:
-        """Parameters of the layers ``funcs`` (tied layers are partials over the tied module)."""
-        seen: dict[int, nn.Parameter] = {}
-        for f in funcs:
-            module = f if isinstance(f, nn.Module) else f.args[0]
-            for p in module.parameters():
-                seen.setdefault(id(p), p)
-        return list(seen.values())
-
     def next_iteration(self) -> int:
         t, self.iteration = self.iteration, self.iteration + 1
         return t
 
     # --- module maths -------------------------------------------------------------------
-    def run(self, m: int, x: Any) -> Tensor:
-        """G_m(x): token ids -> hidden for G_0, hidden -> hidden, hidden -> local logits for G_{K-1}."""
-        a, b = self.ranges[m]
-        for f in self.engine.module.forward_funcs[a:b]:
-            x = f(x)
-        return x
+    def run(self, m: int, x: Any, weights: dict[str, Tensor] | None = None) -> Tensor:
+        """G_m(x): token ids -> hidden for G_0, hidden -> hidden, hidden -> local logits for G_{K-1};
+        with ``weights`` (parameter name in ``self.layers[m]`` -> tensor) in place of the module's
+        own parameters (autograd then differentiates with respect to those tensors)."""
+        if weights is None:
+            return self.layers[m](x)
+        return torch.func.functional_call(self.layers[m], weights, (x,))
 
     def forward(self, m: int, s: int, micro: int | None = None) -> None:
         j = micro or 0
         x = self.acts.pop((m, s, j)) if m > 0 else self._load_micro_batch(j)
+        delayed = m < self.K - 1  # G_{K-1} runs forward and backward as one graph in backward()
         if j == 0:
-            kept = [p.detach().clone() for p in self.params[m]] if self.stash_weights and m < self.K - 1 else None
+            kept = ([p.detach().clone().requires_grad_() for p in self.params[m]]
+                    if self.stash_weights and delayed else None)
             self.stash[m].append((s, [], kept))
         entry = self.stash[m][-1]
         assert entry[0] == s and len(entry[1]) == j, f"G_{m} forwards micro-batch {j} of sample {s} out of order"
-        entry[1].append((x, rng_state() if m < self.K - 1 else None))  # a replay reuses its forward's masks
-        if m < self.K - 1:  # G_{K-1} runs forward and backward as one graph in backward()
+        if not delayed:
+            entry[1].append((x, None, None))
+            return
+        rng = rng_state()  # a replay reuses its forward's masks
+        if self.keep_graph:  # the graph of G_m(x; w^s) against the snapshot w^s = kept, used at t = s + d_m
+            leaf = _leaf(x)
+            with torch.enable_grad():
+                out = self.run(m, leaf, dict(zip(self.names[m], entry[2])))
+            entry[1].append((x, rng, (leaf, out)))
+            self.acts[(m + 1, s, j)] = out.detach()
+        else:
+            entry[1].append((x, rng, None))
             with torch.no_grad():
                 self.acts[(m + 1, s, j)] = self.run(m, x)
 
@@ -152,17 +180,23 @@ class OuroborosState:
             return
         stashed, chunks, kept = self.stash[m].popleft()
         assert stashed == s, f"G_{m} replays sample {s} but its oldest stash is sample {stashed}"
-        params, total = self.params[m], None
+        total = None
         deltas = [self.deltas.pop((m, s, j)) for j in range(len(chunks))]
         sizes = [d.shape[0] for d in deltas]
-        if len(chunks) > 1 and not self.replay_per_micro:  # one graph over the whole stashed batch
-            chunks, deltas = [(torch.cat([x for x, _ in chunks]), chunks[0][1])], [torch.cat(deltas)]
-        with torch.enable_grad(), swapped_weights(params, kept):
-            for j, ((x_saved, rng), delta) in enumerate(zip(chunks, deltas)):
-                x = _leaf(x_saved)
-                with _replayed(rng if self.repeat_dropout else None):
-                    out = self.run(m, x)
-                grads = torch.autograd.grad(out, ([x] if x.requires_grad else []) + params,
+        kept_graphs = all(graph is not None for _, _, graph in chunks)  # False after a resume: replay
+        if len(chunks) > 1 and not self.replay_per_micro and not kept_graphs:  # one replay of the whole batch
+            chunks, deltas = [(torch.cat([x for x, _, _ in chunks]), chunks[0][1], None)], [torch.cat(deltas)]
+        wrt = kept if kept is not None else self.params[m]  # the snapshot's leaves, or the parameters
+        replay_with = None if kept is None or kept_graphs else dict(zip(self.names[m], kept))
+        with torch.enable_grad():
+            for j, ((x_saved, rng, graph), delta) in enumerate(zip(chunks, deltas)):
+                if graph is None:
+                    x = _leaf(x_saved)
+                    with _replayed(rng if self.repeat_dropout else None):
+                        out = self.run(m, x, replay_with)
+                else:
+                    x, out = graph
+                grads = torch.autograd.grad(out, ([x] if x.requires_grad else []) + wrt,
                                             grad_outputs=delta, materialize_grads=True)
                 if x.requires_grad:  # delta_{m-1}^s travels per micro-batch
                     parts = grads[0].split(sizes) if len(chunks) < len(sizes) else [grads[0]]
@@ -177,7 +211,7 @@ class OuroborosState:
         targets of x_s (n_j of them in j), the gradients of that share, delta_{K-2} of j."""
         m, (stashed, chunks, _) = self.K - 1, self.stash[self.K - 1][0]
         assert stashed == s, f"G_{m} backprops sample {s} but holds sample {stashed}"
-        x_saved, _ = chunks[j]
+        x_saved = chunks[j][0]
         if j == self.engine.micro_batches - 1:
             self.stash[m].popleft()
         with torch.enable_grad():  # on the ambient streams, as its forward is this very call
@@ -297,7 +331,7 @@ class OuroborosState:
     def state_dict(self) -> dict:
         """The work in flight: t, the stashed inputs (with their forward's RNG state), the deltas."""
         return {"K": self.K, "delay": self.delay, "iteration": self.iteration,
-                "stash": [[m, [(s, [(x.cpu(), rng) for x, rng in chunks], None if kept is None else [w.cpu() for w in kept])
+                "stash": [[m, [(s, [(x.cpu(), rng) for x, rng, _ in chunks], None if kept is None else [w.cpu() for w in kept])
                                for s, chunks, kept in q]] for m, q in self.stash.items()],
                 "deltas": [[m, s, j, d.cpu()] for (m, s, j), d in self.deltas.items()]}
 
@@ -307,8 +341,8 @@ class OuroborosState:
                              f"K={self.K}, delay={self.delay}: load it with the same ds_mp.ouroboros settings")
         dev = self.engine.device
         self.iteration = state["iteration"]
-        self.stash = {m: deque((s, [(x.to(dev), rng) for x, rng in chunks],
-                                None if kept is None else [w.to(dev) for w in kept])
+        self.stash = {m: deque((s, [(x.to(dev), rng, None) for x, rng in chunks],  # graphs are not saved: replay
+                                None if kept is None else [w.to(dev).requires_grad_() for w in kept])
                                for s, chunks, kept in q) for m, q in state["stash"]}
         self.deltas = {(m, s, j): d.to(dev) for m, s, j, d in state["deltas"]}
 

@@ -99,6 +99,40 @@ def _tail(losses: list[float], n: int = 10) -> float:
 PAPER_LR, HIGH_LR = 2.5e-4, 1e-3
 
 
+def delayed_adam(data: str, steps: int, lr: float, delays: tuple[int, ...] = (0, 1, 2)) -> dict[int, float]:
+    """Plain delayed-gradient Adam without Ouroboros, one process: HF GPT-2 (``SHAPE``), the same
+    batches, constant ``lr``; the update of step t uses the gradient computed at step t − d (the
+    weights and batch of then); d = 0 is ordinary training.  Returns d -> the mean of the last 10
+    losses.  Separates what delayed gradients cost under Adam from anything Ouroboros-specific."""
+    from ds_mp.data import ChunkSampler, TokenDataset
+
+    sampler = ChunkSampler(TokenDataset(data, "train"), SHAPE["seq"], ROWS, seed=0)
+    batches = [sampler.next_step()[0] for _ in range(steps)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        for d in delays:
+            model = hf_model(SHAPE)
+            opt = torch.optim.Adam(model.parameters(), lr=lr)
+            queue: list[list[torch.Tensor]] = []
+            losses = []
+            for ids, labels in batches:
+                model.zero_grad(set_to_none=True)
+                loss = model(input_ids=ids, labels=labels).loss
+                loss.backward()
+                losses.append(loss.item())
+                queue.append([p.grad for p in model.parameters()])
+                if len(queue) > d:  # the first d steps have no gradient old enough: no update
+                    for p, g in zip(model.parameters(), queue.pop(0)):
+                        p.grad = g
+                    opt.step()
+            out[d] = _tail(losses)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def plot(path: str, curves: dict, warm: dict, drop: dict, lrs: dict) -> str:
     import matplotlib
 
@@ -161,6 +195,7 @@ def experiments(quick: bool, out_dir: str, data: str) -> dict:
         lrs[("none", rate)] = train_curve(f"ouroboros K=3 recompute none lr {rate:g}",
                                           run_config("ouroboros", 2, n, rate, n // 10, {"recompute": "none"}), 2, n, data)
     path = plot(os.path.join(out_dir, "ouroboros_paper.png"), curves, warm, drop, lrs)
+    delayed = {rate: delayed_adam(data, n // 2, rate) for rate in (lr, HIGH_LR)}
     rows = [[f"K={K}", f"{_tail(curves[('sync', K)]['losses']):.3f}", f"{_tail(curves[('ouroboros', K)]['losses']):.3f}",
              f"{_tail(curves[('ouroboros', K)]['losses']) / _tail(curves[('sync', K)]['losses']):.3f}",
              f"{curves[('sync', K)]['seconds'][-1] / curves[('ouroboros', K)]['seconds'][-1]:.2f}×"] for K in (2, 3, 4)]
@@ -173,13 +208,17 @@ def experiments(quick: bool, out_dir: str, data: str) -> dict:
                "K=3, final loss Ouroboros/sync by lr: " + "; ".join(
                    f"lr {rate:g}: current {_tail(lrs[('current', rate)]['losses']) / _tail(lrs[('sync', rate)]['losses']):.3f}, "
                    f"none {_tail(lrs[('none', rate)]['losses']) / _tail(lrs[('sync', rate)]['losses']):.3f} "
-                   f"(sync {_tail(lrs[('sync', rate)]['losses']):.3f})" for rate in (lr, HIGH_LR))]
+                   f"(sync {_tail(lrs[('sync', rate)]['losses']):.3f})" for rate in (lr, HIGH_LR)),
+               f"plain Adam with d-step-old gradients (one process, constant lr, {n // 2} steps), final loss by d: "
+               + "; ".join(f"lr {rate:g}: " + ", ".join(f"d={d} {v:.3f}" for d, v in r.items())
+                           for rate, r in delayed.items())]
     for line in summary:
         print("  " + line)
     return {"summary": summary, "plots": [os.path.basename(path)],
             "raw": {"curves": {f"{k}_K{K}": v for (k, K), v in curves.items()}, "warmup": warm,
                     "dropout": {str(k): v for k, v in drop.items()},
-                    "lr": {f"{kind}_lr{rate:g}": v for (kind, rate), v in lrs.items()}},
+                    "lr": {f"{kind}_lr{rate:g}": v for (kind, rate), v in lrs.items()},
+                    "delayed_adam": {f"lr{rate:g}": {str(d): v for d, v in r.items()} for rate, r in delayed.items()}},
             "tables": [table(f"paper experiments in small: GPT-2 {SHAPE['n_layer']}×{SHAPE['n_embd']}, "
                              f"{ROWS}×{SHAPE['seq']} tokens per step, AdamW + warm-up + cosine",
                              ["modules", "sync final loss", "Ouroboros final loss", "Ouroboros / sync",

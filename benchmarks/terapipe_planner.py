@@ -3,7 +3,8 @@
 For each shape (sequence L, micro-batch B, stages K, micro-batches per step M) one group of K
 ranks (``ScheduleBench``) is built once and:
 
-1. profiles the engine the way ``slices: "auto"`` does (``measure_cost_model``: every stage's
+1. profiles the engine the way ``slices: "auto"`` does (``measure_cost_model``: for every
+   batch-slice size the knapsack may use — powers of two below B, and B — every stage's
    t(i, 0) table and context samples, plus the p2p time per slice on the gloo link) and plans
    with ``plan_for(..., batch_slices="auto")`` at granularity g = L / ``POSITIONS`` — the time
    profiling took is reported;
@@ -66,11 +67,12 @@ class PlannerBench(ScheduleBench):
 
     def plan(self, granularity: int) -> tuple[list, dict, dict]:
         """Collective: (the auto plan, the cost model as a dict, profiling times)."""
-        from ds_mp.schedules.terapipe.planner import plan_for
+        from ds_mp.schedules.terapipe.planner import plan_for, profile_sizes
         from ds_mp.schedules.terapipe.profile import measure_cost_model
 
         e = self.engine
-        cost, took = measure_cost_model(e, self.seq, granularity)
+        cost, took = measure_cost_model(e, self.seq, granularity,
+                                        profile_sizes(e.train_micro_batch_size_per_gpu(), "auto"))
         plan = plan_for(cost, e.train_micro_batch_size_per_gpu(), self.seq, e.num_stages, "auto", granularity,
                         e.micro_batches)
         return plan, cost.to_dict(), took
@@ -116,7 +118,7 @@ def is_uniform(plan: list) -> bool:
 
 
 def run_case(case: Case, quick: bool) -> dict:
-    from ds_mp.schedules.terapipe.planner import TableCostModel, batch_cost, predicted_time_joint
+    from ds_mp.schedules.terapipe.planner import cost_model_from_dict, predicted_time_joint
 
     shape = asdict(Shape(**MODEL, seq=case.seq, n_positions=case.seq))
     g = case.seq // POSITIONS
@@ -153,14 +155,14 @@ def run_case(case: Case, quick: bool) -> dict:
     vs_uniform = speedup(wall[planned_name], wall[best_u])
     noise = speedup(wall[planned_name], wall["planned_again"])
     noise_rel = max(abs(noise.lo - 1), abs(noise.hi - 1))
-    cost = TableCostModel.from_dict(cost_dict)
-    bc = batch_cost(cost, b_ref=case.batch, overhead=cost.overhead)
+    cost = cost_model_from_dict(cost_dict)  # per batch-slice size (BatchTableCostModel)
+    bc, whole = cost, cost.models[case.batch]
     pred = {n: predicted_time_joint(cands[n], case.stages, bc, case.micro) for n in med}
     return {"case": asdict(case), "granularity": g, "plan": plan, "planned": planned_name, "best": best,
             "best_uniform": best_u, "candidates": len(cands), "screen_rank": ranked.index(planned_name) + 1,
             "planned_over_best": vs_best.as_dict(), "planned_over_best_uniform": vs_uniform.as_dict(),
             "aa_noise": noise.as_dict(), "noise_rel": noise_rel, "profile_s": profile_s, "profile_took": took,
-            "p2p_share_of_longest_slice": cost.p2p(case.seq) / cost.alone(case.seq),
+            "p2p_share_of_longest_slice": whole.p2p(case.seq) / whole.alone(case.seq),
             "predicted_gain_vs_best_uniform": pred[best_u] / pred[planned_name],
             "median_s": med, "predicted_s": pred, "configs": res, "cost_model": cost_dict,
             "met": vs_best.value <= TARGET_VS_BEST and vs_uniform.value <= 1 + noise_rel,

@@ -195,3 +195,36 @@ def test_table_cost_model_adds_measured_transfer(tmp_path) -> None:
     assert cost_model_meta(tmp_path / "cost.json") == {"pp": 2, "compute_profile_s": 1.5}
     with pytest.raises(ValueError):
         compute.with_transfer([0.1])
+
+
+def test_measured_batch_slice_costs_choose_the_split(tmp_path) -> None:
+    """Per-size measured costs (``BatchTableCostModel``, what ``slices: "auto"`` profiles): the
+    plan equals brute force over every split of B into the profiled sizes × every token slicing
+    of each batch-slice; scaling the B-row cost linearly instead (one-row slices at 1/B of it,
+    what a device with narrow-matmul overhead does not do) picks a plan that is slower under the
+    measured costs — the planner-accuracy benchmark's miss at B = 8."""
+    from ds_mp.schedules.terapipe.planner import (BatchTableCostModel, TableCostModel, load_cost_model, plan_for,
+                                                  profile_sizes)
+
+    def table(per_token: float) -> TableCostModel:
+        lengths = (4, 8, 12, 16)
+        return TableCostModel(lengths, tuple(0.01 + per_token * i for i in lengths), a3=1e-4)
+
+    # per token: 1-row 0.6, 2-row 0.7 of a 4-row slice (linear scaling would say 0.25, 0.5)
+    model = BatchTableCostModel({1: table(0.6e-2), 2: table(0.7e-2), 4: table(1e-2)})
+    model.save(tmp_path / "cost.json", {"batch_sizes": [1, 2, 4]})
+    assert load_cost_model(tmp_path / "cost.json") == model and profile_sizes(4, "auto") == model.sizes
+    assert profile_sizes(8, "auto") == [1, 2, 4, 8] and profile_sizes(6, 3) == [2, 6] and profile_sizes(1, "auto") == [1]
+    B, L, K, M, g = 4, 16, 3, 2, 4
+    plan = plan_for(model, B, L, K, "auto", g, M)
+    token_slicings = [[g * n for n in c] for c in compositions(L // g)]
+    splits = [s for n in range(1, B + 1) for s in itertools.combinations_with_replacement(model.sizes, n)
+              if sum(s) == B]
+    best = min(predicted_time_joint([(b, sl) for b, sl in zip(split, choice)], K, model, M)
+               for split in splits for choice in itertools.product(token_slicings, repeat=len(split)))
+    assert predicted_time_joint(plan, K, model, M) == pytest.approx(best, rel=1e-12)
+    linear = plan_for(model.models[4], B, L, K, "auto", g, M)  # one table profiled at B, scaled by rows
+    assert predicted_time_joint(linear, K, model, M) > best * 1.05
+    assert all(b == 1 for b, _ in plan_for(model, B, L, K, 4, g, M))  # 4 equal batch-slices: the 1-row costs
+    with pytest.raises(Exception, match="profiled for batch-slices of \\[1, 4\\] rows, not 2"):
+        plan_for(BatchTableCostModel({1: model.models[1], 4: model.models[4]}), B, L, K, 2, g, M)

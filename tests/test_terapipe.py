@@ -125,7 +125,8 @@ def test_plan_from_config(tmp_path, capsys) -> None:
         plan_from_config(missing, profile=False)
     out = plan_from_config(missing, profile=True)  # times blocks here, then plans
     saved = json.loads((tmp_path / "none" / "terapipe_profile.json").read_text())
-    assert saved["kind"] == "table" and sum(out["plan"][0][1]) == SEQ
+    assert saved["kind"] == "batch_table" and sum(out["plan"][0][1]) == SEQ
+    assert saved["meta"]["batch_sizes"] == [int(b) for b in saved["models"]]  # every size the plan may use
     assert saved["meta"]["compute_profile_s"] > 0  # how long profiling took is kept with the profile
 
 
@@ -293,8 +294,8 @@ def test_terapipe_equals_hf_on_4_ranks(tmp_path) -> None:
     plan = results[0][2]["plan"]
     assert [b for b, _ in plan] == [1, 1] and all(sum(s) == SEQ and all(n % 4 == 0 for n in s) for _, s in plan)
     cost = load_cost_model(os.path.join(tmp_path, "terapipe_profile.json"))
-    assert plan == [(b, list(s)) for b, s in plan_joint(2, SEQ, 2, batch_cost(cost, 2, cost.overhead),
-                                                        granularity=4, batch_sizes=[1])]
+    assert cost.sizes == [1, 2]  # batch_slices 2 of a 2-row micro-batch: profiled at 1 row and at 2
+    assert plan == [(b, list(s)) for b, s in plan_joint(2, SEQ, 2, cost, granularity=4, batch_sizes=[1])]
 
 
 def test_terapipe_equals_hf_pp3_batch_slices() -> None:

@@ -8,16 +8,18 @@ import sys
 import time
 
 from ds_mp.config import ConfigError, load_config, parse_config, read_json
-from ds_mp.schedules.terapipe.planner import (batch_cost, fit_table_cost_model, load_cost_model, plan_for,
-                                              predicted_time_joint, uniform_slices)
+from ds_mp.schedules.terapipe.planner import (BatchTableCostModel, as_batch_cost, fit_table_cost_model,
+                                              load_cost_model, plan_for, predicted_time_joint, profile_sizes,
+                                              uniform_slices)
 from ds_mp.schedules.terapipe.profile import profile_blocks, profile_path
 
 
 def plan_from_config(config: str | dict, profile: bool = False) -> dict:
     """Plan TeraPipe slicing for a DeepSpeed JSON; print and return the scheme and predictions.
 
-    ``profile=True`` times a stage's blocks here (:func:`profile_blocks`) and saves the cost
-    model to the profile path first; otherwise the saved cost model is used.  Returns ``plan``
+    ``profile=True`` times a stage's blocks here (:func:`profile_blocks`) at every batch-slice
+    size the plan may use (``profile_sizes``) and saves the cost model to the profile path
+    first; otherwise the saved cost model is used.  Returns ``plan``
     ([[rows, token slices], …]), ``predicted_time`` and the same for no slicing and the best
     uniform slicing, with ``speedup_vs_no_slicing`` / ``speedup_vs_uniform`` (ratios of times).
     """
@@ -28,10 +30,12 @@ def plan_from_config(config: str | dict, profile: bool = False) -> dict:
     n, g, path = cfg.terapipe.batch_slices, cfg.terapipe.granularity, profile_path(cfg)
     if profile:
         t0 = time.perf_counter()
-        cost, err = fit_table_cost_model(profile_blocks(cfg, B))
+        fits = {b: fit_table_cost_model(profile_blocks(cfg, b)) for b in profile_sizes(B, n)}
+        cost, err = BatchTableCostModel({b: m for b, (m, _) in fits.items()}), max(e for _, e in fits.values())
         took = time.perf_counter() - t0
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        cost.save(path, {"micro_batch": B, "seq_len": L, "pp": K, "compute_profile_s": round(took, 3),
+        cost.save(path, {"micro_batch": B, "seq_len": L, "pp": K, "batch_sizes": cost.sizes,
+                         "compute_profile_s": round(took, 3),
                          "p2p": "not measured (one process; training's auto profile measures it)"})
         print(f"profiled {path} in {took:.1f}s (fit mean relative error {err:.1%}; p2p not measured on one "
               "process: the profile taken at start-up by slices='auto' includes it)")
@@ -41,7 +45,7 @@ def plan_from_config(config: str | dict, profile: bool = False) -> dict:
     else:
         cost = load_cost_model(path)
     M = raw.get("gradient_accumulation_steps", 1)
-    bc = batch_cost(cost, b_ref=B, overhead=cost.overhead)
+    bc, known = as_batch_cost(cost, B)
 
     def time_of(p: list) -> float:
         return predicted_time_joint(p, K, bc, micro_batches=M)
@@ -49,8 +53,9 @@ def plan_from_config(config: str | dict, profile: bool = False) -> dict:
     plan = plan_for(cost, B, L, K, n, g, micro_batches=M)
     whole = [(B, [L])]
     uniform = min(([(B, uniform_slices(L, m))] for m in range(1, math.ceil(L / g) + 1)), key=time_of)
-    equal = min((plan_for(cost, B, L, K, k, g, micro_batches=M) for k in range(1, B + 1) if B % k == 0),
-                key=time_of)  # the best plan with equal batch-slices
+    equal = min((plan_for(cost, B, L, K, k, g, micro_batches=M) for k in range(1, B + 1)
+                 if B % k == 0 and (known is None or B // k in known)),
+                key=time_of)  # the best plan with equal batch-slices (of a profiled size)
     t, t0, tu, te = (time_of(p) for p in (plan, whole, uniform, equal))
     out = {"plan": [[b, s] for b, s in plan], "stages": K, "seq_len": L, "micro_batch": B, "micro_batches": M,
            "profile": path, "predicted_time": t, "no_slicing_time": t0, "best_uniform": [[b, s] for b, s in uniform],

@@ -149,11 +149,58 @@ def cost_model_meta(path: str | Path) -> dict:
     return json.loads(Path(path).read_text()).get("meta", {})
 
 
-def load_cost_model(path: str | Path) -> CostModel | TableCostModel:
-    """A saved cost model of either form."""
-    d = json.loads(Path(path).read_text())
-    d.pop("meta", None)
-    return TableCostModel.from_dict(d) if d.get("kind") == "table" else CostModel.from_dict(d)
+@dataclass(frozen=True)
+class BatchTableCostModel:
+    """t(b, i, j) measured per batch-slice size (TeraPipe §3.3 runs its token DP for every
+    batch-slice size b with that size's own costs): one :class:`TableCostModel` per profiled b.
+    Per-row cost is not linear in b on real hardware (a one-row slice runs narrower matmuls), so
+    the joint planner is offered only the profiled sizes, each at its measured cost."""
+
+    models: dict[int, TableCostModel]  # rows b -> t(i, j) of a b-row batch-slice
+
+    def __call__(self, b: int, i: int, j: int) -> float:
+        return self.models[b](i, j)
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted(self.models)
+
+    def to_dict(self) -> dict:
+        return {"kind": "batch_table", "models": {str(b): m.to_dict() for b, m in sorted(self.models.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BatchTableCostModel":
+        return cls({int(b): TableCostModel.from_dict(m) for b, m in d["models"].items()})
+
+    def save(self, path: str | Path, meta: dict | None = None) -> None:
+        """JSON of the per-size models; ``meta`` (what was profiled, how long it took) beside them."""
+        Path(path).write_text(json.dumps({**self.to_dict(), **({"meta": meta} if meta else {})}, indent=2) + "\n")
+
+
+AnyCostModel = CostModel | TableCostModel | BatchTableCostModel
+
+
+def cost_model_from_dict(d: dict) -> AnyCostModel:
+    """A cost model of any form from its ``to_dict()`` (a ``meta`` entry is ignored)."""
+    d = {k: v for k, v in d.items() if k != "meta"}
+    kind = d.get("kind")
+    if kind == "batch_table":
+        return BatchTableCostModel.from_dict(d)
+    return TableCostModel.from_dict(d) if kind == "table" else CostModel.from_dict(d)
+
+
+def load_cost_model(path: str | Path) -> AnyCostModel:
+    """A saved cost model of any form."""
+    return cost_model_from_dict(json.loads(Path(path).read_text()))
+
+
+def as_batch_cost(cost: AnyCostModel, B: int) -> tuple[BatchCost, list[int] | None]:
+    """(t(b, i, j), the batch-slice sizes it knows) for a micro-batch of B rows: a
+    :class:`BatchTableCostModel` gives its measured sizes; a one-size model (profiled at B) is
+    scaled linearly (:func:`batch_cost`) and allows every size (None)."""
+    if isinstance(cost, BatchTableCostModel):
+        return cost, cost.sizes
+    return batch_cost(cost, b_ref=B, overhead=cost.overhead), None
 
 
 def fit_table_cost_model(samples: Sequence[tuple[int, int, float]]) -> tuple[TableCostModel, float]:
@@ -454,18 +501,30 @@ def explicit_plan(slices: Sequence[int], micro_batch: int, batch_slices: int) ->
     return [(rows, list(slices)) for rows in uniform_slices(micro_batch, batch_slices)]
 
 
-def plan_for(cost: CostModel | TableCostModel, B: int, L: int, K: int, batch_slices: int | str, granularity: int,
+def profile_sizes(B: int, batch_slices: int | str) -> list[int]:
+    """Batch-slice sizes to profile for a micro-batch of B rows: ``"auto"`` the powers of two
+    below B and B (the knapsack can build every split from them; profiling costs under ~2× that
+    of B alone), n equal batch-slices B/n and B (B for the no-slicing baseline)."""
+    if batch_slices == "auto":
+        return sorted({2 ** k for k in range(max(B - 1, 1).bit_length()) if 2 ** k < B} | {B})
+    return sorted({B // int(batch_slices), B})
+
+
+def plan_for(cost: AnyCostModel, B: int, L: int, K: int, batch_slices: int | str, granularity: int,
              micro_batches: int = 1) -> Plan:
     """The planner's slicing of a micro-batch (B, L) on K stages for a step of ``micro_batches``
     micro-batches: into n equal batch-slices, or (``batch_slices="auto"``) the knapsack's best
-    split over every batch-slice size 1 … B."""
+    split over the batch-slice sizes the cost model knows (:func:`as_batch_cost`)."""
+    bc, known = as_batch_cost(cost, B)
     if batch_slices == "auto":
-        sizes = None
+        sizes = known
     elif B % batch_slices:
         raise ConfigError(f"ds_mp.terapipe.batch_slices: {batch_slices} does not divide the micro-batch "
                           f"size {B}; with slices='auto' use a divisor of {B} or 'auto'")
     else:
         sizes = [B // batch_slices]
-    plan = plan_joint(B, L, K, batch_cost(cost, b_ref=B, overhead=cost.overhead), granularity=granularity,
-                      batch_sizes=sizes, micro_batches=micro_batches)
+        if known is not None and sizes[0] not in known:
+            raise ConfigError(f"ds_mp.terapipe.profile: the cost model was profiled for batch-slices of "
+                              f"{known} rows, not {sizes[0]}; profile again (delete it, or `ds-mp plan --profile`)")
+    plan = plan_joint(B, L, K, bc, granularity=granularity, batch_sizes=sizes, micro_batches=micro_batches)
     return [(b, list(s)) for b, s in plan]

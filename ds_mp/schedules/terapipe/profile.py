@@ -10,11 +10,12 @@ pipeline runs at its bottleneck stage), fits, measures the point-to-point time o
 to the table, and rank 0 saves the file with what was profiled (model shape, micro-batch,
 layout, device, dtype) and how long profiling took.  A saved profile whose ``meta`` does not
 match the engine is measured again (an explicit ``terapipe.profile`` file is used as given,
-with a warning).  A batch-slice of b
-rows costs ``batch_cost(t, b_ref=B, overhead=c0)``.  With ``batch_slices = n`` the micro-batch
-is cut into n equal batch-slices and the joint planner chooses their token slicing:
-``plan_joint(B, L, K, cost, batch_sizes=[B/n])``; with ``"auto"`` it also chooses the split
-(a knapsack over batch-slice sizes 1 … B).  The plan is for a whole step: the M =
+with a warning).  Every batch-slice size the planner may use is profiled at that size
+(``planner.profile_sizes``: B/n and B for ``batch_slices = n``; the powers of two below B and
+B for ``"auto"``), a ``BatchTableCostModel``: a one-row slice does not cost 1/B of a B-row one.
+With ``batch_slices = n`` the micro-batch is cut into n equal batch-slices and the joint planner
+chooses their token slicing: ``plan_joint(B, L, K, cost, batch_sizes=[B/n])``; with ``"auto"``
+it also chooses the split (a knapsack over the profiled sizes).  The plan is for a whole step: the M =
 ``gradient_accumulation_steps`` micro-batches run in one flush.  Rank 0 plans and broadcasts.
 
 :func:`profile_blocks` times a stage's blocks on one process for ``ds-mp plan --profile``.
@@ -32,8 +33,9 @@ import torch.distributed as dist
 from ds_mp.config import ConfigError, DsMpConfig
 from ds_mp.models.gpt2 import attending_to
 from ds_mp.schedules.terapipe.kv_cache import KVContext
-from ds_mp.schedules.terapipe.planner import (TableCostModel, cost_model_meta, explicit_plan, fit_table_cost_model,
-                                              load_cost_model, plan_for, profile_stage)
+from ds_mp.schedules.terapipe.planner import (BatchTableCostModel, cost_model_meta, explicit_plan,
+                                              fit_table_cost_model, load_cost_model, plan_for, profile_sizes,
+                                              profile_stage)
 from ds_mp.schedules.terapipe.schedule import Plan
 
 PROFILE_NAME = "terapipe_profile.json"
@@ -92,10 +94,11 @@ def _slice_timer(forward: Callable[[Any], torch.Tensor], blocks: list, make_inpu
     return run
 
 
-def profile_engine_stage(engine: Any, L: int, granularity: int) -> list[tuple[int, int, float]]:
-    """Time this rank's stage (its layers, its TP shard) at the micro-batch size; collective
-    over the stage's TP group only (TP ranks run the same grid in lockstep)."""
-    module, B = engine.module, engine.train_micro_batch_size_per_gpu()
+def profile_engine_stage(engine: Any, L: int, granularity: int, rows: int | None = None) -> list[tuple[int, int, float]]:
+    """Time this rank's stage (its layers, its TP shard) on batch-slices of ``rows`` rows (default:
+    the micro-batch size); collective over the stage's TP group only (TP ranks run the same grid
+    in lockstep)."""
+    module, B = engine.module, rows or engine.train_micro_batch_size_per_gpu()
     ctx, blocks = module.ds_mp_ctx, module.blocks()
     p = next(module.parameters())
     hs = ctx.n_embd // ctx.n_head
@@ -137,9 +140,10 @@ def _bottleneck(per_rank: list[list[tuple[int, int, float]]]) -> list[tuple[int,
     return [(i, j, t) for (i, j), t in sorted(worst.items())]
 
 
-def profile_transfer(engine: Any, lengths: list[int], repeats: int = 5) -> list[float]:
+def profile_transfer(engine: Any, lengths: list[int], repeats: int = 5, rows: int | None = None) -> list[float]:
     """Collective over the pipeline: per slice length i, the seconds this rank spends on one
-    slice's point-to-point traffic, summed over the links it is on.
+    slice's point-to-point traffic (``rows`` rows, default the micro-batch size), summed over the
+    links it is on.
 
     A slice on a link is what DeepSpeed's dynamic-shape pipeline sends: forward, the shape
     message, the (B, i, n_embd) activation and the (1, i) positions; backward, the activation's
@@ -151,7 +155,7 @@ def profile_transfer(engine: Any, lengths: list[int], repeats: int = 5) -> list[
     from deepspeed.accelerator import get_accelerator
 
     sync = get_accelerator().synchronize
-    module, B = engine.module, engine.train_micro_batch_size_per_gpu()
+    module, B = engine.module, rows or engine.train_micro_batch_size_per_gpu()
     p, h = next(module.parameters()), module.ds_mp_ctx.n_embd
     s, K = engine.stage_id, engine.num_stages
     out = [0.0] * len(lengths)
@@ -185,7 +189,8 @@ def profile_meta(engine: Any) -> dict:
     return {"stage_blocks": len(engine.module.blocks()), "n_embd": ctx.n_embd, "n_head": ctx.n_head, "vocab": ctx.vocab,
             "seq_len": cfg.data.seq_len, "micro_batch": engine.train_micro_batch_size_per_gpu(),
             "tp": cfg.tp, "pp": engine.num_stages, "sequence_parallel": bool(ctx.sp),
-            "granularity": cfg.terapipe.granularity, "device": p.device.type, "dtype": str(p.dtype).split(".")[-1],
+            "granularity": cfg.terapipe.granularity, "batch_slices": cfg.terapipe.batch_slices,
+            "device": p.device.type, "dtype": str(p.dtype).split(".")[-1],
             "p2p_backend": dist.get_backend()}
 
 
@@ -203,24 +208,30 @@ def _cached(path: str, meta: dict, explicit: bool) -> bool:
     return False
 
 
-def measure_cost_model(engine: Any, L: int, granularity: int) -> tuple[TableCostModel, dict]:
-    """Collective: profile every stage (:func:`profile_engine_stage`; per (i, j) the slowest
-    rank), fit the table model, add the slowest rank's p2p time per slice
-    (:func:`profile_transfer`).  Every rank returns the same model, and
-    ``{compute_profile_s, p2p_profile_s, samples, fit_error}`` (what profiling cost)."""
-    t0 = time.perf_counter()
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, profile_engine_stage(engine, L, granularity))
-    samples = _bottleneck(gathered)
-    t1 = time.perf_counter()
+def measure_cost_model(engine: Any, L: int, granularity: int,
+                       sizes: list[int] | None = None) -> tuple[BatchTableCostModel, dict]:
+    """Collective: for every batch-slice size b in ``sizes`` (default: the micro-batch size),
+    profile every stage (:func:`profile_engine_stage`; per (i, j) the slowest rank), fit the
+    table model, add the slowest rank's p2p time per slice (:func:`profile_transfer`).  Every
+    rank returns the same model, and ``{compute_profile_s, p2p_profile_s, samples, fit_error}``
+    (what profiling cost; the fit error is the worst size's)."""
+    sizes = sizes or [engine.train_micro_batch_size_per_gpu()]
     lengths = profile_grid(L, granularity)[0]
-    p2p: list = [None] * dist.get_world_size()
-    dist.all_gather_object(p2p, profile_transfer(engine, lengths))
-    t2 = time.perf_counter()
-    cost, err = fit_table_cost_model(samples)
-    cost = cost.with_transfer([max(r[n] for r in p2p) for n in range(len(lengths))])  # the bottleneck stage's
-    return cost, {"compute_profile_s": round(t1 - t0, 3), "p2p_profile_s": round(t2 - t1, 3),
-                  "samples": len(samples), "fit_error": round(err, 4)}
+    models, compute_s, p2p_s, samples, worst = {}, 0.0, 0.0, 0, 0.0
+    for b in sizes:
+        t0 = time.perf_counter()
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, profile_engine_stage(engine, L, granularity, rows=b))
+        measured = _bottleneck(gathered)
+        t1 = time.perf_counter()
+        p2p: list = [None] * dist.get_world_size()
+        dist.all_gather_object(p2p, profile_transfer(engine, lengths, rows=b))
+        t2 = time.perf_counter()
+        cost, err = fit_table_cost_model(measured)
+        models[b] = cost.with_transfer([max(r[n] for r in p2p) for n in range(len(lengths))])  # the bottleneck's
+        compute_s, p2p_s, samples, worst = compute_s + t1 - t0, p2p_s + t2 - t1, samples + len(measured), max(worst, err)
+    return BatchTableCostModel(models), {"compute_profile_s": round(compute_s, 3), "p2p_profile_s": round(p2p_s, 3),
+                                         "samples": samples, "fit_error": round(worst, 4), "batch_sizes": sizes}
 
 
 def auto_plan(engine: Any) -> Plan:
@@ -236,7 +247,7 @@ def auto_plan(engine: Any) -> Plan:
         if tcfg.profile:
             err = f"ds_mp.terapipe.profile: {path!r} not found; run `ds-mp plan --profile` or set it to \"\""
             raise ConfigError(err)
-        measured = measure_cost_model(engine, L, tcfg.granularity)
+        measured = measure_cost_model(engine, L, tcfg.granularity, profile_sizes(B, tcfg.batch_slices))
     result: list = [None]
     if rank == 0:
         try:
@@ -244,7 +255,8 @@ def auto_plan(engine: Any) -> Plan:
                 cost, took = measured
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 cost.save(path, {**meta, **took})
-                print(f"terapipe: profiled {took['samples']} stage costs in {took['compute_profile_s']:.1f}s and "
+                print(f"terapipe: profiled {took['samples']} stage costs (batch-slices of {took['batch_sizes']} rows) in "
+                      f"{took['compute_profile_s']:.1f}s and "
                       f"p2p on {K - 1} link(s) in {took['p2p_profile_s']:.1f}s (fit error {took['fit_error']:.1%});"
                       f" saved {path}", flush=True)
             else:

@@ -270,7 +270,9 @@ def tp_ring() -> dict:
     """K=3 with TP=2 inside every module: 4 ranks (2 ring ranks × 2 TP ranks)."""
     tp2 = {"tensor_parallel": {"size": 2}}
     return spawn(4, {"k3_tp2_sgd": ("train", {**ds_cfg(3), "ds_mp": {**ds_cfg(3)["ds_mp"], **tp2}}),
-                     "k3_tp2_adam": ("train", {**ds_cfg(3, "Adam", lr=0.01), "ds_mp": {**ds_cfg(3)["ds_mp"], **tp2}})})
+                     "k3_tp2_adam": ("train", {**ds_cfg(3, "Adam", lr=0.01), "ds_mp": {**ds_cfg(3)["ds_mp"], **tp2}}),
+                     "k3_tp2_kept": ("train", {**ds_cfg(3), "ds_mp": {**ds_cfg(3, ouroboros={"recompute": "none"})["ds_mp"],
+                                                                    **tp2}})})
 
 
 def test_tensor_parallel_inside_modules_equals_reference(tp_ring):
@@ -280,6 +282,8 @@ def test_tensor_parallel_inside_modules_equals_reference(tp_ring):
         assert_same(r, *reference(lambda p: torch.optim.SGD(p, lr=0.1), 3, DATA))
     assert_same(tp_ring["k3_tp2_adam"][0], *reference(lambda p: torch.optim.Adam(p, lr=0.01), 3, DATA),
                 weight_atol=ADAM_ATOL)
+    for r in tp_ring["k3_tp2_kept"]:  # kept graphs through TP's collectives (their backward runs a step later)
+        assert_same(r, *reference(lambda p: torch.optim.SGD(p, lr=0.1), 3, DATA, recompute="stashed"))
 
 
 @pytest.mark.parametrize("K, fixture", [(3, "two_ranks"), (4, "three_ranks")])

@@ -15,6 +15,7 @@ and gradient clipping, so the same token budget; 2 ranks × 1 thread each):
     ouroboros_kept  Ouroboros K=3 with ``recompute: "none"``: each delayed module keeps its
                  forward's graph (against a snapshot of its weights) until its delayed backward
                  instead of replaying the forward: weight stashing's maths without the replay
+    ouroboros_kept_m4  the same with the R rows read as 4 pipelined micro-batches
 
 Every step is a real training step on the embedded stdlib corpus
 (``ds_mp.data.ensure_default_dataset``); the groups take turns round-robin, so a step's
@@ -126,8 +127,9 @@ def configs(quick: bool, data: str) -> list[Config]:
     return [*(Config(f"{name}_m{m}" if m > 1 or name == "sync" else name, setup, 2, 1,
                      {**common, "schedule": schedule, "micro_batches": m})
               for name, schedule in (("sync", "1f1b"), ("ouroboros", "ouroboros")) for m in (1, MICRO_BATCHES)),
-            Config("ouroboros_kept", setup, 2, 1, {**common, "schedule": "ouroboros", "micro_batches": 1,
-                                                   "recompute": "none"})]
+            *(Config(f"ouroboros_kept{'' if m == 1 else f'_m{m}'}", setup, 2, 1,
+                     {**common, "schedule": "ouroboros", "micro_batches": m, "recompute": "none"})
+              for m in (1, MICRO_BATCHES))]
 
 
 def train_side_by_side(cfgs: list[Config], rounds: int, steps: int) -> tuple[dict, dict, dict]:
@@ -166,7 +168,7 @@ def loss_plot(path: str, tokens_per_step: int, steps_per_round: int, hist: dict,
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
     m4 = f"_m{MICRO_BATCHES}"
     colors = {"sync_m1": "#4C72B0", f"sync{m4}": "#55A868", "ouroboros": "#C44E52", f"ouroboros{m4}": "#DD8452",
-              "ouroboros_kept": "#8172B3"}
+              "ouroboros_kept": "#8172B3", f"ouroboros_kept{m4}": "#937860"}
     for name, h in hist.items():  # the _m4 runs dashed on top of their m1 twin: the same maths
         losses, wide, style = h[0]["losses"], 1.2 if name.endswith(m4) else 3.0, "--" if name.endswith(m4) else "-"
         x = [(i + 1) * tokens_per_step for i in range(len(losses))]
@@ -226,9 +228,10 @@ def run(quick: bool, out_dir: str) -> dict:
     intervals = {f"{n}_tokens_per_s_vs_sync_m1": r.as_dict() for n, r in speed.items() if n != "sync_m1"}
     intervals[f"ouroboros{m4}_tokens_per_s_vs_sync{m4}"] = vs_m4.as_dict()
     summary = []
-    variants = ("ouroboros", f"ouroboros{m4}", "ouroboros_kept")
+    variants = ("ouroboros", f"ouroboros{m4}", "ouroboros_kept", f"ouroboros_kept{m4}")
     for n in variants:
-        r, batches = speed[n], {"ouroboros": "one micro-batch", "ouroboros_kept": "one micro-batch, recompute none"
+        r, batches = speed[n], {"ouroboros": "one micro-batch", "ouroboros_kept": "one micro-batch, recompute none",
+                                f"ouroboros_kept{m4}": f"{MICRO_BATCHES} pipelined micro-batches, recompute none"
                                 }.get(n, f"{MICRO_BATCHES} pipelined micro-batches")
         summary.append(f"Ouroboros K=3 ({batches}) tokens/s vs synchronous PP=2, one micro-batch: {r} "
                        f"(target ≥ {SPEEDUP_TARGET}×: {r.verdict(SPEEDUP_TARGET)}; stretch ≥ {SPEEDUP_STRETCH}×: "
@@ -244,7 +247,8 @@ def run(quick: bool, out_dir: str) -> dict:
         summary.append(f"{n} compute per step: rank 0 (embedding, G_0, G_2, LM head) {compute[0]:.0f} ms, rank 1 "
                        f"(G_1) {compute[1]:.0f} ms, step {1e3 * res[n]['median_s']:.0f} ms"
                        + ("; delayed modules replay their forward (features replay), synchronous backprop does not"
-                          if n != "ouroboros_kept" else "; delayed modules keep their forward's graph (no replay)"))
+                          if not n.startswith("ouroboros_kept")
+                          else "; delayed modules keep their forward's graph (no replay)"))
     for line in summary:
         print("  " + line)
     plot = loss_plot(os.path.join(out_dir, "ouroboros.png"), tokens, steps, hist, val, speed)

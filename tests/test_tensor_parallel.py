@@ -213,6 +213,35 @@ def test_parallel_input_linear_matches_unsharded_autograd() -> None:
             assert c["rel_err"] <= c["tol"], c
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_lookup_accumulates_only_touched_rows(dtype) -> None:
+    """``embedding_lookup`` against ``F.embedding`` (the oracle) over three backwards into one
+    ``.grad`` (a step's micro-batches or token slices), repeated ids included: the same sums,
+    ``.grad`` stays dense, and the later backwards hand AccumulateGrad a sparse gradient of
+    only the looked-up rows.  ``sparse_grads=False`` (``torch.autograd.grad`` users) and a
+    first backward give the dense gradient."""
+    from ds_mp.tensor_parallel.layers import embedding_lookup
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(VOCAB, EMBD, generator=g).to(dtype).requires_grad_()
+    oracle = w.detach().clone().requires_grad_()
+    seen: list = []
+    w.register_hook(lambda grad: seen.append(grad.layout))
+    for _ in range(3):
+        ids = torch.randint(0, 40, (2, SEQ), generator=g)  # few distinct rows: repeats
+        dy = torch.randn(2, SEQ, EMBD, generator=g).to(dtype)
+        embedding_lookup(ids, w).backward(dy)
+        F.embedding(ids, oracle).backward(dy)
+        assert w.grad.layout == torch.strided
+        tol = {"rtol": 1.6e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 0, "atol": 1e-6}  # bf16: sum order
+        torch.testing.assert_close(w.grad, oracle.grad, **tol)
+    assert seen == [torch.strided, torch.sparse_coo, torch.sparse_coo]
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    (dense,) = torch.autograd.grad(embedding_lookup(ids, w, sparse_grads=False).sum(), [w])
+    assert dense.layout == torch.strided
+    torch.testing.assert_close(dense, torch.autograd.grad(F.embedding(ids, oracle).sum(), [oracle])[0])
+
+
 def _rng_probe(engine, tp_group) -> dict:
     """Which RNG stream each dropout draws from: the CPU RNG state at every attention
     (SDPA, dropout inside the parallel region) and every F.dropout call (outside)."""

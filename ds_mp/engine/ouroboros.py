@@ -108,6 +108,9 @@ class OuroborosState:
         self.keep_graph = cfg.ouroboros.recompute == "none"
         self.repeat_dropout = cfg.ouroboros.repeat_dropout
         ctx = engine.module.ds_mp_ctx
+        for mod in engine.module.modules():  # gradients come from torch.autograd.grad, never .grad
+            if hasattr(mod, "sparse_grads"):
+                mod.sparse_grads = False
         # A replay must redraw each micro-batch's own masks only if dropout is on and repeated;
         # otherwise it runs the whole stashed batch as one graph (larger, faster matmuls).
         self.replay_per_micro = self.repeat_dropout and max(ctx.dropout, ctx.embd_dropout, ctx.attn_dropout) > 0

@@ -31,6 +31,7 @@ from transformers.activations import ACT2FN
 from ds_mp.deepspeed_compat import module_grid, module_topology, set_local_layers, tied_weights
 from ds_mp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
                                    padded_vocab_size, vocab_parallel_cross_entropy)
+from ds_mp.tensor_parallel.layers import embedding_lookup
 from ds_mp.tensor_parallel.random import parallel_region_rng
 from ds_mp.tensor_parallel.sharding import shard
 from ds_mp.topology import Topology
@@ -377,7 +378,10 @@ def head_forward(module: TokenEmbedding, h: torch.Tensor) -> torch.Tensor:
 
 
 class Positions(nn.Module):
-    """``h = dropout(wte(ids) + wpe(pos))`` (positions absolute, also for token slices)."""
+    """``h = dropout(wte(ids) + wpe(pos))`` (positions absolute, also for token slices).
+    ``sparse_grads``: as :class:`ds_mp.tensor_parallel.VocabParallelEmbedding`'s."""
+
+    sparse_grads = True
 
     def __init__(self, src: WeightSource, ctx: Ctx) -> None:
         super().__init__()
@@ -390,7 +394,7 @@ class Positions(nn.Module):
         if self.ctx.sp:  # tok is the local sequence shard: take the matching positions
             pos = pos.expand(tok.shape[0], -1).chunk(self.ctx.tp, dim=1)[self.ctx.tp_rank]
         wpe = copy_to_tp(self.wpe, self.ctx.group) if self.ctx.sp else self.wpe  # SP: sum its grad over TP
-        h = tok + F.embedding(pos, wpe)
+        h = tok + embedding_lookup(pos, wpe, self.sparse_grads)
         with self.ctx.dropout_rng():
             return F.dropout(h, self.ctx.embd_dropout, self.training)
 

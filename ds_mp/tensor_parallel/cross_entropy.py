@@ -31,15 +31,13 @@ class _VocabParallelCE(torch.autograd.Function):
         if pad.any():
             z = z.masked_fill(pad, float("-inf"))
         m = _allreduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)  # (N,)
-        z = z - m.unsqueeze(-1)
-        ez = z.exp()
-        s = _allreduce(ez.sum(dim=-1), dist.ReduceOp.SUM, group)  # (N,)
         valid = target != ignore_index
         local_t = target - vocab_start
         mine = valid & (local_t >= 0) & (local_t < n_local)
         idx = local_t.clamp(0, n_local - 1)
-        zt = torch.where(mine, z.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(m))
-        zt = _allreduce(zt, dist.ReduceOp.SUM, group)
+        zt = torch.where(mine, z.gather(-1, idx.unsqueeze(-1)).squeeze(-1) - m, torch.zeros_like(m))
+        ez = torch.sub(z, m.unsqueeze(-1)).exp_()  # one (N, V_local) buffer: it becomes the softmax
+        s, zt = _allreduce(torch.stack([ez.sum(dim=-1), zt]), dist.ReduceOp.SUM, group)  # one collective, (N,) each
         loss = torch.where(valid, s.log() - zt, torch.zeros_like(zt))
         ez.div_(s.unsqueeze(-1))  # softmax, kept for backward
         ctx.save_for_backward(ez, idx, mine, valid)

@@ -105,8 +105,15 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    """g, summing in place when it may: the input of g is a fresh partial sum (a row-parallel
+    matmul's output, a masked lookup) that nothing else reads, so the all-reduce overwrites it
+    (``mark_dirty``: autograd then refuses, loudly, a graph that saved it) instead of a copy."""
+
     @staticmethod
     def forward(ctx, x, group):  # type: ignore[override]
+        if x.is_contiguous() and not x._is_view():
+            ctx.mark_dirty(x)
+            return _all_reduce(x, group)
         return _all_reduce(x.clone(), group)
 
     @staticmethod

@@ -112,10 +112,19 @@ def profile_engine_stage(engine: Any, L: int, granularity: int, rows: int | None
 
     was_training = module.training
     module.eval()  # no dropout: profiling draws no random numbers from the training streams
+    # Embedding lookups add a step's later slices into .grad sparsely once it exists
+    # (ds_mp.tensor_parallel.layers.embedding_lookup): give them one so every slice is timed
+    # as it runs in a step, not as the step's first (dense) backward.
+    lookups = [w for m in module.modules() if getattr(m, "sparse_grads", False)
+               for w in m.parameters(recurse=False) if w.requires_grad and w.grad is None]
+    for w in lookups:
+        w.grad = torch.zeros_like(w)
     try:
         return _profile(_slice_timer(module, blocks, make_input, B, hs, p.dtype, p.device), L, granularity)
     finally:
         module.train(was_training)
+        for w in lookups:
+            w.grad = None
 
 
 def _profile(fn: Callable[[int, int], None], L: int, granularity: int) -> list[tuple[int, int, float]]:

@@ -119,6 +119,26 @@ def uses_bf16_optimizer(engine: Any) -> bool:
     return bool(getattr(engine, "using_bf16_optimizer", False))
 
 
+def unapplied_loss_scale(engine: Any) -> float | None:
+    """The fp16 loss scale that ``DeepSpeedEngine.backward`` leaves out, or None.
+
+    DeepSpeed 0.19's ``backward`` scales the loss only for a ``ZeROOptimizer`` (or torch
+    autocast's scaler), yet its non-ZeRO fp16 optimizers (``FP16_Optimizer``,
+    ``FP16_UnfusedOptimizer``) divide the gradients by ``loss_scale_config.cur_scale`` in
+    ``step``: without ZeRO, fp16 gradients reach the update divided by the scale (2^16 by
+    default) and the overflow check never sees a scaled gradient.  Measured on a CPU with
+    fp16 (oneDNN): a plain ``deepspeed.initialize`` model's fp16 gradients equal the
+    unscaled fp32 ones after ``engine.backward``.  The caller multiplies the loss by this."""
+    if not engine.fp16_enabled() or getattr(engine, "torch_autocast_z0_gradscaler", None):
+        return None
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    opt = engine.optimizer
+    if isinstance(opt, ZeROOptimizer) or not hasattr(opt, "loss_scale_config"):
+        return None
+    return float(opt.loss_scale_config.cur_scale)
+
+
 def set_global_grad_norm(engine: Any, norm: float) -> None:
     """What DeepSpeed's public ``get_global_grad_norm()`` returns (its fp32 path leaves it None
     when ds_mp computes the norm)."""

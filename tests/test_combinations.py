@@ -385,7 +385,6 @@ def test_rng_state_round_trips_the_accelerator_generator(monkeypatch: pytest.Mon
 @pytest.mark.parametrize("extra, match", [
     ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage: 2, but ds_mp runs on DeepSpeed's PipelineEngine"),
     ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage: 3"),
-    ({"fp16": {"enabled": True}}, "fp16.enabled: DeepSpeed's 'cpu' accelerator has no fp16"),
 ])
 def test_refused_combinations(extra: dict, match: str) -> None:
     """Refused by ``load_config`` (every rank, before any collective) with one line."""
@@ -395,3 +394,22 @@ def test_refused_combinations(extra: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match) as e:
         load_config(cfg, 2)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("has_fp16", [False, True])
+def test_fp16_refused_only_without_accelerator_fp16(has_fp16: bool, monkeypatch) -> None:
+    """fp16 is refused by ``load_config`` exactly where DeepSpeed's accelerator reports no fp16
+    (its CPU accelerator asks oneDNN: an AMD EPYC says no, an Intel Xeon with AVX512-FP16 yes),
+    whatever this machine's CPU: the accelerator's answer is fixed by the test."""
+    from deepspeed.accelerator import get_accelerator
+
+    from ds_mp.config import ConfigError, load_config
+
+    acc = get_accelerator()
+    monkeypatch.setattr(type(acc), "is_fp16_supported", lambda self: has_fp16)
+    cfg = {**ds_config(tp=2), "fp16": {"enabled": True}}
+    if has_fp16:
+        load_config(cfg, 2)
+        return
+    with pytest.raises(ConfigError, match=f"fp16.enabled: DeepSpeed's '{acc.device_name()}' accelerator has no fp16"):
+        load_config(cfg, 2)

@@ -169,9 +169,16 @@ class DsMpPipelineEngine(PipelineEngine):
             self._buffer_loss[buffer_id] = self.loss
 
     def _exec_backward_pass(self, buffer_id: int) -> None:
-        if self.is_last_stage():
-            self.loss = self._buffer_loss.pop(buffer_id)  # this micro-batch's own loss
-        super()._exec_backward_pass(buffer_id)
+        if not self.is_last_stage():  # earlier stages backpropagate the (scaled) gradient they received
+            super()._exec_backward_pass(buffer_id)
+            return
+        loss = self._buffer_loss.pop(buffer_id)  # this micro-batch's own loss
+        scale = compat.unapplied_loss_scale(self)  # fp16 without ZeRO: DeepSpeed's backward skips it
+        self.loss = loss if scale is None else loss * scale
+        try:
+            super()._exec_backward_pass(buffer_id)
+        finally:
+            self.loss = loss
 
     # --- gradients --------------------------------------------------------------------
     def _exec_reduce_grads(self) -> None:

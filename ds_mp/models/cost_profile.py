@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from ds_mp.atomic import write_text_atomic
-from ds_mp.models.gpt2 import (Block, Ctx, FinalNorm, LayerCosts, LMLoss, Positions, TokenEmbedding, WeightSource,
-                               embed_forward, head_forward)
+from ds_mp.models.gpt2 import (LAYER_COST_VERSION, Block, Ctx, FinalNorm, LayerCosts, LMLoss, Positions,
+                               TokenEmbedding, WeightSource, embed_forward, head_forward)
 from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 from ds_mp.topology import Topology, build_grid
 
@@ -93,7 +93,7 @@ def profile_key(hf_config: Any, *, rows: int, seq: int, dtype: torch.dtype, devi
              "tp": tp, "sp": bool(sequence_parallel and tp > 1), "vocab_pad_multiple": vocab_pad_multiple,
              "overlap_comm": bool(overlap_comm and tp > 1),
              "lora": [lora.r, sorted(lora.target_modules)] if lora is not None and lora.r > 0 else None,
-             "device": device_label(device)}
+             "device": device_label(device), "version": LAYER_COST_VERSION}
     return json.dumps(parts, sort_keys=True)
 
 

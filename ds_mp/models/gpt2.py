@@ -36,6 +36,11 @@ from ds_mp.tensor_parallel.random import parallel_region_rng
 from ds_mp.tensor_parallel.sharding import shard
 from ds_mp.topology import Topology
 
+#: Part of every cached cost profile's key (``partition_profile.json``, ``terapipe_profile.json``):
+#: bumped when what a layer's forward + backward costs changes in kind, so older profiles are
+#: measured again.  2: a step's later embedding backwards add only the looked-up rows.
+LAYER_COST_VERSION = 2
+
 # HF parameter name (suffix after "transformer." / "h.<i>.") -> how TP shards it.
 GPT2_TP_PLAN: dict[str, str] = {
     "wte.weight": "vocab",

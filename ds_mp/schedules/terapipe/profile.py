@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ds_mp.config import ConfigError, DsMpConfig
-from ds_mp.models.gpt2 import attending_to
+from ds_mp.models.gpt2 import LAYER_COST_VERSION, attending_to
 from ds_mp.schedules.terapipe.kv_cache import KVContext
 from ds_mp.schedules.terapipe.planner import (BatchTableCostModel, cost_model_meta, explicit_plan,
                                               fit_table_cost_model, load_cost_model, plan_for, profile_sizes,
@@ -200,7 +200,7 @@ def profile_meta(engine: Any) -> dict:
             "tp": cfg.tp, "pp": engine.num_stages, "sequence_parallel": bool(ctx.sp),
             "granularity": cfg.terapipe.granularity, "batch_slices": cfg.terapipe.batch_slices,
             "device": p.device.type, "dtype": str(p.dtype).split(".")[-1],
-            "p2p_backend": dist.get_backend()}
+            "p2p_backend": dist.get_backend(), "version": LAYER_COST_VERSION}
 
 
 def _cached(path: str, meta: dict, explicit: bool) -> bool:

@@ -68,6 +68,8 @@ ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
     Assumption("engine", "pipe_partition_output_meta_cache", "shape cache of partitioned outputs"),
     Assumption("engine", "pipe_partition_grad_meta_cache", "shape cache of partitioned gradients"),
     Assumption("engine", "grad_partition_grad_layer_meta_cache", "shape cache of partitioned grad layers"),
+    Assumption("engine", "torch_autocast_z0_gradscaler", "torch autocast's grad scaler or None; with it, "
+               "DeepSpeedEngine.backward scales the loss itself (read by unapplied_loss_scale)"),
     Assumption("module", "tied_comms", "key -> {'module', 'weight_attr', 'group', 'ranks'} of each tied weight"),
     Assumption("module", "_grid", "the PipelineParallelGrid the module created (process groups)"),
     Assumption("module", "_topo", "the ProcessTopology the module was built with"),
@@ -129,7 +131,7 @@ def unapplied_loss_scale(engine: Any) -> float | None:
     default) and the overflow check never sees a scaled gradient.  Measured on a CPU with
     fp16 (oneDNN): a plain ``deepspeed.initialize`` model's fp16 gradients equal the
     unscaled fp32 ones after ``engine.backward``.  The caller multiplies the loss by this."""
-    if not engine.fp16_enabled() or getattr(engine, "torch_autocast_z0_gradscaler", None):
+    if not engine.fp16_enabled() or engine.torch_autocast_z0_gradscaler is not None:
         return None
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
 

@@ -159,27 +159,33 @@ def test_fp16_through_the_engine():
     assert all(math.isfinite(x) for x in losses)
 
 
-def _fp16_sgd_rank(rank: int) -> list[float]:
+def _fp16_sgd_rank(rank: int, tp: int, pp: int, zero: int) -> list[float]:
     import ds_mp
 
-    cfg = ds_config(micro=2, gas=2, seq=16, optimizer="SGD", lr=0.5)
+    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=2, seq=16, optimizer="SGD", lr=0.5)
     cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}  # 2^8: no overflow on this model
+    if zero:
+        cfg["zero_optimization"] = {"stage": zero}
+        cfg["zero_allow_untested_optimizer"] = True  # DeepSpeed's rule for SGD under ZeRO
     engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=cfg)
     losses = [float(engine.train_batch(iter(batches(2, 2, 16, 203, seed=0)))) for _ in range(4)]  # one batch, learnt
     assert engine.skipped_steps == 0
     return losses
 
 
-def test_fp16_trains_like_fp32_hf():
-    """fp16 without ZeRO follows HF's fp32 SGD trajectory (the outside oracle) within fp16's
-    precision.  DeepSpeed 0.19's ``backward`` leaves the loss unscaled for its non-ZeRO fp16
-    optimizers, which still divide by the scale in ``step``: gradients 2^8 times too small
-    here, and a loss that does not move (``deepspeed_compat.unapplied_loss_scale``)."""
+@pytest.mark.parametrize("tp, pp, zero", [(1, 1, 0), (1, 1, 1), (2, 2, 0)], ids=["1x1", "1x1-zero1", "tp2xpp2"])
+def test_fp16_trains_like_fp32_hf(tp: int, pp: int, zero: int):
+    """fp16 follows HF's fp32 SGD trajectory (the outside oracle) within fp16's precision,
+    without ZeRO, with ZeRO-1 (whose optimizer scales the loss itself: scaled once, not twice)
+    and at TP × PP = 2 × 2 (the last stage's scaled loss sends scaled gradients back).
+    DeepSpeed 0.19's ``backward`` leaves the loss unscaled for its non-ZeRO fp16 optimizers,
+    which still divide by the scale in ``step``: gradients 2^8 times too small here, and a
+    loss that does not move (``deepspeed_compat.unapplied_loss_scale``)."""
     from deepspeed.accelerator import get_accelerator
 
     if not get_accelerator().is_fp16_supported():
         pytest.skip(NO_FP16_REASON)
-    got = run_ranks(_fp16_sgd_rank, 1, timeout=180)[0]
+    got = run_ranks(_fp16_sgd_rank, tp * pp, tp, pp, zero, timeout=180)[0]  # train_batch: the batch loss on every rank
     want, _ = hf_reference(tiny_gpt2(), [batches(2, 2, 16, 203, seed=0) for _ in range(4)], lr=0.5)
     assert want[0] - want[-1] > 0.2  # the reference moves far more than the tolerance below
     assert got == pytest.approx(want, abs=2e-2), (got, want)

@@ -41,6 +41,7 @@ from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
                                                  SendHidden, UpdateModules, config_split, module_owner, ring_layout)
+from ds_mp.tensor_parallel.layers import sparse_lookups
 from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
 
@@ -108,9 +109,8 @@ class OuroborosState:
         self.keep_graph = cfg.ouroboros.recompute == "none"
         self.repeat_dropout = cfg.ouroboros.repeat_dropout
         ctx = engine.module.ds_mp_ctx
-        for mod in engine.module.modules():  # gradients come from torch.autograd.grad, never .grad
-            if hasattr(mod, "sparse_grads"):
-                mod.sparse_grads = False
+        for lookup in sparse_lookups(engine.module):  # gradients come from torch.autograd.grad, never .grad
+            lookup.sparse_grads = False
         # A replay must redraw each micro-batch's own masks only if dropout is on and repeated;
         # otherwise it runs the whole stashed batch as one graph (larger, faster matmuls).
         self.replay_per_micro = self.repeat_dropout and max(ctx.dropout, ctx.embd_dropout, ctx.attn_dropout) > 0

@@ -131,6 +131,12 @@ class _EmbeddingLookup(torch.autograd.Function):
         return None, torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device).index_add_(0, flat, rows), None
 
 
+def sparse_lookups(module: nn.Module) -> list[nn.Module]:
+    """The submodules of ``module`` whose lookups accumulate sparsely (they carry ``sparse_grads``:
+    :class:`VocabParallelEmbedding`, GPT-2's positions)."""
+    return [m for m in module.modules() if hasattr(m, "sparse_grads")]
+
+
 def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor, sparse_grads: bool = True) -> torch.Tensor:
     """``weight[ids]`` (``F.embedding``) with the gradient accumulation of :class:`_EmbeddingLookup`."""
     if not (torch.is_grad_enabled() and weight.requires_grad):

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ds_mp.config import ConfigError, DsMpConfig
 from ds_mp.models.gpt2 import LAYER_COST_VERSION, attending_to
 from ds_mp.schedules.terapipe.kv_cache import KVContext
+from ds_mp.tensor_parallel.layers import sparse_lookups
 from ds_mp.schedules.terapipe.planner import (BatchTableCostModel, cost_model_meta, explicit_plan,
                                               fit_table_cost_model, load_cost_model, plan_for, profile_sizes,
                                               profile_stage)
@@ -115,7 +116,7 @@ def profile_engine_stage(engine: Any, L: int, granularity: int, rows: int | None
     # Embedding lookups add a step's later slices into .grad sparsely once it exists
     # (ds_mp.tensor_parallel.layers.embedding_lookup): give them one so every slice is timed
     # as it runs in a step, not as the step's first (dense) backward.
-    lookups = [w for m in module.modules() if getattr(m, "sparse_grads", False)
+    lookups = [w for m in sparse_lookups(module) if m.sparse_grads
                for w in m.parameters(recurse=False) if w.requires_grad and w.grad is None]
     for w in lookups:
         w.grad = torch.zeros_like(w)

@@ -415,15 +415,17 @@ def _check_combination(raw: dict, cfg: DsMpConfig) -> None:
     """Refuse the precision × optimizer-wrapper combinations that cannot run (one line each;
     see README "What combines with what").
 
-    * ZeRO stage ≥ 2: every ds_mp layout (also TP-only) runs on DeepSpeed's PipelineEngine,
-      which asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism".
+    * ZeRO stage 3: every ds_mp layout (also TP-only) runs on DeepSpeed's PipelineEngine, which
+      cannot gather partitioned weights per layer.  Stage 2 runs (ds_mp drives its gradient
+      reduction: ds_mp/engine/zero2.py).
     * fp16 where DeepSpeed's accelerator has no fp16 (the CPU here): DeepSpeed would refuse
       it only after the process groups exist.
     """
     stage = (raw.get("zero_optimization") or {}).get("stage", 0)
-    if not isinstance(stage, bool) and isinstance(stage, int) and stage >= 2:
+    if not isinstance(stage, bool) and isinstance(stage, int) and stage >= 3:
         raise ConfigError(f"zero_optimization.stage: {stage}, but ds_mp runs on DeepSpeed's PipelineEngine, "
-                          "which supports ZeRO stages 0 and 1 only; set it to 1")
+                          "which cannot partition the weights (ZeRO-3); set it to 2 (gradients and optimizer "
+                          "state partitioned) or 1")
     if (raw.get("fp16") or {}).get("enabled"):
         from deepspeed.accelerator import get_accelerator
 

@@ -296,3 +296,162 @@ def set_flat_state_extras(optimizer: Any, extras: dict) -> None:
         state = optimizer.optimizer.state[flat]
         for k, v in extras.items():
             state[k] = v.clone() if hasattr(v, "clone") else v
+
+
+# --- ZeRO-2 (gradient partitioning) in the pipeline engine: see ds_mp/engine/zero2.py ---------
+# ``PipelineEngine.__init__`` asserts ``zero_optimization_stage() < 2`` right after
+# ``DeepSpeedEngine.__init__`` has built the stage-2 optimizer; ds_mp drives stage 2's gradient
+# reduction from the pipeline's own instructions (engine/zero2.py), so the stage is reported
+# as 1 to that one assert (the only read of the stage in PipelineEngine.__init__).
+ZERO2_ASSUMPTIONS: tuple[Assumption, ...] = (
+    Assumption("pipe_init", "zero_optimization_stage(", "PipelineEngine.__init__ reads the ZeRO stage once, in its "
+               "assert stage < 2, after DeepSpeedEngine.__init__ built the optimizer"),
+    Assumption("zero", "overlapping_partition_gradients_reduce_epilogue", "stage 2: reduces the last bucket of "
+               "one backward, adds its partition gradients to the step's accumulators (all_grad_tensors) and "
+               "clears params_already_reduced; builds averaged_gradients only at a boundary"),
+    Assumption("zero", "finalize_gradient_accumulation_boundary", "unmanaged accumulation's boundary: "
+               "averaged_gradients from the accumulators of the step's epilogues, no reduction"),
+    Assumption("zero", "set_gradient_accumulation_boundary", "the boundary flag the epilogue reads"),
+    Assumption("zero_instance", "averaged_gradients", "group index -> this DP rank's partition gradients "
+               "(list of tensors) once the step's boundary is finalized"),
+)
+
+
+def check_zero2(engine: Any = None) -> None:
+    """Raise :class:`DeepSpeedIncompatible` naming the first broken ZeRO-2 assumption."""
+    import inspect
+
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for a in ZERO2_ASSUMPTIONS:
+        if a.owner == "pipe_init":
+            ok = inspect.getsource(PipelineEngine.__init__).count(a.name) == 1
+        elif a.owner == "zero":
+            ok = hasattr(DeepSpeedZeroOptimizer, a.name)
+        else:
+            ok = engine is None or hasattr(engine.optimizer, a.name)
+        if not ok:
+            raise _fail(a, "PipelineEngine.__init__" if a.owner == "pipe_init" else "DeepSpeedZeroOptimizer")
+
+
+def zero_stage_for(stage: int, caller: Any) -> int:
+    """The ZeRO stage the engine reports to the code object of frame ``caller``: 1 instead of 2
+    to ``PipelineEngine.__init__`` (its assert), the real stage to everything else."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if stage == 2 and caller.f_code is PipelineEngine.__init__.__code__:
+        return 1
+    return stage
+
+
+def zero2_close_backward(optimizer: Any) -> None:
+    """Stage 2, after one backward call: its gradients reduced over DP and accumulated into the
+    step's partition accumulators (boundary off, so nothing is finalized yet)."""
+    optimizer.set_gradient_accumulation_boundary(False)
+    optimizer.overlapping_partition_gradients_reduce_epilogue()
+
+
+def zero2_close_step(optimizer: Any) -> None:
+    """Stage 2, once per step after every backward: the accumulators become the partition
+    gradients the optimizer's step reads (``averaged_gradients``)."""
+    optimizer.finalize_gradient_accumulation_boundary()
+
+
+def zero2_partition_grads(optimizer: Any) -> list:
+    """This DP rank's partition gradients of the step, every group (after zero2_close_step)."""
+    return [t for group in optimizer.averaged_gradients.values() if group is not None for t in group]
+
+
+def zero2_full_grad(param: Any) -> Any:
+    """Collective over ``param``'s DP group: its full fp32 gradient assembled from the DP
+    partitions (DeepSpeed's public ``safe_get_full_grad``: each rank adds its fragment)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return safe_get_full_grad(param)
+
+
+def zero2_set_full_grad(param: Any, value: Any) -> None:
+    """Write this DP rank's fragment of ``value`` (``param``'s full gradient) into its partition."""
+    from deepspeed.utils import safe_set_full_grad
+
+    safe_set_full_grad(param, value)
+
+
+# --- fp16 without ZeRO: FP16_Optimizer (fused) / FP16_UnfusedOptimizer --------------------------
+# Neither has a high-precision mapping (``_hp_mapping``): the fused one keeps per group one flat
+# fp32 copy (``fp32_groups_flat[i]``, the parameters of ``fp16_groups[i]`` back to back), the
+# unfused one an fp32 copy per parameter (``fp32_groups[i][j]``).  Both are replicated over DP
+# (no partitions), and the wrapped torch optimizer's state is keyed by those fp32 tensors.
+def fp16_slot(param: Any, optimizer: Any) -> tuple[Any, int] | None:
+    """``(fp32 tensor the torch optimizer steps, offset of param in it)`` for a non-ZeRO fp16
+    optimizer, None for any other optimizer (or a parameter it does not hold)."""
+    groups = getattr(optimizer, "fp16_groups", None)
+    if groups is None or hasattr(param, "_hp_mapping"):
+        return None
+    for i, group in enumerate(groups):
+        offset = 0
+        for j, q in enumerate(group):
+            if q is param:
+                if hasattr(optimizer, "fp32_groups_flat"):
+                    return optimizer.fp32_groups_flat[i], offset
+                return optimizer.fp32_groups[i][j], 0
+            offset += q.numel()
+    return None
+
+
+def slot_view(holder: Any, offset: int, param: Any) -> Any:
+    """``param``'s part of ``holder`` (a flat fp32 group or a per-parameter fp32 copy), shaped
+    like ``param`` (a view: writing it writes the holder)."""
+    return holder.view(-1).narrow(0, offset, param.numel()).view(param.shape)
+
+
+# --- the dynamic loss scaler's state (fp16) ----------------------------------------------------
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _scaler(optimizer: Any) -> Any:
+    """ZeRO's ``loss_scaler`` or the non-ZeRO fp16 optimizers' ``loss_scale_config``."""
+    for attr in ("loss_scaler", "loss_scale_config"):
+        obj = getattr(optimizer, attr, None)
+        if obj is not None and hasattr(obj, "cur_scale"):
+            return obj
+    return None
+
+
+def loss_scaler_state(optimizer: Any) -> dict | None:
+    """The loss scaler's counters (scale, iteration, last overflow, hysteresis) or None."""
+    obj = _scaler(optimizer)
+    if obj is None:
+        return None
+    return {k: (float(v) if k == "cur_scale" else int(v)) for k in SCALER_FIELDS
+            if (v := getattr(obj, k, None)) is not None}
+
+
+def set_loss_scaler_state(optimizer: Any, state: dict) -> None:
+    obj = _scaler(optimizer)
+    if obj is not None:
+        for k, v in state.items():
+            setattr(obj, k, v)
+
+
+def master_weights(module: Any, optimizer: Any) -> dict[int, Any]:
+    """id(parameter) -> its fp32 master weight (full shape) for every trainable parameter of
+    ``module`` whose optimizer wrapper keeps one (bf16, fp16, ZeRO); {} for a plain torch
+    optimizer.  Collective over each parameter's DP group for the flat-partition wrappers
+    (bf16 / ZeRO): every DP rank calls it."""
+    import torch
+
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return {}
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for p in module.parameters():
+        if not p.requires_grad:
+            continue
+        slot = fp16_slot(p, optimizer)
+        full = slot_view(*slot, p) if slot is not None else safe_get_full_fp32_param(p)
+        if full is not None:
+            out[id(p)] = full
+    return out

@@ -61,10 +61,15 @@ def clip_(params: Iterable[torch.nn.Parameter], norm: float, max_norm: float) ->
 
 def any_nonfinite(params: Iterable[torch.nn.Parameter], device: torch.device, group: Any = None) -> bool:
     """True on every rank of ``group`` (default: the world) if any gradient anywhere is NaN/Inf."""
-    bad = (~torch.isfinite(sum_of_squares((p.grad for p in params), device))).float().reshape(1)
+    return any_nonfinite_tensors((p.grad for p in params), device, group)
+
+
+def any_nonfinite_tensors(tensors: Iterable[torch.Tensor | None], device: torch.device, group: Any = None) -> bool:
+    """True on every rank of ``group`` (default: the world) if any of ``tensors`` anywhere holds a NaN/Inf."""
+    bad = (~torch.isfinite(sum_of_squares(tensors, device))).float().reshape(1)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     return bool(bad.item())
 
 
-__all__ = ["owned_parameters", "sum_of_squares", "global_grad_norm", "clip_", "any_nonfinite"]
+__all__ = ["owned_parameters", "sum_of_squares", "global_grad_norm", "clip_", "any_nonfinite", "any_nonfinite_tensors"]

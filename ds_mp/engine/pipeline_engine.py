@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import sys
 import time
 from typing import Any, Callable
 
@@ -18,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.engine import grads
+from ds_mp.engine import grads, zero2
 from ds_mp.schedules.registry import ENGINE_SUPPORT, resolve
 
 
@@ -51,6 +52,8 @@ class DsMpPipelineEngine(PipelineEngine):
         self._n_loaded = self._n_recv = 0
         super().__init__(*args, **kwargs)
         compat.check_engine(self)
+        if zero2.partitions_gradients(self):
+            compat.check_zero2(self)
         if getattr(getattr(self.module, "ds_mp_ctx", None), "sp", False):
             compat.send_whole_activations(self)
         support = ENGINE_SUPPORT.get(self.schedule_name)
@@ -58,6 +61,11 @@ class DsMpPipelineEngine(PipelineEngine):
         # returns its per-engine state, which may define state_dict/load_state_dict (work in
         # flight across steps), aggregate_loss() and eval_batch(data_iter, n).
         self.schedule_support = importlib.import_module(support).attach(self) if support else None
+
+    def zero_optimization_stage(self) -> int:
+        """DeepSpeed's stage, except 1 for ZeRO-2 to ``PipelineEngine.__init__``'s assert
+        (ds_mp runs stage 2's reduction itself: engine/zero2.py)."""
+        return compat.zero_stage_for(super().zero_optimization_stage(), sys._getframe(1))
 
     # --- extension points -------------------------------------------------------------
     @classmethod
@@ -169,6 +177,11 @@ class DsMpPipelineEngine(PipelineEngine):
             self._buffer_loss[buffer_id] = self.loss
 
     def _exec_backward_pass(self, buffer_id: int) -> None:
+        self._backward(buffer_id)
+        if zero2.partitions_gradients(self):  # ZeRO-2: this backward's gradients reduced over DP now
+            zero2.close_backward(self)
+
+    def _backward(self, buffer_id: int) -> None:
         if not self.is_last_stage():  # earlier stages backpropagate the (scaled) gradient they received
             super()._exec_backward_pass(buffer_id)
             return
@@ -181,7 +194,14 @@ class DsMpPipelineEngine(PipelineEngine):
             self.loss = loss
 
     # --- gradients --------------------------------------------------------------------
+    def _exec_reduce_tied_grads(self) -> None:
+        if not zero2.partitions_gradients(self):  # ZeRO-2: in _exec_reduce_grads, after the partitions
+            super()._exec_reduce_tied_grads()
+
     def _exec_reduce_grads(self) -> None:
+        if zero2.partitions_gradients(self):  # reduced per backward; the step's partitions made final
+            zero2.close_step(self)
+            return
         probe = self.noise_scale
         measure = probe is not None and probe.due(self.global_steps + 1)
         if measure:  # |G_small|² of this replica before the DP all-reduce, |G_big|² after
@@ -215,7 +235,9 @@ class DsMpPipelineEngine(PipelineEngine):
             compat.set_global_grad_norm(self, norm)
             self.last_step_nonfinite = not math.isfinite(norm)
         else:
-            self.last_step_nonfinite = grads.any_nonfinite(self.module.parameters(), self.device)
+            held = zero2.partition_gradients(self) if zero2.partitions_gradients(self) else \
+                [p.grad for p in self.module.parameters()]  # ZeRO-2 keeps no .grad: its partitions
+            self.last_step_nonfinite = grads.any_nonfinite_tensors(held, self.device)
         if self.last_step_nonfinite:
             self.nonfinite_steps += 1
             self.zero_grad()

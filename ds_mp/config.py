@@ -107,6 +107,16 @@ class LoraConfig:
 
 
 @dataclass
+class BatchRampConfig:
+    policy: str = ""  # "" (off: the JSON's fixed batch), "linear" (start -> max over ramp_samples) or "noise_scale"
+    start: int = 0  # first global batch in samples (a multiple of micro-batch × DP)
+    max: int = 0  # largest global batch in samples (a multiple of micro-batch × DP)
+    ramp_samples: int = 0  # "linear": samples consumed while the batch grows from start to max
+    interval: int = 10  # optimizer steps between batch decisions (noise_scale: from the smoothed B_simple)
+    lr_scaling: str = "none"  # LR × (batch / start)^p as the batch grows: "none" (p=0), "sqrt" (1/2), "linear" (1)
+
+
+@dataclass
 class DsMpConfig:
     model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir, Hub id, or inline shape
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
@@ -116,6 +126,7 @@ class DsMpConfig:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
     # Filled by validate(): the degrees and the model shape actually used.
     world_size: int = field(default=1, repr=False)
     dp: int = field(default=1, repr=False)
@@ -451,9 +462,61 @@ def load_config(config: str | dict, world_size: int) -> tuple[DsMpConfig, dict]:
         if (raw.get("zero_optimization") or {}).get("stage", 0):
             raise ConfigError("zero_optimization.stage: the ouroboros schedule supports ZeRO stage 0 (its "
                               "gradients are assembled by hand, outside ZeRO's reduction hooks); set it to 0")
-    if cfg.training.noise_scale_interval:  # measured on p.grad: fp32, ZeRO 0, DeepSpeed's pipeline engine only
-        mixed = any((raw.get(k) or {}).get("enabled") for k in ("fp16", "bf16"))
-        if mixed or (raw.get("zero_optimization") or {}).get("stage", 0) or cfg.pipeline.schedule == "ouroboros":
-            raise ConfigError("ds_mp.training.noise_scale_interval: the noise scale is measured on fp32 ZeRO-0 "
-                              "gradients of the pipeline engine (not ouroboros); set it to 0 or train in fp32")
+    if cfg.training.noise_scale_interval:  # measured on fp32/bf16 gradients around DeepSpeed's DP reduction
+        _check_noise_scale(raw, cfg, "ds_mp.training.noise_scale_interval", "set it to 0")
+    _check_batch_ramp(raw, cfg)
     return cfg, raw
+
+def _check_noise_scale(raw: dict, cfg: DsMpConfig, key: str, instead: str) -> None:
+    """B_simple compares each replica's gradient before DeepSpeed's DP reduction with the reduced one."""
+    stage = (raw.get("zero_optimization") or {}).get("stage", 0) or 0
+    if (raw.get("fp16") or {}).get("enabled") or cfg.pipeline.schedule == "ouroboros" or stage >= 2:
+        raise ConfigError(f"{key}: the noise scale is measured in fp32 or bf16 at ZeRO 0/1 around the pipeline engine's "
+                          "DP reduction (not on fp16's scaled gradients; not with ouroboros, which assembles gradients "
+                          "by hand; not at ZeRO-2, which reduces during the backward); " + instead)
+
+
+def _check_batch_ramp(raw: dict, cfg: DsMpConfig) -> None:
+    """``ds_mp.batch_ramp``: sizes this layout can take (multiples of micro-batch × DP), a known
+    policy and LR scaling, and the noise-scale policy only where B_simple can be measured."""
+    br, key = cfg.batch_ramp, "ds_mp.batch_ramp"
+    if not br.policy:
+        if br.start or br.max or br.ramp_samples:
+            raise ConfigError(f"{key}.policy: empty (ramp off) but start/max/ramp_samples are set; "
+                              "set policy to 'linear' or 'noise_scale', or remove the block")
+        return
+    if br.policy not in ("linear", "noise_scale"):
+        close = difflib.get_close_matches(br.policy, ["linear", "noise_scale"], n=1)
+        raise ConfigError(f"{key}.policy: unknown policy {br.policy!r}; use 'linear' or 'noise_scale'"
+                          + (f" (did you mean '{close[0]}'?)" if close else ""))
+    if br.lr_scaling not in ("none", "sqrt", "linear"):
+        raise ConfigError(f"{key}.lr_scaling: {br.lr_scaling!r} is not 'none', 'sqrt' or 'linear'")
+    for name in ("start", "max", "interval"):
+        _positive(getattr(br, name), f"batch_ramp.{name}")
+    if br.start > br.max:
+        raise ConfigError(f"{key}.start: {br.start} > max={br.max}; the batch only grows: make start <= max")
+    micro = raw.get("train_micro_batch_size_per_gpu", 1)
+    unit = micro * cfg.dp
+    for name in ("start", "max"):
+        v = getattr(br, name)
+        if v % unit:
+            lo, hi = max(unit, v // unit * unit), (v // unit + 1) * unit
+            raise ConfigError(f"{key}.{name}: {v} samples is no size this layout can take: a step is a whole number of "
+                              f"micro-batches on every DP rank, multiples of train_micro_batch_size_per_gpu ({micro}) "
+                              f"× DP ({cfg.dp}) = {unit}; use {lo} or {hi}")
+    if br.policy == "linear":
+        _positive(br.ramp_samples, "batch_ramp.ramp_samples")
+    elif cfg.dp < 2:
+        raise ConfigError(f"{key}.policy: 'noise_scale' measures B_simple from the per-replica vs all-reduced "
+                          "gradient, which needs DP >= 2 (this layout has DP = 1); launch more ranks or lower "
+                          "tensor_parallel.size/pipeline.stages, or use policy 'linear'")
+    elif cfg.pipeline.schedule != "ouroboros":
+        _check_noise_scale(raw, cfg, f"{key}.policy", "use policy 'linear'")
+    if cfg.pipeline.schedule == "ouroboros":
+        raise ConfigError(f"{key}: not supported with the ouroboros schedule: its updates apply gradients computed "
+                          "up to K-2 steps earlier, so a batch (and LR) change would mix batch sizes inside one "
+                          "update; use a fixed batch or the 1f1b/gpipe/terapipe schedules")
+    if cfg.pipeline.schedule not in ("1f1b", "gpipe", "terapipe"):
+        raise ConfigError(f"{key}: tested with the 1f1b, gpipe and terapipe schedules (a batch change gives the "
+                          f"schedule more micro-batches per step), not yet with {cfg.pipeline.schedule!r}; use one of "
+                          "those or a fixed batch")

@@ -151,6 +151,14 @@ class ChunkSampler:
         self._consumed += self.global_batch
         return batches
 
+    def set_grad_accum(self, grad_accum: int) -> None:
+        """From the next step on, take ``grad_accum`` micro-batches per rank (global batch =
+        micro_batch × grad_accum × dp_size; a batch-size ramp).  Only between steps."""
+        _check_positive(grad_accum=grad_accum)
+        if self._pending:
+            raise RuntimeError("set_grad_accum() called in the middle of a step; change the batch between steps")
+        self.grad_accum, self.global_batch = grad_accum, self.micro_batch * grad_accum * self.dp_size
+
     def set_step(self, step: int) -> None:
         """Position the sampler at the start of global step ``step`` (constant global batch assumed)."""
         self._consumed, self._pending = step * self.global_batch, []

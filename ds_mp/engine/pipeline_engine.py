@@ -44,6 +44,7 @@ class DsMpPipelineEngine(PipelineEngine):
         self.trace_enabled = False
         self.last_grad_norm: float | None = None
         self.noise_scale: Any = None  # set by the training loop when training.noise_scale_interval > 0
+        self._noise_b_small: int | None = None  # ZeRO: a measurement waiting for the step's gradient norm
         self.nonfinite_steps = 0  # optimizer steps skipped because a gradient was NaN/Inf
         self.last_step_nonfinite = False
         self._buffer_loss: dict[int, torch.Tensor] = {}
@@ -204,8 +205,8 @@ class DsMpPipelineEngine(PipelineEngine):
             return
         probe = self.noise_scale
         measure = probe is not None and probe.due(self.global_steps + 1)
-        if measure:  # |G_small|² of this replica before the DP all-reduce, |G_big|² after
-            probe.before(self.global_grad_norm() ** 2, self.device)
+        if measure:  # |G_small|² of this replica before the DP all-reduce, |G_big|² after (or the step's norm)
+            probe.before(self.reduction_grad_norm() ** 2, self.device)
         if self.topology.dp > 1 or compat.uses_bf16_optimizer(self) or self.zero_optimization_stage() > 0:
             super()._exec_reduce_grads()
         # else: one replica and the gradients already sit in p.grad: DeepSpeed's reduction would
@@ -213,9 +214,13 @@ class DsMpPipelineEngine(PipelineEngine):
         # memcpys of the whole gradient per step, a no-op in value; gradient_predivide_factor
         # scales by f and back by f / 1).  bf16 and ZeRO keep it: their reduce also moves the
         # gradients into the optimizer's own buffers.
+        self._noise_b_small = None
         if measure:
-            probe.after(self.global_grad_norm() ** 2,
-                        self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps())
+            b_small = self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps()
+            if self._fp32_grads() or compat.uses_bf16_optimizer(self):
+                probe.after(self.reduction_grad_norm() ** 2, b_small)
+            else:  # ZeRO: the reduced gradients sit in DP partitions; their norm is the step's (_exec_optimizer_step)
+                self._noise_b_small = b_small
 
     def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
         """Skip the update (weights stay finite) when any gradient is NaN/Inf anywhere.
@@ -243,6 +248,8 @@ class DsMpPipelineEngine(PipelineEngine):
             self.zero_grad()
             return
         super()._exec_optimizer_step(lr_kwargs)
+        if self._noise_b_small:  # ZeRO's norm of the reduced gradients, before clipping
+            self.noise_scale.after(float(self.get_global_grad_norm()) ** 2, self._noise_b_small)
 
     def _fp32_grads(self) -> bool:
         """True when the optimizer steps ``p.grad`` directly (no bf16/fp16 master copy, no ZeRO)."""
@@ -264,6 +271,23 @@ class DsMpPipelineEngine(PipelineEngine):
     def optimizer_step(self) -> None:
         """The optimizer step of a step (OptimizerStep: NaN skip, clipping, DeepSpeed's step)."""
         self._exec_optimizer_step()
+
+    def reduction_grad_norm(self) -> float:
+        """‖g‖₂ (ownership rule of :meth:`global_grad_norm`) of the gradients DeepSpeed's DP reduction
+        averages: ``p.grad`` in fp32 and under ZeRO (before its reduction), BF16_Optimizer's fp32
+        gradient buffers (``fp32_groups_gradients``: the bf16 micro-batch gradients accumulated in fp32)."""
+        opt, owned = self.optimizer, grads.owned_parameters(self.module, self.topology)
+        if compat.uses_bf16_optimizer(self):
+            fp32 = {id(lp): g for lps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients) for lp, g in zip(lps, gs)}
+            tensors = [fp32.get(id(p)) for p in owned]
+        elif self.zero_optimization():
+            tensors = [opt.get_gradient_for_reduction(p) for p in owned]
+        else:
+            return self.global_grad_norm()
+        total = grads.sum_of_squares(tensors, self.device)
+        if self.topology.tp * self.topology.pp > 1:
+            dist.all_reduce(total, group=self.topology.model_group)
+        return math.sqrt(float(total))
 
     def global_grad_norm(self) -> float:
         """‖g‖₂ over the whole model: each TP shard once, each replicated or tied tensor

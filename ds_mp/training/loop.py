@@ -20,7 +20,9 @@ Metrics (per log interval):
   peak_mem   = peak resident memory of this rank (CPU) or peak allocated (GPU), MiB
   val_ppl    = exp(val_loss), per BPE token of the validation split
   noise_scale = EMA-smoothed gradient noise scale B_simple in samples (ds_mp.training.metrics),
-               when training.noise_scale_interval > 0 and DP > 1
+               when training.noise_scale_interval > 0 (or the noise_scale batch ramp) and DP > 1
+  batch_size = global samples of that optimizer step (changes under ds_mp.batch_ramp; with a ramp,
+               ``lr`` is the LR that step used, scaled per batch_ramp.lr_scaling)
   skipped    = optimizer steps skipped so far: non-finite gradients (fp32/bf16, ds_mp) plus
                DeepSpeed's fp16 loss-scale overflows (engine.skipped_steps)
 """
@@ -79,7 +81,7 @@ def _apply_overrides(raw: dict, args: argparse.Namespace) -> dict:
 
 class CsvLog:
     FIELDS = ["step", "loss", "val_loss", "val_ppl", "lr", "tokens_per_s", "tflops", "bubble", "grad_norm",
-              "noise_scale", "peak_mem_mib", "skipped", "elapsed_s"]
+              "noise_scale", "batch_size", "peak_mem_mib", "skipped", "elapsed_s"]
 
     def __init__(self, path: str, resume: bool) -> None:
         """A new log, or (``resume``) rows appended under the existing file's own header."""
@@ -99,11 +101,14 @@ class CsvLog:
         self.f.flush()
 
 
-def evaluate(engine: Any, val_batches: Any) -> float:
-    """Mean validation loss over ``val_batches`` (every rank returns the same value)."""
+def evaluate(engine: Any, val_batches: Any, per_pass: int | None = None) -> float:
+    """Mean validation loss over ``val_batches`` in passes of ``per_pass`` micro-batches (default:
+    the engine's micro-batches per step; a batch ramp changes those, so the loop fixes it); every
+    rank returns the same value."""
+    per_pass = per_pass or engine.micro_batches
     it = iter(val_batches)
-    n = max(1, len(val_batches) // engine.micro_batches)
-    losses = [float(engine.eval_batch(it)) for _ in range(n)]
+    n = max(1, len(val_batches) // per_pass)
+    losses = [float(engine.eval_batch(it, num_micro_batches=per_pass)) for _ in range(n)]
     return sum(losses) / len(losses)
 
 
@@ -126,6 +131,7 @@ def _run(args: argparse.Namespace) -> int:
     from ds_mp.checkpoint.training import read_latest
     from ds_mp.data import ChunkSampler, ValidationBatches, datasets_for
     from ds_mp.hub import resolve_model
+    from ds_mp.training.batch_ramp import BatchRamp, LrScaling
     from ds_mp.training.metrics import NoiseScaleProbe, bubble, megatron_flops
     from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
@@ -150,7 +156,10 @@ def _run(args: argparse.Namespace) -> int:
     topo, rank0 = engine.topology, torch.distributed.get_rank() == 0
     if hasattr(engine, "noise_scale"):
         engine.noise_scale = NoiseScaleProbe.from_config(cfg, topo)  # None unless DP > 1 and on
+    probe = getattr(engine, "noise_scale", None)  # the Ouroboros engine has none
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    ramp = BatchRamp.from_config(cfg.batch_ramp, micro, topo.dp)  # None: the JSON's fixed batch
+    lr_scaling = LrScaling()
     sampler = ChunkSampler(train_ds, cfg.data.seq_len, micro, gas, topo.dp_rank, topo.dp, cfg.data.seed)
     val = ValidationBatches(val_ds, cfg.data.seq_len, micro, tcfg.eval_batches * gas, topo.dp_rank, topo.dp)
     start_step = 0
@@ -158,6 +167,11 @@ def _run(args: argparse.Namespace) -> int:
         state = load_checkpoint(engine, ckpt_root, resume_tag)
         start_step = int(state["step"])
         restore_sampler(sampler, state, start_step)
+        if ramp is not None and state.get("batch_ramp") is not None:  # current batch, samples, LR kept apart
+            ramp.load_state_dict(state["batch_ramp"]["ramp"])
+            lr_scaling.load_state_dict(state["batch_ramp"]["lr"])
+        if probe is not None and state.get("noise_scale") is not None:  # the estimator's EMAs
+            probe.estimator.load_state_dict(state["noise_scale"])
         rng = state.get("rng")
         if rng is not None and state.get("layout") == _layout(topo):  # the same ranks: each its own streams
             set_rng_state(rng[torch.distributed.get_rank()] if isinstance(rng, list) else rng)
@@ -168,23 +182,37 @@ def _run(args: argparse.Namespace) -> int:
         torch.distributed.all_gather_object(rngs, rng_state())  # TP and PP), by global rank: exact dropout
         save_checkpoint(engine, ckpt_root, tag or f"step{step}",
                         {"step": step, "data": data_path, "rng": rngs, "layout": _layout(topo),
-                         "sampler": sampler.state_dict()})
+                         "sampler": sampler.state_dict(),
+                         "batch_ramp": None if ramp is None else {"ramp": ramp.state_dict(),
+                                                                  "lr": lr_scaling.state_dict()},
+                         "noise_scale": None if probe is None else probe.estimator.state_dict()})
 
-    tokens_per_step = micro * gas * topo.dp * cfg.data.seq_len
-    flops_per_step = megatron_flops(cfg.data.seq_len, cfg.shape.n_layer, cfg.shape.n_embd, cfg.shape.vocab_size,
-                                    micro * gas * topo.dp)
+    eval_per_pass = gas  # validation passes keep the JSON's micro-batches per step, whatever the ramp does
     bar = _progress(rank0, start_step, tcfg.steps)
     engine.trace_enabled = True
     trace_first, trace_last = tcfg.trace_steps or (0, 0)
     recorded: list = []  # the trace_steps window's instructions on this rank
-    window: list[float] = []
+    window: list[tuple[float, float, float]] = []  # (seconds, tokens, FLOPs) of the steps since the last row
     t_start = time.time()
     for step in range(start_step + 1, tcfg.steps + 1):
+        step_lr = None
+        if ramp is not None:  # DeepSpeed's own batch change: more micro-batches per step, same engine
+            batch = ramp.before_step(step, None if probe is None else probe.estimator)
+            if batch != engine.train_batch_size():
+                engine.set_train_batch_size(batch)
+                sampler.set_grad_accum(engine.gradient_accumulation_steps())
+            step_lr = lr_scaling.apply(engine.optimizer.param_groups, ramp.lr_factor)[0]
+        batch_size = engine.train_batch_size()
+        tokens_per_step = batch_size * cfg.data.seq_len
+        flops_per_step = megatron_flops(cfg.data.seq_len, cfg.shape.n_layer, cfg.shape.n_embd, cfg.shape.vocab_size,
+                                        batch_size)
         engine.trace.clear()
         t0 = time.perf_counter()
         loss = float(engine.train_batch(sampler))
         dt = time.perf_counter() - t0
-        window.append(dt)
+        window.append((dt, tokens_per_step, flops_per_step))
+        if ramp is not None:
+            ramp.after_step()
         if trace_first <= step <= trace_last:
             recorded.extend(engine.trace)
             if step == trace_last:
@@ -197,22 +225,22 @@ def _run(args: argparse.Namespace) -> int:
                                     "LR or set training.on_nan='skip'")
         val_loss = None
         if tcfg.eval_interval and step % tcfg.eval_interval == 0:
-            val_loss = evaluate(engine, val)
+            val_loss = evaluate(engine, val, eval_per_pass)
         if rank0:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
         if step % tcfg.log_interval == 0 or val_loss is not None or step == tcfg.steps:
-            mean_dt = sum(window) / len(window)
+            secs = sum(w[0] for w in window)
+            tok_s, flop_s = sum(w[1] for w in window) / secs, sum(w[2] for w in window) / secs
             times = engine.instruction_times()
             if log is not None:
-                probe = getattr(engine, "noise_scale", None)  # the Ouroboros engine has none
                 noise = None if probe is None else probe.value
                 norm = engine.get_global_grad_norm()
                 metrics = {"loss": loss, "val_loss": val_loss, "val_ppl": None if val_loss is None else _ppl(val_loss),
-                           "lr": engine.get_lr()[0], "tokens_per_s": tokens_per_step / mean_dt,
-                           "tflops": flops_per_step / mean_dt / 1e12, "bubble": bubble(times, dt),
+                           "lr": engine.get_lr()[0] if step_lr is None else step_lr, "tokens_per_s": tok_s,
+                           "tflops": flop_s / 1e12, "bubble": bubble(times, dt),
                            "grad_norm": None if norm is None else float(norm), "noise_scale": noise,
-                           "peak_mem_mib": peak_memory_mib(),
+                           "batch_size": batch_size, "peak_mem_mib": peak_memory_mib(),
                            "skipped": engine.nonfinite_steps + engine.skipped_steps,
                            "elapsed_s": time.time() - t_start}
                 log.row(step=step, **{k: _fmt(k, v) for k, v in metrics.items()})
@@ -220,7 +248,7 @@ def _run(args: argparse.Namespace) -> int:
                 msg = f"step {step} loss {loss:.4f}"
                 if val_loss is not None:
                     msg += f" val {val_loss:.4f} (ppl {_ppl(val_loss):.2f})"
-                bar.write(msg + f" | {tokens_per_step / mean_dt:,.0f} tok/s")
+                bar.write(msg + f" | {tok_s:,.0f} tok/s")
             window.clear()
         if tcfg.checkpoint_interval and step % tcfg.checkpoint_interval == 0 and step != tcfg.steps:
             save(step)
@@ -250,7 +278,7 @@ def _write_trace(engine: Any, recorded: list, path: str, bar: Any) -> None:
 
 # log.csv cell format per metric (None -> empty cell)
 _FORMATS = {"loss": "{:.6f}", "val_loss": "{:.6f}", "val_ppl": "{:.4f}", "lr": "{}", "tokens_per_s": "{:.1f}",
-            "tflops": "{:.4f}", "bubble": "{:.3f}", "grad_norm": "{:.4f}", "noise_scale": "{:.2f}",
+            "tflops": "{:.4f}", "bubble": "{:.3f}", "grad_norm": "{:.4f}", "noise_scale": "{:.2f}", "batch_size": "{}",
             "peak_mem_mib": "{:.0f}", "skipped": "{}", "elapsed_s": "{:.1f}"}
 
 MONITOR_PREFIX = "ds_mp/"

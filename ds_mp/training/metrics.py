@@ -17,9 +17,11 @@ Under data parallelism both sizes come for free: B_small = micro × accumulation
 replica's samples per step, |G_small|² = its local gradient's norm² before the DP
 all-reduce, averaged over replicas) and B_big = B_small × DP (the all-reduced gradient).
 Batch sizes are in samples (sequences of ``data.seq_len`` tokens); multiply by seq_len for
-tokens.  The norms are read from ``p.grad``, which holds the whole local / reduced gradient
-only in fp32 without ZeRO (DeepSpeed's bf16 and ZeRO optimizers move or partition it), so
-``load_config`` refuses the measurement in the other modes.
+tokens.  The norms are of the gradients DeepSpeed's DP reduction averages
+(``DsMpPipelineEngine.reduction_grad_norm``): ``p.grad`` in fp32; under bf16 (BF16_Optimizer) its
+fp32 gradient buffers, before and after the reduction; under ZeRO-1 ``p.grad`` before and, after,
+ZeRO's own norm of the reduced fp32 partitions (the step's gradient norm).  fp16 (loss-scaled
+gradients) and Ouroboros (gradients assembled by hand) are refused by ``load_config``.
 """
 from __future__ import annotations
 
@@ -116,6 +118,14 @@ class NoiseScaleEstimator:
             return None
         return self._trace / self._g2
 
+    def state_dict(self) -> dict:
+        """The smoothing state (raw EMAs and update count): a resumed run continues the same averages."""
+        return {"beta": self.beta, "updates": self.updates, "g2": self._g2, "trace": self._trace}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.beta, self.updates = float(state["beta"]), int(state["updates"])
+        self._g2, self._trace = float(state["g2"]), float(state["trace"])
+
     def update(self, small_sq: float, big_sq: float, b_small: float, b_big: float) -> float | None:
         """Fold in one measurement; returns :attr:`value`.
 
@@ -147,8 +157,11 @@ class NoiseScaleProbe:
 
     @classmethod
     def from_config(cls, cfg: Any, topology: Any) -> "NoiseScaleProbe | None":
-        """A probe when ``training.noise_scale_interval`` > 0 and DP > 1, else None."""
+        """A probe when ``training.noise_scale_interval`` > 0 (or the ``noise_scale`` batch ramp is on:
+        then every step unless that interval is set) and DP > 1, else None."""
         interval = cfg.training.noise_scale_interval if cfg is not None else 0
+        if cfg is not None and not interval and cfg.batch_ramp.policy == "noise_scale":
+            interval = 1
         if interval <= 0 or topology is None or topology.dp < 2:
             return None
         return cls(interval, topology)

@@ -1,0 +1,158 @@
+"""The batch-size ramp: which global batch the next optimizer step takes, and its LR factor.
+
+Pure rule and state (no ranks, no engine): the training loop asks :meth:`BatchRamp.before_step`
+for the global batch of step ``t`` (in samples), applies it with DeepSpeed's own
+``engine.set_train_batch_size`` (more micro-batches per step, never a new engine) and reports
+the step's samples with :meth:`BatchRamp.after_step`.
+
+Policies (``ds_mp.batch_ramp.policy``), decided every ``interval`` optimizer steps (before
+steps 1, 1 + interval, 1 + 2·interval, ...):
+
+* ``"linear"``:  B(s) = start + (max − start) · min(1, s / ramp_samples), s = samples consumed
+  by the steps so far (Megatron-LM's ramp, continuous instead of stepped).
+* ``"noise_scale"``: B = B_simple, the EMA-smoothed simple gradient noise scale in samples
+  (McCandlish et al. 2018, :mod:`ds_mp.training.metrics`).  Why: B_simple estimates the
+  critical batch B_crit, below which a step's progress grows ~linearly with B (each sample
+  still counts: the gradient is noise-dominated) and above which extra samples are largely
+  wasted (the gradient is already accurate).  Early in training B_simple is small, so a
+  small batch makes the most progress per sample; as the loss falls, it grows, and so does
+  the batch worth taking.  The smoothed value is trusted once the EMA spans its window
+  (⌈1 / (1 − β)⌉ measurements: 20 at β = 0.95); before that the batch stays.
+
+Both: the candidate is rounded *down* to a multiple of ``unit`` = micro-batch × DP (the sizes a
+layout can take; DeepSpeed's ``set_train_batch_size`` requires it), clamped to [start, max],
+and the batch never decreases (a decrease would undo what the schedule already paid for,
+and B_simple's noise would otherwise make the batch oscillate).
+
+LR scaling (``lr_scaling``): the scheduled LR is multiplied by (B / start)^p, p = 0 (``"none"``),
+½ (``"sqrt"``), 1 (``"linear"``): :class:`LrScaling` keeps each parameter group's scheduled LR
+apart from the scaled one it writes, so it composes with any DeepSpeed LR scheduler (or none).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+__all__ = ["POLICIES", "LR_SCALINGS", "BatchRamp", "LrScaling", "round_to_unit", "min_estimates"]
+
+POLICIES = ("linear", "noise_scale")
+LR_SCALINGS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}  # lr_scaling -> exponent p of (B / start)^p
+
+
+class NoiseSource(Protocol):
+    """What the noise-scale policy reads (``metrics.NoiseScaleEstimator``)."""
+
+    beta: float
+    updates: int
+
+    @property
+    def value(self) -> float | None: ...
+
+
+def round_to_unit(batch: float, unit: int, start: int, maximum: int) -> int:
+    """``batch`` rounded down to a multiple of ``unit``, clamped to [start, maximum] (both multiples)."""
+    return int(min(maximum, max(start, unit * math.floor(batch / unit))))
+
+
+def min_estimates(beta: float) -> int:
+    """Measurements before the noise-scale policy trusts the EMA: its window ⌈1 / (1 − β)⌉."""
+    return max(1, math.ceil(1.0 / (1.0 - beta) - 1e-9))
+
+
+class BatchRamp:
+    """The ramp's rule and state: the current global batch, consumed samples, steps taken.
+
+    ``unit`` = micro-batch × DP of the running layout.  State (:meth:`state_dict`) is in
+    samples, so it resumes at another layout; a saved batch the new layout cannot take
+    (not a multiple of its unit) is rounded up to the next size it can.
+    """
+
+    def __init__(self, policy: str, start: int, maximum: int, ramp_samples: int, interval: int, lr_scaling: str,
+                 unit: int) -> None:
+        if policy not in POLICIES or lr_scaling not in LR_SCALINGS:
+            raise ValueError(f"batch ramp: policy {policy!r} / lr_scaling {lr_scaling!r} unknown")
+        if not (0 < start <= maximum and start % unit == 0 and maximum % unit == 0 and interval >= 1):
+            raise ValueError(f"batch ramp: need unit | start <= max, interval >= 1; got start={start}, max={maximum}, "
+                             f"unit={unit}, interval={interval}")
+        self.policy, self.start, self.max, self.unit = policy, start, maximum, unit
+        self.ramp_samples, self.interval, self.lr_scaling = ramp_samples, interval, lr_scaling
+        self.batch = start  # global samples of the next step
+        self.consumed = 0  # samples taken by the steps done so far
+        self.steps = 0  # optimizer steps done under the ramp
+
+    @classmethod
+    def from_config(cls, cfg: Any, micro_batch: int, dp: int) -> "BatchRamp | None":
+        """The ramp of a validated ``ds_mp.batch_ramp`` block, None when it is off (policy "")."""
+        if not cfg.policy:
+            return None
+        return cls(cfg.policy, cfg.start, cfg.max, cfg.ramp_samples, cfg.interval, cfg.lr_scaling, micro_batch * dp)
+
+    def target(self, noise: NoiseSource | None = None) -> float | None:
+        """The policy's unrounded batch now, or None when it has none yet (noise scale not trusted)."""
+        if self.policy == "linear":
+            frac = min(1.0, self.consumed / self.ramp_samples) if self.ramp_samples > 0 else 1.0
+            return self.start + (self.max - self.start) * frac
+        if noise is None or noise.updates < min_estimates(noise.beta):
+            return None
+        return noise.value
+
+    def before_step(self, step: int, noise: NoiseSource | None = None) -> int:
+        """The global batch of optimizer step ``step`` (1-based); re-decided when the step is due."""
+        if (step - 1) % self.interval == 0:
+            want = self.target(noise)
+            if want is not None and math.isfinite(want):
+                self.batch = max(self.batch, round_to_unit(want, self.unit, self.start, self.max))
+        return self.batch
+
+    def after_step(self) -> None:
+        """Step done: its ``batch`` samples are consumed."""
+        self.consumed += self.batch
+        self.steps += 1
+
+    @property
+    def lr_factor(self) -> float:
+        """(B / start)^p for the current batch."""
+        return (self.batch / self.start) ** LR_SCALINGS[self.lr_scaling]
+
+    def state_dict(self) -> dict:
+        return {"policy": self.policy, "batch": self.batch, "consumed": self.consumed, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue a saved ramp (same policy); its batch rounded up to this layout's unit."""
+        if state["policy"] != self.policy:
+            raise ValueError(f"batch ramp: the checkpoint's policy is {state['policy']!r}, this run's {self.policy!r}; "
+                             "resume with the same ds_mp.batch_ramp.policy")
+        self.batch = min(self.max, max(self.start, self.unit * math.ceil(state["batch"] / self.unit)))
+        self.consumed, self.steps = int(state["consumed"]), int(state["steps"])
+
+
+class LrScaling:
+    """Writes scheduled LR × factor into optimizer parameter groups, keeping the scheduled LR.
+
+    Before each step :meth:`apply` reads every group's ``lr``: if it still holds the value this
+    object wrote last, the schedule has not moved it and the scheduled LR is the one kept; any
+    other value was just set by an LR scheduler and is the new scheduled LR.  So it works with a
+    scheduler that sets absolute LRs each step (DeepSpeed's, torch's) and without one.
+    """
+
+    def __init__(self) -> None:
+        self.scheduled: list[float] | None = None  # the schedule's LR per group
+        self.written: list[float] | None = None  # what apply() last wrote per group
+
+    def apply(self, groups: list[dict], factor: float) -> list[float]:
+        """Set ``group["lr"] = scheduled × factor`` for each group; returns the LRs written."""
+        now = [float(g["lr"]) for g in groups]
+        if self.scheduled is None or len(self.scheduled) != len(now):
+            self.scheduled = now
+        else:
+            self.scheduled = [s if lr == w else lr for s, w, lr in zip(self.scheduled, self.written, now)]
+        self.written = [s * factor for s in self.scheduled]
+        for g, lr in zip(groups, self.written):
+            g["lr"] = lr
+        return self.written
+
+    def state_dict(self) -> dict:
+        return {"scheduled": self.scheduled, "written": self.written}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduled, self.written = state["scheduled"], state["written"]

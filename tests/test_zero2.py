@@ -53,10 +53,10 @@ def zero2_config(tp: int, pp: int, schedule: str = "1f1b", bf16: bool = False) -
     return cfg
 
 
-def steps_for(dp: int) -> list[list]:
-    """STEPS steps of 2·DP micro-batches; replica d takes micro-batches 2d, 2d+1 of each."""
+def steps_for(dp: int, n: int = STEPS) -> list[list]:
+    """``n`` steps of 2·DP micro-batches; replica d takes micro-batches 2d, 2d+1 of each."""
     out = []
-    for s in range(STEPS):
+    for s in range(n):
         mbs = batches(2 * dp, 2, SEQ, VOCAB, seed=100 + s)
         mbs[0][1][0, :2] = -100  # some ignored labels
         out.append(mbs)
@@ -144,3 +144,52 @@ def test_zero3_refused() -> None:
     with pytest.raises(ConfigError, match=r"zero_optimization.stage: 3, .*set it to 2") as e:
         load_config({**ds_config(tp=2), "zero_optimization": {"stage": 3}}, 2)
     assert "\n" not in str(e.value)
+
+
+# --- layout-free checkpoints under ZeRO-2 -------------------------------------------------------
+RESUME_STAGES = (2, 1, 0)  # the wrapper the run resumes under, at TP = 1 × DP = 2
+
+
+def _save_rank(rank: int, root: str) -> list[float]:
+    """TP = 2 × DP = 2, ZeRO-2: the first two steps, then a layout-free checkpoint."""
+    import ds_mp
+    from ds_mp.checkpoint import save_checkpoint
+
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=zero2_config(2, 1))
+    d = engine.topology.dp_rank
+    losses = [float(engine.train_batch(iter(step[2 * d:2 * d + 2]))) for step in steps_for(2, 4)[:2]]
+    save_checkpoint(engine, root, "step2")
+    return losses
+
+
+def _resume_rank(rank: int, root: str) -> dict:
+    """TP = 1 × DP = 2 under ZeRO-2, -1 and -0: load, then the remaining steps."""
+    import ds_mp
+    from ds_mp.checkpoint import load_checkpoint
+
+    out = {}
+    for stage in RESUME_STAGES:
+        cfg = zero2_config(1, 1)
+        cfg["zero_optimization"]["stage"] = stage
+        engine, *_ = ds_mp.initialize(model=tiny_gpt2(seed=5), config=cfg)  # other weights: the load must set them
+        load_checkpoint(engine, root)
+        d = engine.topology.dp_rank
+        out[stage] = ([float(engine.train_batch(iter(step[2 * d:2 * d + 2]))) for step in steps_for(2, 4)[2:]],
+                      weights_digest(engine))
+    return out
+
+
+def test_zero2_checkpoint_resumes_at_another_layout_and_wrapper(tmp_path) -> None:
+    """Saved at TP2 × DP2 under ZeRO-2 (fp32 masters and AdamW moments gathered from the DP
+    partitions), resumed at TP1 × DP2 under ZeRO-2, ZeRO-1 and no ZeRO: every step equals the
+    uninterrupted HF run (fp32, ``FP32_TOL``), and the DP replicas agree."""
+    hf_losses, _ = hf_adamw(tiny_gpt2(), steps_for(2, 4))
+    saved = run_ranks(_save_rank, 4, str(tmp_path), timeout=600)
+    resumed = run_ranks(_resume_rank, 2, str(tmp_path), timeout=600)
+    for losses in saved:
+        assert all(abs(a - b) <= FP32_TOL * abs(b) for a, b in zip(losses, hf_losses[:2])), (losses, hf_losses)
+    for stage in RESUME_STAGES:
+        (losses, digest), (_, other) = resumed[0][stage], resumed[1][stage]
+        where = f"resumed under ZeRO-{stage}: {losses} vs HF {hf_losses[2:]}"
+        assert all(abs(a - b) <= FP32_TOL * abs(b) for a, b in zip(losses, hf_losses[2:])), where
+        assert digest == other, f"ZeRO-{stage}: DP replicas differ after the resume"

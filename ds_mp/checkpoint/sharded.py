@@ -34,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 
 from ds_mp.models.gpt2 import (BLOCK_RENAME, GPT2_TP_PLAN, layer_index, lora_targeted, param_shapes, pipeline_layers,
                               tp_kind)
+from ds_mp.checkpoint.integrity import MANIFEST, CheckpointError, Manifest, warn_unverified, write_manifest
 from ds_mp.tensor_parallel.sharding import locate, read_shard, shard, shard_ranges, unshard
 
 FORMAT, VERSION = "ds_mp.sharded", 1
@@ -41,10 +42,6 @@ META = "ds_mp_meta.json"
 _TOP = ("wte.weight", "wpe.weight")
 _FINAL = ("ln_f.weight", "ln_f.bias")
 BLOCK_KEYS = tuple(k for k in GPT2_TP_PLAN if k not in _TOP + _FINAL)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or written; the message names the file and the fix."""
 
 
 def canonical_name(name: str) -> str:
@@ -94,7 +91,8 @@ def make_meta(cfg: Any, tp: int, parts: list[int], padded_vocab: int, has_optimi
     return {"format": FORMAT, "version": VERSION, "tp": tp, "pp": len(parts) - 1, "parts": list(parts),
             "layers": list(layers or pipeline_layers(cfg.n_layer)),
             "vocab_size": cfg.vocab_size, "padded_vocab": padded_vocab, "has_optimizer": has_optimizer,
-            "lora": lora, "hf_config": cfg.to_dict()}
+            "lora": lora, "hf_config": cfg.to_dict(),
+            "manifest": MANIFEST}  # written last, over every file (ds_mp.checkpoint.integrity)
 
 
 def write_meta(path: str, meta: dict) -> None:
@@ -157,6 +155,7 @@ def write_sharded(reader: Any, cfg: Any, out: str, tp: int, parts: list[int], pa
                 shard_file(out, "model", s, r), specs,
                 lambda n, r=r: reader.get_shard(n, tp_kind(n), r, tp, n_head=cfg.n_head, padded_vocab=padded_vocab))
     write_meta(out, make_meta(cfg, tp, parts, padded_vocab))
+    write_manifest(out)
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -235,12 +234,20 @@ def is_sharded_dir(path: str) -> bool:
 
 class ShardedReader:
     """Validated, lazy access to a sharded directory: full tensors by HF name (with the LoRA
-    factors of a LoRA run's training checkpoint, see :func:`lora_shapes`)."""
+    factors of a LoRA run's training checkpoint, see :func:`lora_shapes`).
 
-    def __init__(self, path: str) -> None:
+    With ``verify`` (default) the directory's manifest (:mod:`~ds_mp.checkpoint.integrity`)
+    is checked as files are used: every file's size and the metadata up front, each header
+    as it is parsed, a whole file's CRC32C before the first tensor is read from it
+    (:meth:`verify_files` checks a set ahead).  ``verify=False`` skips all of it."""
+
+    def __init__(self, path: str, verify: bool = True) -> None:
         from transformers import GPT2Config
 
         self.path = path
+        self.manifest = Manifest.open(path) if verify else None
+        if self.manifest is not None:
+            self.verify_files([os.path.join(path, META), os.path.join(path, "config.json")])
         try:
             with open(os.path.join(path, META)) as f:
                 meta = json.load(f)
@@ -251,6 +258,11 @@ class ShardedReader:
                                   f"{meta.get('version')!r}; this ds_mp reads {FORMAT!r} version {VERSION}")
         if meta["hf_config"].get("model_type") != "gpt2":
             raise CheckpointError(f"{path}: model_type {meta['hf_config'].get('model_type')!r}; ds_mp reads GPT-2")
+        if verify and self.manifest is None:
+            if meta.get("manifest"):
+                raise CheckpointError(f"{os.path.join(path, MANIFEST)}: file missing ({META} says it was written); "
+                                      "the checkpoint is incomplete: re-copy it, or pass verify=False to load unchecked")
+            warn_unverified(path)
         self.meta, self.tp, self.parts = meta, meta["tp"], meta["parts"]
         self.config = GPT2Config.from_dict(meta["hf_config"])
         self.lora = meta.get("lora") or None  # {"r", "alpha", "target_modules"} of a LoRA run
@@ -268,15 +280,40 @@ class ShardedReader:
     def stage_of(self, name: str) -> int:
         return stage_of(name, self.meta.get("layers") or pipeline_layers(self.config.n_layer), self.parts)
 
-    def _open(self, prefix: str, s: int, r: int) -> Any:
-        """A fresh handle per access: its memory map (pages counted in RSS) ends with it."""
-        return open_safetensors(shard_file(self.path, prefix, s, r))
+    def _open(self, prefix: str, s: int, r: int, header_only: bool = False) -> Any:
+        """A fresh handle per access: its memory map (pages counted in RSS) ends with it.
+        The file is verified first (only its header with ``header_only``)."""
+        path = shard_file(self.path, prefix, s, r)
+        if self.manifest is not None and os.path.isfile(path):
+            self.manifest.check_header(path) if header_only else self.manifest.verify(path)
+        return open_safetensors(path)
+
+    def verify_files(self, paths: Any) -> None:
+        """Check the whole CRC32C of each file in ``paths`` (no-op without a manifest)."""
+        if self.manifest is not None:
+            for p in sorted(set(paths)):
+                self.manifest.verify(p)
+
+    def files_of_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0, padded_vocab: int = 0,
+                       state: bool = False) -> set[str]:
+        """The files :meth:`get_shard` (with ``state`` also :meth:`get_state_shard`) reads for
+        this shard of the canonical ``name``: those whose saved TP shard overlaps it, as
+        :meth:`_read_range` finds them (the same model, so the same ``n_head``)."""
+        s, full = self.stage_of(name), self.shapes[name]
+        _, mine, _ = shard_ranges(kind, rank, size, full, n_head=n_head, padded_vocab=padded_vocab)
+        saved = [shard_ranges(kind, k, self.tp, full, n_head=n_head, padded_vocab=self.meta["padded_vocab"])[1]
+                 for k in range(1 if kind == "replicated" else self.tp)]
+        ranks = {k for k, ranges in enumerate(saved) if any(locate(lo, hi, ranges) for lo, hi in mine)}
+        out = {shard_file(self.path, "model", s, k) for k in ranks}
+        if state and self.state_keys.get(name):  # the state's slices, and TP rank 0's file (its extras)
+            out |= {shard_file(self.path, "optim", s, k) for k in ranks | {0}}
+        return out
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         return shard_shape(self.shapes[name], tp_kind(name), self.tp, self.config.n_head, self.meta["padded_vocab"])
 
     def _check_model_file(self, s: int, r: int, want: set[str]) -> None:
-        f, path = self._open("model", s, r), shard_file(self.path, "model", s, r)
+        f, path = self._open("model", s, r, header_only=True), shard_file(self.path, "model", s, r)
         have = set(f.keys())
         if want - have:
             raise CheckpointError(f"{path}: missing tensors {sorted(want - have)[:5]}; the checkpoint is incomplete")
@@ -290,7 +327,7 @@ class ShardedReader:
                                       f"config in {META}; the checkpoint and its config disagree")
 
     def _index_optim_file(self, s: int, r: int, want: set[str]) -> None:
-        f = self._open("optim", s, r)
+        f = self._open("optim", s, r, header_only=True)
         keys: dict[str, list[str]] = {}
         for k in f.keys():
             name, _, key = k.partition("::")
@@ -310,8 +347,10 @@ class ShardedReader:
         shards = [self._open("model", s, r).get_tensor(name) for r in range(self.tp)]
         return unshard(shards, tp_kind(name), n_head=self.config.n_head, vocab=self.config.vocab_size)
 
-    def _ranges(self, prefix: str, s: int, r: int) -> SafetensorsRanges:
+    def _ranges(self, prefix: str, s: int, r: int, header_only: bool = False) -> SafetensorsRanges:
         path = shard_file(self.path, prefix, s, r)
+        if self.manifest is not None and not header_only:
+            self.manifest.verify(path)
         if path not in self._headers:
             self._headers[path] = SafetensorsRanges(path, self.elements_read)
         return self._headers[path]
@@ -329,7 +368,7 @@ class ShardedReader:
 
     def dtype_of(self, name: str) -> torch.dtype:
         name = canonical_name(name)
-        return st_dtype(self._ranges("model", self.stage_of(name), 0).entries[name]["dtype"])
+        return st_dtype(self._ranges("model", self.stage_of(name), 0, header_only=True).entries[name]["dtype"])
 
     def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
                   padded_vocab: int = 0) -> torch.Tensor:

@@ -15,6 +15,9 @@ the model files,
 Only DP replica 0 writes (replicas are identical); every rank loads and cuts its own
 shard.  The save is atomic: ranks write into ``<tag>.tmp``, rank 0 renames it to ``<tag>``
 after every rank reported success, and only then replaces the ``latest`` pointer.
+Every file is listed with its size and CRC32C in ``ds_mp_manifest.json``
+(:mod:`~ds_mp.checkpoint.integrity`), written last; a load checks each file it reads against
+it first, and fails on every rank if it fails on any (no rank is left in a collective).
 
 DeepSpeed's own ``engine.save_checkpoint`` is not used: its pipeline checkpoints keep one
 file per layer per model-parallel rank and the optimizer state per model-parallel rank in
@@ -37,8 +40,9 @@ import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import commit_dir, fresh_dir, write_text_atomic
-from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, lora_shapes, make_meta,
-                                      shard_file, write_meta)
+from ds_mp.checkpoint.integrity import Manifest, file_entries, load_torch, write_manifest
+from ds_mp.checkpoint.sharded import (META, CheckpointError, ShardedReader, expected_shapes, lora_shapes,
+                                      make_meta, shard_file, write_meta)
 from ds_mp.models.gpt2 import hf_param_name, tp_kind
 
 TRAINER_STATE = "trainer_state.pt"
@@ -81,20 +85,27 @@ def _lora_meta(engine: Any) -> dict | None:
     return None if lora is None else {"r": lora.r, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
 
 
-def _everywhere(what: str, fn: Callable[[], None]) -> None:
-    """Run ``fn`` on this rank, then raise on every rank if it failed on any (collective)."""
+def _everywhere(what: str, fn: Callable[[], Any], gather: bool = False) -> Any:
+    """Run ``fn`` on this rank, then raise on every rank if it failed on any (collective: one
+    ``all_gather_object``); ranks failing alike are listed once.  Returns ``fn``'s result, or
+    with ``gather`` every rank's (in rank order).  ``fn`` itself must enter no collective: a
+    rank that failed before it would leave its peers waiting there."""
     try:
-        fn()
-        error = ""
+        result, error, local = fn(), "", None
     except Exception as e:  # noqa: BLE001 - reported on every rank below
-        error = f"{type(e).__name__}: {e}"
-    errors = [error]
+        result, error, local = None, f"{type(e).__name__}: {e}", e
+    outcomes = [(error, result if gather else None)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [""] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-    if bad:
-        raise CheckpointError(f"{what} failed: {'; '.join(bad)}")
+        outcomes = [("", None)] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (error, result if gather else None))
+    failed: dict[str, list[str]] = {}
+    for r, (e, _) in enumerate(outcomes):
+        if e:
+            failed.setdefault(e, []).append(str(r))
+    if failed:
+        raise CheckpointError(f"{what} failed: " + "; ".join(
+            f"rank{'s' * (len(rs) > 1)} {','.join(rs)}: {e}" for e, rs in failed.items())) from local
+    return [res for _, res in outcomes] if gather else result
 
 
 def _rank_tensors(engine: Any, opt: Any) -> tuple[dict, dict, dict]:
@@ -127,14 +138,17 @@ def _rank_tensors(engine: Any, opt: Any) -> tuple[dict, dict, dict]:
     return model, state, extras
 
 
-def _write_rank_files(tmp: str, topo: Any, tensors: tuple[dict, dict, dict], has_optimizer: bool) -> None:
+def _write_rank_files(tmp: str, topo: Any, tensors: tuple[dict, dict, dict], has_optimizer: bool) -> list[str]:
+    """Write this rank's model (and optimizer) file; returns their paths."""
     from safetensors.torch import save_file
 
     model, state, extras = tensors
-    save_file(model, shard_file(tmp, "model", topo.pp_rank, topo.tp_rank), metadata={"format": "pt"})
+    paths = [shard_file(tmp, "model", topo.pp_rank, topo.tp_rank)]
+    save_file(model, paths[0], metadata={"format": "pt"})
     if has_optimizer:
-        save_file(state, shard_file(tmp, "optim", topo.pp_rank, topo.tp_rank),
-                  metadata={"format": "pt", "extras": json.dumps(extras)})
+        paths.append(shard_file(tmp, "optim", topo.pp_rank, topo.tp_rank))
+        save_file(state, paths[1], metadata={"format": "pt", "extras": json.dumps(extras)})
+    return paths
 
 
 def _trainer_state(engine: Any, opt: torch.optim.Optimizer | None, client_state: dict) -> dict:
@@ -170,27 +184,30 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
 
     tensors = _rank_tensors(engine, opt)  # collective for bf16/ZeRO (DP gathers), before any write
 
-    def write() -> None:
-        if topo.dp_rank == 0:
-            _write_rank_files(tmp, topo, tensors, opt is not None)
+    def write() -> dict:
+        """This rank's files; returns their manifest entries (read back while still cached)."""
+        written = _write_rank_files(tmp, topo, tensors, opt is not None) if topo.dp_rank == 0 else []
         extra = _schedule_state(engine)
         if extra is not None:  # work a schedule keeps in flight across steps (Ouroboros), per rank
             torch.save({"layout": _layout(engine), "state": extra}, _extra_file(tmp, topo))
+            written.append(_extra_file(tmp, topo))
         if topo.rank == 0:
             meta = make_meta(engine.hf_config, topo.tp, list(engine.module.parts),
                              engine.module.ds_mp_ctx.padded_vocab, has_optimizer=opt is not None,
                              layers=engine.module.layer_names, lora=_lora_meta(engine))
             write_meta(tmp, meta)
             torch.save(_trainer_state(engine, _base_optimizer(engine), client_state or {}),
-                       os.path.join(tmp, TRAINER_STATE))
+                       os.path.join(tmp, TRAINER_STATE))  # meta, config.json, this: checksummed in commit
+        return file_entries(written)
 
     def commit() -> None:
-        if topo.rank == 0:
+        if topo.rank == 0:  # the manifest last: every rank's entries, and rank 0's own files read here
+            write_manifest(tmp, {name: e for rank_entries in written for name, e in rank_entries.items()})
             commit_dir(tmp, final, overwrite=True)
             write_text_atomic(os.path.join(os.path.dirname(final), LATEST), tag + "\n")
 
     _everywhere(f"save_checkpoint({final!r}): preparing", prepare)
-    _everywhere(f"save_checkpoint({final!r}): writing", write)
+    written = _everywhere(f"save_checkpoint({final!r}): writing", write, gather=True)
     _everywhere(f"save_checkpoint({final!r}): committing", commit)
     return final
 
@@ -204,7 +221,7 @@ def _extra_file(path: str, topo: Any) -> str:
     return os.path.join(path, f"schedule-pp{topo.pp_rank:02d}-tp{topo.tp_rank:02d}-dp{topo.dp_rank:02d}.pt")
 
 
-def _load_extra(engine: Any, path: str) -> None:
+def _load_extra(engine: Any, path: str, manifest: Manifest | None) -> None:
     """The schedule's in-flight state of this rank (saved only by schedules that keep one; it
     is tied to the layout it was saved at, unlike the weights)."""
     if not getattr(engine, "keeps_schedule_state", lambda: False)():
@@ -214,11 +231,30 @@ def _load_extra(engine: Any, path: str) -> None:
         raise CheckpointError(f"{path}: no {os.path.basename(file)}; schedule {engine.schedule_name!r} keeps work "
                               "in flight across steps and resumes only at the layout it was saved with (or start "
                               "from the weights with ds_mp.training.init_from)")
-    saved = torch.load(file, map_location="cpu", weights_only=True)
+    saved = load_torch(file, manifest)
     if saved["layout"] != _layout(engine):
         raise CheckpointError(f"{file}: in-flight {engine.schedule_name} state saved at {saved['layout']}, the engine "
                               f"has {_layout(engine)}; resume at the same layout or start from the weights with init_from")
     engine.load_schedule_state_dict(saved["state"])
+
+
+def _verify_reads(engine: Any, reader: ShardedReader, path: str) -> None:
+    """Check, before the engine is touched, the whole of every file this rank will read: the
+    saved shards overlapping its own (weights, and optimizer state of trainable parameters),
+    ``trainer_state.pt`` and its schedule file.  A rank never reads a byte it has not
+    checked; the cost is that a file of which it needs a slice is read whole (see
+    :mod:`~ds_mp.checkpoint.integrity`)."""
+    if reader.manifest is None:
+        return
+    topo, trains = engine.topology, engine.optimizer is not None
+    meta = {"n_head": engine.hf_config.n_head, "padded_vocab": engine.module.ds_mp_ctx.padded_vocab}
+    files = {os.path.join(path, TRAINER_STATE)}
+    for name, p in _params(engine):  # the shards the load below reads, with the same cut
+        files |= reader.files_of_shard(name, tp_kind(name), topo.tp_rank, topo.tp, **meta,
+                                       state=trains and p.requires_grad)
+    if os.path.isfile(_extra_file(path, topo)):
+        files.add(_extra_file(path, topo))
+    reader.verify_files(files)
 
 
 def read_latest(ckpt_root: str) -> str | None:
@@ -244,22 +280,44 @@ def latest_tag(ckpt_root: str) -> str:
     return tag
 
 
-def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict:
+def _tags(ckpt_root: str) -> list[str]:
+    """The finished checkpoints under ``ckpt_root`` (directories with a sharded meta)."""
+    try:
+        return sorted(t for t in os.listdir(ckpt_root) if os.path.isfile(os.path.join(ckpt_root, t, META)))
+    except OSError:
+        return []
+
+
+def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None, verify: bool = True) -> dict:
     """Load weights, optimizer, scheduler and counters saved at any layout; return client_state.
 
     Each rank reads only the slices of the saved TP shards that overlap its own (TP rank,
-    padded vocab) shard; optimizer state follows the same rule.
+    padded vocab) shard; optimizer state follows the same rule.  Collective: if the load
+    fails on any rank it raises on every rank.  With ``verify`` (default) each rank first
+    checks the CRC32C of every file it will read data from (whole files, against the
+    manifest; see :mod:`~ds_mp.checkpoint.integrity`), before it changes the engine;
+    ``verify=False`` skips the checks (a checkpoint too large to read twice).
     """
+    where = os.path.join(ckpt_root, tag) if tag else f"{ckpt_root} ({LATEST})"
+    return _everywhere(f"load_checkpoint({where})", lambda: _load(engine, ckpt_root, tag, verify))
+
+
+def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
+    """:func:`load_checkpoint` on this rank; enters no collective (it runs inside ``_everywhere``)."""
     opt, topo = _optimizer(engine), engine.topology
-    tag = tag or latest_tag(ckpt_root)
+    pointed, tag = tag is None, tag or latest_tag(ckpt_root)
     path = os.path.join(ckpt_root, tag)
     if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: checkpoint directory not found; check ckpt_root and tag")
+        found = ", ".join(_tags(ckpt_root)[-5:]) or "none"
+        raise CheckpointError(f"{os.path.join(ckpt_root, LATEST)} names {tag!r}, but {path} does not exist; the "
+                              f"checkpoint was removed or not copied: pass tag= one that exists (found: {found})"
+                              if pointed else f"{path}: checkpoint directory not found; check ckpt_root and tag "
+                              f"(found: {found})")
     if os.path.exists(os.path.join(path, NATIVE)):
         raise CheckpointError(f"{path}: a DeepSpeed-format bf16/ZeRO checkpoint of an older ds_mp; this ds_mp "
                               "reads only its layout-free format: resume it with the ds_mp that wrote it, or "
                               "start from its exported HF weights (runs/x/hf) with init_from")
-    reader = ShardedReader(path)
+    reader = ShardedReader(path, verify=verify)
     if expected_shapes(reader.config) != expected_shapes(engine.hf_config):
         raise CheckpointError(f"{path}: saved model shape (n_layer={reader.config.n_layer}, n_embd="
                               f"{reader.config.n_embd}, vocab={reader.config.vocab_size}) differs from the engine's; "
@@ -272,7 +330,8 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict
     if opt is not None and not reader.meta.get("has_optimizer"):
         raise CheckpointError(f"{path}: holds weights only (no optimizer state); start from it with "
                               "ds_mp.training.init_from instead of resuming")
-    trainer = torch.load(os.path.join(path, TRAINER_STATE), map_location="cpu", weights_only=True)
+    _verify_reads(engine, reader, path)
+    trainer = load_torch(os.path.join(path, TRAINER_STATE), reader.manifest)
     base = _base_optimizer(engine)
     if base is not None and (trainer["optimizer"] != type(base).__name__
                              or len(trainer["param_groups"]) != len(base.param_groups)):
@@ -309,5 +368,5 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None) -> dict
         engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
     engine.global_steps, engine.global_samples = trainer["global_steps"], trainer["global_samples"]
     engine.skipped_steps = trainer["skipped_steps"]
-    _load_extra(engine, path)
+    _load_extra(engine, path, reader.manifest)
     return trainer["client_state"]

@@ -23,12 +23,14 @@ SCHEDULES: dict[str, Union[str, type]] = {
     "gpipe": "ds_mp.schedules.gpipe:GPipe",
     "terapipe": "ds_mp.schedules.terapipe.schedule:TeraPipeSchedule",
     "ouroboros": "ds_mp.schedules.ouroboros.timetable:OuroborosSchedule",
+    "zb-h1": "ds_mp.schedules.zero_bubble:ZeroBubbleH1",
 }
 
 # schedule name -> module whose import registers its instruction handlers on the engine
 ENGINE_SUPPORT: dict[str, str] = {
     "terapipe": "ds_mp.engine.terapipe",
     "ouroboros": "ds_mp.engine.ouroboros",
+    "zb-h1": "ds_mp.engine.zero_bubble",
 }
 
 

@@ -32,6 +32,18 @@ Deps = Callable[[int, Op, int], Iterable[tuple[int, Op]]]   # (stage, op, K) -> 
 OpCost = Callable[[int, Op], float]                         # (stage, op) -> seconds
 
 
+def zero_bubble_deps(stage: int, op: Op, num_stages: int) -> list[tuple[int, Op]]:
+    """Dependencies with the backward split in two (ZB-H1): B (input gradient) and W (weight gradient).
+
+        F(s, m)  needs F(s−1, m)
+        B(s, m)  needs F(s, m) and B(s+1, m) unless s = K − 1     (only B is on the critical path)
+        W(s, m)  needs B(s, m)                                     (W is local: it never blocks a peer)
+    """
+    if op.kind == "W":
+        return [(stage, Op("B", op.micro, op.slice))]
+    return pipeline_deps(stage, op, num_stages)
+
+
 def pipeline_deps(stage: int, op: Op, num_stages: int) -> list[tuple[int, Op]]:
     """Data dependencies of a pipeline schedule (GPipe, 1F1B, TeraPipe):
 
@@ -164,6 +176,74 @@ def terapipe_timetable(K: int, slices_count: int, micro: int = 1) -> Timetable:
     forward = [_F(m, i) for m in range(micro) for i in range(slices_count)]
     backward = [_B(m, i) for m in reversed(range(micro)) for i in reversed(range(slices_count))]
     return [forward + backward for _ in range(K)]
+
+
+def sliced_one_f_one_b_timetable(K: int, sequences: Sequence[Sequence[Op]]) -> Timetable:
+    """Token-sliced 1F1B (TeraPipe's slices scheduled like Seq1F1B): ``sequences`` lists each
+    sequence's slice forwards ``F(m, i)`` in token order, sequences in forward order.
+
+    Forward order f: every slice of every sequence in order.  Backward order b: sequence by
+    sequence, each one's slices in reverse (slice i's backward needs the key/value gradients of
+    slices > i).  The last stage runs ``lag = max_j (position of b_j in f − j)`` warm-up forwards
+    (N − 1 for N equal slices: a sequence's last slice is backwarded right after its forward),
+    stage s ``w_s = lag + K − 1 − s`` (1F1B's pipeline depth on top), then alternates one forward
+    and one backward, then drains.  At most ``w_s + 1`` units are in flight on stage s
+    (N + K − 1 − s slices): bounded by the stages and one sequence's slices, not by slices ×
+    micro-batches as in the GPipe order::
+
+        K=2, two sequences of 2 slices   stage 0: F0.0 F0.1 F1.0 B0.1 F1.1 B0.0 B1.1 B1.0
+                                         stage 1: F0.0 F0.1 B0.1 F1.0 B0.0 F1.1 B1.1 B1.0
+    """
+    fwd = [op for seq in sequences for op in seq]
+    bwd = [_B(op.micro, op.slice) for seq in sequences for op in reversed(seq)]
+    pos = {(op.micro, op.slice): i for i, op in enumerate(fwd)}
+    lag = max((pos[(b.micro, b.slice)] - j for j, b in enumerate(bwd)), default=0)
+    table = []
+    for s in range(K):
+        w = min(len(fwd), lag + K - 1 - s)
+        ops = fwd[:w]
+        for j, b in enumerate(bwd):
+            if w + j < len(fwd):
+                ops.append(fwd[w + j])
+            ops.append(b)
+        table.append(ops)
+    return table
+
+
+def zb_h1_timetable(K: int, M: int) -> Timetable:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with the backward split
+    into B (input gradient, on the critical path) and W (weight gradient, off it).
+
+    Stage s keeps 1F1B's order of F and B and runs W(m) right after B(m + s) (the remaining W
+    at the end): the W of the last s micro-batches is deferred, so the gradient chain B(K−1) →
+    … → B(0) carries no W, and the deferred W fill the bubbles 1F1B leaves at the start of the
+    lower stages and at the end of the upper ones::
+
+        K=2, M=4   stage 0: F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3
+                   stage 1: F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3
+
+    Activations live from F to W: stage s holds at most (K − s) + s = K micro-batches, the peak
+    of 1F1B (its first stage).  With costs F = B = W the step is M(F+B+W) + (K−1)(F+B−W), against
+    1F1B's (M + K − 1)(F+B+W).
+    """
+    table = []
+    for s, ops in enumerate(one_f_one_b_timetable(K, M)):
+        out, done_b, done_w = [], 0, 0
+        for op in ops:
+            out.append(op)
+            if op.kind == "B":
+                done_b += 1
+                while done_w < done_b - s:
+                    out.append(Op("W", done_w))
+                    done_w += 1
+        table.append(out + [Op("W", m) for m in range(done_w, M)])
+    return table
+
+
+def one_f_one_b_split_timetable(K: int, M: int) -> Timetable:
+    """1F1B with every backward written as B then W right after it (what ZB-H1 reorders)."""
+    return [[x for op in ops for x in ((op, Op("W", op.micro)) if op.kind == "B" else (op,))]
+            for ops in one_f_one_b_timetable(K, M)]
 
 
 def terapipe_op_cost(slices: Sequence[int], cost: Cost, fwd_fraction: float = 1 / 3) -> OpCost:

@@ -32,8 +32,9 @@ from typing import Any
 from deepspeed.runtime.pipe.schedule import BufferOpInstruction
 
 from ds_mp.schedules.gpipe import FillDrain
-from ds_mp.schedules.simulate import Op
+from ds_mp.schedules.simulate import Op, sliced_one_f_one_b_timetable
 from ds_mp.schedules.terapipe.planner import Plan
+from ds_mp.schedules.timetable import TimetableSchedule
 
 
 # ------------------------------------------------------------------ instructions
@@ -105,8 +106,11 @@ class TeraPipeSchedule(FillDrain):
         self.units = plan_units(plan, micro_batches)
 
     @classmethod
-    def from_engine(cls, engine: Any) -> "TeraPipeSchedule":
-        return cls(engine.micro_batches, engine.num_stages, engine.stage_id, engine.terapipe.new_batch())
+    def from_engine(cls, engine: Any) -> "TeraPipeSchedule | TeraPipe1F1B":
+        """The order ``terapipe.order`` names: "gpipe" (this class) or "1f1b" (:class:`TeraPipe1F1B`)."""
+        order = getattr(engine.ds_mp_config.terapipe, "order", "gpipe") if engine.ds_mp_config else "gpipe"
+        kind = TeraPipe1F1B if order == "1f1b" else cls
+        return kind(engine.micro_batches, engine.num_stages, engine.stage_id, engine.terapipe.new_batch())
 
     reverse_backward = True  # slice i's backward needs the key/value gradients of slices > i
 
@@ -133,6 +137,49 @@ class TeraPipeSchedule(FillDrain):
                 for step in self.steps() for c in step if isinstance(c, (ForwardSlice, BackwardSlice))]
 
 
+class TeraPipe1F1B(TimetableSchedule):
+    """Token-sliced 1F1B (``"terapipe": {"order": "1f1b"}``): the units of :class:`TeraPipeSchedule`
+    in :func:`ds_mp.schedules.simulate.sliced_one_f_one_b_timetable`'s order — a sequence's last
+    slice is backwarded as soon as it is forwarded on the last stage, its slices in reverse, and at
+    most ``N + K − 1 − s`` units (N: a sequence's slices) hold activations on stage s, against all
+    ``micro-batches × N`` in the GPipe order.  Same instructions, same key/value cache.
+    """
+
+    dynamic_shape = True
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, plan: Plan) -> None:
+        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+        self.plan = plan
+        self.units = plan_units(plan, micro_batches)
+        self.per_micro = sum(len(s) for _, s in plan)
+
+    def _unit(self, op: Op) -> int:
+        return op.micro * self.per_micro + op.slice
+
+    def table(self) -> list[list[Op]]:
+        sequences: dict[tuple[int, int], list[Op]] = {}
+        for u, x in enumerate(self.units):
+            sequences.setdefault((x.micro, x.batch_slice), []).append(Op("F", x.micro, u % self.per_micro))
+        return sliced_one_f_one_b_timetable(self.stages, list(sequences.values()))
+
+    def cost(self, stage: int, op: Op) -> float:
+        """rows × tokens × (attended context + tokens), backward twice the forward."""
+        x = self.units[self._unit(op)]
+        (r0, r1), (a, b) = x.rows, x.tokens
+        return (r1 - r0) * (b - a) * (b + a + 1) * (2.0 if op.kind == "B" else 1.0)
+
+    def compute(self, op: Op, buffer_id: int) -> list:
+        x = self.units[self._unit(op)]
+        where = dict(buffer_id=buffer_id, micro=x.micro, batch_slice=x.batch_slice, slice=x.slice)
+        if op.kind == "B":
+            return [BackwardSlice(**where)]
+        load = [LoadSlice(buffer_id=buffer_id, micro=x.micro, rows=x.rows, tokens=x.tokens)]
+        return (load if self.stage_id in (0, self.stages - 1) else []) + [ForwardSlice(**where)]
+
+    def ops(self) -> list[Op]:
+        """This stage's ops in order (the simulator's ``Op(kind, micro, slice)``)."""
+        return self.table()[self.stage_id]
 
 
-__all__ = ["LoadSlice", "ForwardSlice", "BackwardSlice", "TeraPipeSchedule", "Unit", "plan_units", "Plan"]
+__all__ = ["LoadSlice", "ForwardSlice", "BackwardSlice", "TeraPipeSchedule", "TeraPipe1F1B", "Unit", "plan_units",
+           "Plan"]

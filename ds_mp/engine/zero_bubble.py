@@ -1,0 +1,183 @@
+"""Engine side of ZB-H1: the split backward (B = input gradient, W = weight gradient).
+
+Imported by the engine when the ``zb-h1`` schedule is selected (``ENGINE_SUPPORT``).
+
+**B** runs DeepSpeed's own backward handler (``BackwardPass``: partitioned-gradient restore,
+loss scaling by gradient accumulation and fp16/ZeRO, bf16 bookkeeping) with
+``Tensor.backward`` replaced, for the duration of the call, by an input-only backward: the
+autograd graph is walked once to find, for every parameter, the nodes where it meets the path
+from the stage input to the output ("intermediates"); ``torch.autograd.grad`` then computes
+only ``dX`` of the stage input (what ``SendGrad`` sends), keeping the graph and recording the
+gradients arriving at those intermediates.  Parameters' gradients are not touched.
+
+**W** continues from the recorded intermediates to the parameters (``torch.autograd.grad``
+from those gradient edges, graph freed) and adds the results into ``.grad``; for bf16 the
+low-precision gradients are then moved into DeepSpeed's fp32 master gradients, as its
+backward handler does after every backward.  Since ∂L/∂θ = Σ over the intermediates of
+(recorded gradient) · ∂(intermediate)/∂θ, B + W give the gradients of one full backward.
+
+The graph walk and the two partial backwards are torch's own
+(``torch.distributed.pipelining._backward``: ``construct_reverse_graph``, ``get_param_groups``,
+``stage_backward_weight``; torch 2.13 pinned).  The first stage has no input gradient: its B
+keeps the received output gradient and its W is DeepSpeed's whole backward.
+
+Activation checkpointing: DeepSpeed's checkpoints (both kinds) refuse ``torch.autograd.grad``,
+so the module switches to torch's non-reentrant checkpoint with DeepSpeed's model-parallel RNG
+tracker restored for the recomputation (:func:`checkpoint`); B and W each recompute the
+checkpointed forward.
+
+With TP > 1 the column-parallel linear's fused backward (one autograd node computing dX and
+dW) runs in both B and W: exact, but that layer's backward work is done twice.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
+                                                     get_param_groups, stage_backward_weight)
+
+from ds_mp import deepspeed_compat as compat
+from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
+from ds_mp.schedules.zero_bubble import BackwardInput, BackwardWeight
+
+
+@dataclass
+class ZeroBubbleState:
+    """Work a B left for its W, per pipe buffer: the parameter groups with their recorded
+    gradients (later stages), or the received output gradient (first stage)."""
+
+    pending: dict[int, Any] = field(default_factory=dict)
+
+
+def attach(engine: Any) -> ZeroBubbleState:
+    if engine.module.activation_checkpoint_interval > 0:  # DeepSpeed's checkpoints refuse torch.autograd.grad
+        engine.module.activation_checkpoint_func = checkpoint
+    engine.zero_bubble = ZeroBubbleState()
+    return engine.zero_bubble
+
+
+def checkpoint(function: Any, *args: Any) -> Any:
+    """Activation checkpointing that ``torch.autograd.grad`` accepts (torch's non-reentrant
+    checkpoint), recomputing with the RNG streams of the forward: torch restores the default
+    generator, the context below DeepSpeed's model-parallel tracker (TP-local dropout).  Each
+    backward graph task (B, then W) recomputes the segment."""
+    from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+    tracker, saved = get_cuda_rng_tracker(), {}
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        saved.update({k: v.clone() for k, v in tracker.get_states().items()})
+        yield
+
+    class Recompute:  # entered once per recomputation (B's and W's): a reusable context manager
+        def __enter__(self) -> None:
+            self.now = tracker.get_states()
+            tracker.set_states({k: v.clone() for k, v in saved.items()})
+
+        def __exit__(self, *exc: Any) -> None:
+            tracker.set_states(self.now)
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                             context_fn=lambda: (forward(), Recompute()))
+
+
+def _stage_inputs(engine: Any, buffer_id: int) -> list[torch.Tensor]:
+    inputs = compat.pipe_buffers(engine)["inputs"][buffer_id]
+    inputs = inputs if isinstance(inputs, (tuple, list)) else [inputs]
+    return [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def input_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor | None], inputs: list[torch.Tensor],
+                   weights: list[torch.Tensor]) -> list[dict]:
+    """B: ``inputs[i].grad += ∂(Σ outputs·grads)/∂inputs[i]``; returns the parameter groups whose
+    ``"grads"`` hold the gradients that reached each group's intermediates (W's starting point).
+    The graph is kept (W walks it); the output side is released by the caller dropping ``outputs``."""
+    pairs = [(o, torch.ones_like(o) if g is None else g) for o, g in zip(outputs, grads)
+             if o.grad_fn is not None or o.requires_grad]
+    roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+    reverse = construct_reverse_graph([_get_grad_fn_or_grad_acc(o) for o in roots])
+    groups = get_param_groups([_get_grad_fn_or_grad_acc(x) for x in inputs],
+                              [_get_grad_fn_or_grad_acc(w) for w in weights], reverse)
+    handles = []
+    for group in groups:
+        group["intermediates"] = list(group["intermediates"])
+        group["grads"] = [None] * len(group["intermediates"])
+        for i, node in enumerate(group["intermediates"]):
+            def record(grad_outputs: tuple, group: dict = group, i: int = i) -> None:
+                group["grads"][i] = grad_outputs
+            handles.append(node.register_prehook(record))
+    try:
+        dx = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for x, g in zip(inputs, dx):
+        if g is not None:
+            x.grad = g if x.grad is None else x.grad + g
+    for group in groups:  # intermediates no gradient reached (an unused branch) have no W work
+        kept = [(n, g) for n, g in zip(group["intermediates"], group["grads"]) if g is not None]
+        group["intermediates"], group["grads"] = [n for n, _ in kept], [g for _, g in kept]
+    return groups
+
+
+@contextlib.contextmanager
+def _backward_is_input_only(engine: Any, buffer_id: int, weights: list[torch.Tensor]) -> Iterator[dict]:
+    """Inside: ``Tensor.backward`` (as DeepSpeed's handler calls it) runs :func:`input_backward` on
+    the buffer's stage inputs; calls with ``retain_graph`` (all outputs but the last) are gathered
+    and run together with the last one.  Yields a dict that receives ``"groups"``."""
+    original, calls, out = torch.Tensor.backward, [], {}
+
+    def backward(tensor: torch.Tensor, gradient: torch.Tensor | None = None, retain_graph: bool | None = None,
+                 create_graph: bool = False, inputs: Any = None) -> None:
+        calls.append((tensor, gradient))
+        if retain_graph:
+            return
+        outs, grads = [t for t, _ in calls], [g for _, g in calls]
+        calls.clear()
+        out["groups"] = input_backward(outs, grads, _stage_inputs(engine, buffer_id), weights)
+
+    torch.Tensor.backward = backward
+    try:
+        yield out
+    finally:
+        torch.Tensor.backward = original
+
+
+def _weights(engine: Any) -> list[torch.Tensor]:
+    return [p for p in engine.module.parameters() if p.requires_grad]
+
+
+def _exec_backward_input(self: Any, buffer_id: int) -> None:
+    st = self.zero_bubble
+    if self.is_first_stage():  # nothing to send back: the whole backward runs as W
+        st.pending[buffer_id] = self.grad_layer
+        return
+    weights = _weights(self)
+    with _backward_is_input_only(self, buffer_id, weights) as out:
+        self.run_backward(buffer_id)
+    st.pending[buffer_id] = out["groups"]
+
+
+def _exec_backward_weight(self: Any, buffer_id: int) -> None:
+    work = self.zero_bubble.pending.pop(buffer_id)
+    if self.is_first_stage():
+        self.grad_layer = work  # the output gradient B received
+        self.run_backward(buffer_id)
+        return
+    bf16 = compat.uses_bf16_optimizer(self)
+    if bf16:
+        self.optimizer.clear_lp_grads()
+    stage_backward_weight(_weights(self), work)
+    if bf16:  # into the fp32 master gradients, then cleared: a later B's epilogue must not add them again
+        compat.copy_bf16_grads_to_master(self)
+        self.optimizer.clear_lp_grads()
+
+
+DsMpPipelineEngine.register_instruction(BackwardInput, _exec_backward_input)
+DsMpPipelineEngine.register_instruction(BackwardWeight, _exec_backward_weight)
+
+__all__ = ["ZeroBubbleState", "attach", "input_backward"]

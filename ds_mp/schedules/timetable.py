@@ -1,0 +1,181 @@
+"""Timetable -> DeepSpeed instruction steps: any per-stage op order, run with blocking p2p.
+
+A schedule written as a *timetable* (``table[s]`` = the ops stage s runs, in order: ``F``
+forward, ``B`` backward or input-gradient backward, ``W`` weight-gradient backward; see
+:mod:`ds_mp.schedules.simulate`) becomes the per-step instruction lists DeepSpeed's engine
+executes.  Three things are derived, the same way on every rank:
+
+1. **When.**  The simulator plays the timetable with modelled op costs (``start(s, op)``).
+2. **Transfers.**  ``F(s, u)`` with s > 0 receives u's activation from stage s−1;
+   ``B(s, u)`` with s < K−1 receives u's output gradient from stage s+1.  A transfer happens
+   at its consumer's start time τ: the receiver posts its receive right before the consumer
+   op (DeepSpeed keeps one shared gradient buffer, so a gradient must be consumed before the
+   next one arrives), the sender sends it at τ in its own program.
+3. **Order.**  Every transfer gets the global key ``(τ, lower stage, kind, op)``; each stage
+   runs its transfers in key order, and a compute op with start ``t`` before a transfer with
+   τ > t (a send at τ = t precedes the compute that starts at t).  Because every stage
+   performs its transfers in the order of one global total order, the least unfinished
+   transfer always has both its ends waiting on it: blocking send/recv cannot deadlock,
+   whatever the real op times turn out to be.  A sender always sends after it computed the
+   value: the producer ends before its consumer starts in the model (costs > 0).
+
+The instruction stream of stage s is cut into *rounds*, one per transfer (``len(transfers) + 1``
+steps); round r holds the stage's compute ops before transfer r and transfer r when the stage
+is one of its ends.  The step index is thus the same on both ends of every transfer (what the
+pure-Python unrollers in the tests check).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from deepspeed.runtime.pipe import schedule as ds
+
+from ds_mp.schedules.simulate import Deps, Op, OpCost, SimResult, pipeline_deps, simulate
+
+
+@dataclass(frozen=True, order=True)
+class Transfer:
+    """One p2p message: ``kind`` "act" (src = dst − 1) or "grad" (src = dst + 1) of ``op``'s unit,
+    at the consumer's modelled start ``time``."""
+
+    time: float
+    low: int    # the lower stage of the pair (the channel)
+    kind: str   # "act" before "grad" at equal times on a channel
+    op: Op      # the consumer op (F on dst for "act", B on dst for "grad")
+    src: int
+    dst: int
+
+
+Item = tuple  # ("compute", op) | ("send", Transfer) | ("recv", Transfer)
+
+
+def transfers(table: Sequence[Sequence[Op]], result: SimResult, peer: Callable[[int, Op], int | None]) -> list[Transfer]:
+    """Every transfer of the timetable in global order; ``peer(s, op)`` is the stage that sends
+    ``op``'s input to stage s (None: no transfer, e.g. W or the first stage's F)."""
+    out = []
+    for s, ops in enumerate(table):
+        for op in ops:
+            src = peer(s, op)
+            if src is None:
+                continue
+            kind = "act" if op.kind == "F" else "grad"
+            out.append(Transfer(result.times[(s, op)][0], min(s, src), kind, op, src, s))
+    return sorted(out)
+
+
+def linear_peer(num_stages: int) -> Callable[[int, Op], int | None]:
+    """A linear pipeline: F receives from s−1, B from s+1, W from nobody."""
+    def peer(s: int, op: Op) -> int | None:
+        if op.kind == "F":
+            return s - 1 if s > 0 else None
+        if op.kind == "B":
+            return s + 1 if s < num_stages - 1 else None
+        return None
+    return peer
+
+
+def rounds(table: Sequence[Sequence[Op]], cost: OpCost, deps: Deps,
+           peer: Callable[[int, Op], int | None]) -> list[list[list[Item]]]:
+    """``out[s][r]``: the items stage s runs in round r (compute ops, then at most one transfer).
+
+    Raises ValueError (from the simulator) if the timetable cannot run (a dependency that
+    is never scheduled, or an order that deadlocks), or if an op has no positive cost.
+    """
+    result = simulate(table, cost, deps=deps)
+    for (s, op), (a, b) in result.times.items():
+        if not b > a:
+            raise ValueError(f"stage {s} {op}: cost {b - a} must be > 0 to order transfers around it")
+    moves = transfers(table, result, peer)
+    K = len(table)
+    out: list[list[list[Item]]] = [[[] for _ in range(len(moves) + 1)] for _ in range(K)]
+    for s, ops in enumerate(table):
+        mine = [(r, m) for r, m in enumerate(moves) if s in (m.src, m.dst)]
+        i = 0  # next compute op of stage s
+        for r, m in mine:
+            while i < len(ops) and result.times[(s, ops[i])][0] < m.time:
+                out[s][r].append(("compute", ops[i]))
+                i += 1
+            out[s][r].append(("send" if m.src == s else "recv", m))
+        out[s][-1].extend(("compute", op) for op in ops[i:])
+    return out
+
+
+__all__ = ["Transfer", "Item", "transfers", "linear_peer", "rounds", "TimetableSchedule"]
+
+
+# ------------------------------------------------------------------ as a DeepSpeed PipeSchedule
+
+class TimetableSchedule(ds.PipeSchedule):
+    """A ``PipeSchedule`` whose steps are compiled from a timetable of every stage (:func:`rounds`).
+
+    Subclasses give :meth:`table` (every stage's ops), :meth:`cost` (modelled seconds, > 0; only
+    the order of events depends on it), and the instructions of a compute op (:meth:`compute`);
+    ``deps`` are the simulator's dependencies of the op kinds used.  Pipe buffers are reused: a
+    unit ``(op.micro, op.slice)`` takes a free buffer at its first instruction on this stage and
+    gives it back after its last (its backward, weight pass or gradient send), so
+    ``num_pipe_buffers()`` is the most units ever alive at once on this stage.
+    """
+
+    deps: Deps = staticmethod(pipeline_deps)
+
+    def table(self) -> list[list[Op]]:
+        raise NotImplementedError
+
+    def cost(self, stage: int, op: Op) -> float:
+        return 2.0 if op.kind == "B" else 1.0
+
+    def compute(self, op: Op, buffer_id: int) -> list:
+        """Instructions of compute ``op`` on this stage with its unit in ``buffer_id``."""
+        first, last = self.stage_id == 0, self.stage_id == self.stages - 1
+        if op.kind == "F":
+            return ([ds.LoadMicroBatch(buffer_id=buffer_id)] if first or last else []) + \
+                [ds.ForwardPass(buffer_id=buffer_id)]
+        if op.kind == "B":
+            return [ds.BackwardPass(buffer_id=buffer_id)]
+        raise ValueError(f"{type(self).__name__}: no instruction for op kind {op.kind!r}")
+
+    def _compiled(self) -> tuple[list[list[Item]], dict[tuple[int, int], int], int]:
+        if getattr(self, "_cache", None) is None:
+            mine = rounds(self.table(), self.cost, self.deps, linear_peer(self.stages))[self.stage_id]
+            flat = [(r, item) for r, items in enumerate(mine) for item in items]
+            unit = lambda item: (item[1].micro, item[1].slice) if item[0] == "compute" else (item[1].op.micro, item[1].op.slice)  # noqa: E731
+            last = {unit(item): i for i, (_, item) in enumerate(flat)}
+            free: list[int] = []
+            buffers: dict[tuple[int, int], int] = {}
+            assign: dict[int, int] = {}  # flat index -> buffer
+            count = 0
+            for i, (_, item) in enumerate(flat):
+                u = unit(item)
+                if u not in buffers:
+                    if not free:
+                        free.append(count)
+                        count += 1
+                    buffers[u] = free.pop(0)
+                assign[i] = buffers[u]
+                if last[u] == i:
+                    free.append(buffers.pop(u))
+                    free.sort()
+            self._cache = (mine, assign, max(count, 1))
+        return self._cache
+
+    def num_pipe_buffers(self) -> int:
+        return self._compiled()[2]
+
+    def steps(self) -> Iterator[list]:
+        mine, assign, _ = self._compiled()
+        i = 0
+        for r, items in enumerate(mine):
+            cmds: list = []
+            for kind, x in items:
+                buf = assign[i]
+                i += 1
+                if kind == "compute":
+                    cmds += self.compute(x, buf)
+                elif x.kind == "act":
+                    cmds.append(ds.SendActivation(buffer_id=buf) if kind == "send" else ds.RecvActivation(buffer_id=buf))
+                else:
+                    cmds.append(ds.SendGrad(buffer_id=buf) if kind == "send" else ds.RecvGrad(buffer_id=buf))
+            if r == len(mine) - 1:
+                cmds += [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
+            yield cmds

@@ -1,0 +1,66 @@
+"""ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023) as a DeepSpeed schedule.
+
+A backward is two passes with different consumers:
+
+    B (input gradient)   dX = ∂L/∂X of the stage input: the previous stage waits for it;
+    W (weight gradient)  dθ = ∂L/∂θ of the stage's parameters: nobody waits for it.
+
+Running W later than B takes it off the critical path of the gradient chain and lets it fill
+the bubbles 1F1B leaves; :func:`ds_mp.schedules.simulate.zb_h1_timetable` is the timetable
+(1F1B's F/B order, stage s defers its W by s micro-batches: peak activations K micro-batches,
+1F1B's peak) and :class:`ds_mp.schedules.timetable.TimetableSchedule` turns it into
+instruction steps.  Engine handlers of the two instructions: ``ds_mp.engine.zero_bubble``.
+
+The first stage has no input gradient to send: its B only keeps the received output gradient,
+and its W runs its whole backward (in the bubble where ZB-H1 puts W).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from deepspeed.runtime.pipe.schedule import BufferOpInstruction
+
+from ds_mp.schedules.simulate import Op, zb_h1_timetable, zero_bubble_deps
+from ds_mp.schedules.timetable import TimetableSchedule
+
+
+class BackwardInput(BufferOpInstruction):
+    """B of the unit in ``buffer_id``: the gradient of the stage input (what ``SendGrad`` sends),
+    keeping what W needs (the gradients at the parameters' consumers).  kwargs: ``buffer_id``."""
+
+
+class BackwardWeight(BufferOpInstruction):
+    """W of the unit in ``buffer_id``: accumulate its parameter gradients into ``.grad`` and free
+    its activations.  kwargs: ``buffer_id``."""
+
+
+# Modelled relative op costs (only the order of transfers depends on them).  The first stage's B
+# is bookkeeping; its W is the whole backward.
+COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
+FIRST_STAGE_COSTS = {"F": 1.0, "B": 1e-3, "W": 2.0}
+
+
+class ZeroBubbleH1(TimetableSchedule):
+    """``"schedule": "zb-h1"``: the ZB-H1 timetable with split backward instructions."""
+
+    deps = staticmethod(zero_bubble_deps)
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> "ZeroBubbleH1":
+        return cls(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id)
+
+    def table(self) -> list[list[Op]]:
+        return zb_h1_timetable(self.stages, self.micro_batches)
+
+    def cost(self, stage: int, op: Op) -> float:
+        return (FIRST_STAGE_COSTS if stage == 0 else COSTS)[op.kind]
+
+    def compute(self, op: Op, buffer_id: int) -> list:
+        if op.kind == "B":
+            return [BackwardInput(buffer_id=buffer_id)]
+        if op.kind == "W":
+            return [BackwardWeight(buffer_id=buffer_id)]
+        return super().compute(op, buffer_id)
+
+
+__all__ = ["BackwardInput", "BackwardWeight", "ZeroBubbleH1"]

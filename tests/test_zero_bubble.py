@@ -1,0 +1,236 @@
+"""ZB-H1 (``"schedule": "zb-h1"``): the backward split into B (input gradient) and W (weight gradient).
+
+* pure Python: the timetable is the paper's (1F1B's F/B order, stage s defers W by s
+  micro-batches; peak K micro-batches of activations on every stage, 1F1B's peak; with
+  F = B = W the simulated step is M(F+B+W) + (K−1)(F+B−W)), the compiler runs any timetable
+  (1F1B written as a timetable passes test_schedules' unroller), and the compiled ZB-H1 streams
+  play with rendezvous p2p: no deadlock, each micro-batch's F, B, W once per stage in that order,
+  every received gradient consumed by its own micro-batch's B;
+* multi-rank against HF's unmodified GPT-2 trained with torch SGD and ``clip_grad_norm_``:
+  fp32 losses, pre-clip norms and every weight within 1e-5 at PP=2 (clipping, activation
+  checkpointing, ZeRO-1, LoRA-free tied embeddings), PP=3, TP=2×PP=2 and PP=2×DP=2 with ZeRO-1;
+  bf16 (TP=2×PP=2 with ZeRO-1, PP=2) within a stated tolerance of HF's fp32 run and of the
+  same bf16 config under 1F1B;
+* config refusals (ZeRO-2, fp16) in one line.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from deepspeed.runtime.pipe import schedule as ds
+
+from dist_utils import run_ranks
+from ds_mp.schedules.simulate import (Op, one_f_one_b_timetable, simulate, zb_h1_timetable, zero_bubble_deps)
+from ds_mp.schedules.timetable import TimetableSchedule
+from ds_mp.schedules.zero_bubble import BackwardInput, BackwardWeight, ZeroBubbleH1
+from helpers import batches, ds_config, tiny_gpt2
+from test_schedules import unroll
+from test_tensor_parallel import gather_weights, hf_train, max_diff
+
+VOCAB, SEQ, TOL = 203, 16, 1e-5
+BF16_VS_HF = 0.01  # bf16 losses against HF's fp32 (relative)
+BF16_NORM_VS_HF = 0.03  # step-1 pre-clip norm against HF's fp32
+BF16_VS_1F1B = 0.01  # bf16 losses and norms against the same bf16 config under 1F1B
+P2P = (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad)
+
+
+# ------------------------------------------------------------------ pure Python
+
+def test_timetable_is_the_papers() -> None:
+    assert [" ".join(map(str, ops)) for ops in zb_h1_timetable(2, 4)] == [
+        "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3", "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"]
+    unit = lambda s, op: 1.0  # noqa: E731
+    for K, M in [(2, 4), (2, 8), (3, 6), (4, 8), (8, 32)]:
+        table = zb_h1_timetable(K, M)
+        for s, ops in enumerate(table):
+            live = peak = 0
+            for op in ops:
+                live += (op.kind == "F") - (op.kind == "W")
+                peak = max(peak, live)
+            assert peak == min(K, M), (K, M, s)  # 1F1B's peak (its first stage), on every stage
+            assert [op.kind for op in ops if op.micro == 0] == ["F", "B", "W"]
+        zb = simulate(table, unit, deps=zero_bubble_deps).iteration_time
+        one = simulate(one_f_one_b_timetable(K, M), lambda s, op: 2.0 if op.kind == "B" else 1.0).iteration_time
+        assert zb == 3 * M + (K - 1) and one == 3 * (M + K - 1), (K, M, zb, one)
+
+
+class OneFOneBTable(TimetableSchedule):
+    """1F1B written as a timetable and compiled: must behave like DeepSpeed's TrainSchedule."""
+
+    def table(self) -> list[list[Op]]:
+        return one_f_one_b_timetable(self.stages, self.micro_batches)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+@pytest.mark.parametrize("M", [1, 2, 5])
+def test_compiled_timetable_passes_the_schedule_unroller(K: int, M: int) -> None:
+    stages, _ = unroll(OneFOneBTable, M, K)
+    assert all(sorted(s.forwards) == sorted(s.backwards) == list(range(M)) for s in stages)
+
+
+def play(K: int, M: int) -> list[list[tuple[str, int]]]:
+    """Every stage's ZB-H1 steps with rendezvous p2p, tracking which micro-batch each buffer and
+    the shared gradient slot hold; returns per stage the compute events (kind, micro)."""
+    scheds = [ZeroBubbleH1(micro_batches=M, stages=K, stage_id=s) for s in range(K)]
+    streams = [list(x.steps()) for x in scheds]
+    assert len({len(x) for x in streams}) == 1
+    loaded, acts, labels = [0] * K, [dict() for _ in range(K)], [dict() for _ in range(K)]
+    live: list[dict] = [dict() for _ in range(K)]  # buffer -> micro forwarded, W not yet run
+    after_b: list[dict] = [dict() for _ in range(K)]  # buffer -> micro whose B ran
+    grad: list = [None] * K
+    events: list[list[tuple[str, int]]] = [[] for _ in range(K)]
+    for t in range(len(streams[0])):
+        queues = [list(x[t]) for x in streams]
+        while any(queues):
+            progressed = False
+            for s, q in enumerate(queues):
+                while q and not isinstance(q[0], P2P):
+                    c = q.pop(0)
+                    b = getattr(c, "buffer_id", None)
+                    progressed = True
+                    if isinstance(c, ds.LoadMicroBatch):
+                        assert b not in live[s], f"stage {s}: buffer {b} reloaded while micro {live[s][b]} is live"
+                        labels[s][b] = loaded[s]
+                        if s == 0:
+                            acts[s][b] = loaded[s]
+                        loaded[s] += 1
+                    elif isinstance(c, ds.ForwardPass):
+                        m = acts[s][b]
+                        if s == K - 1:
+                            assert labels[s][b] == m, f"stage {s}: activations of {m}, labels of {labels[s][b]}"
+                        live[s][b] = m
+                        events[s].append(("F", m))
+                    elif isinstance(c, BackwardInput):
+                        m = live[s][b]
+                        if s < K - 1:
+                            assert grad[s] == m, f"stage {s}: B of micro {m} with the gradient of {grad[s]}"
+                            grad[s] = None
+                        after_b[s][b] = m
+                        events[s].append(("B", m))
+                    elif isinstance(c, BackwardWeight):
+                        m = live[s].pop(b)
+                        assert after_b[s][b] == m
+                        events[s].append(("W", m))
+                if not q:
+                    continue
+                c = q[0]
+                peer = s + 1 if isinstance(c, (ds.SendActivation, ds.RecvGrad)) else s - 1
+                other = queues[peer][0] if 0 <= peer < K and queues[peer] else None
+                if isinstance(c, ds.SendActivation) and isinstance(other, ds.RecvActivation):
+                    assert other.buffer_id not in live[peer], f"stage {peer}: buffer overwritten while live"
+                    acts[peer][other.buffer_id] = live[s][c.buffer_id]
+                elif isinstance(c, ds.SendGrad) and isinstance(other, ds.RecvGrad):
+                    assert grad[peer] is None, f"stage {peer}: gradient slot overwritten before its B"
+                    grad[peer] = after_b[s][c.buffer_id]
+                else:
+                    continue
+                q.pop(0), queues[peer].pop(0)
+                progressed = True
+            assert progressed, f"step {t}: deadlock {[[repr(c) for c in q] for q in queues]}"
+    for s, x in enumerate(streams):
+        assert [type(c) for c in x[-1][-3:]] == [ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep]
+        assert scheds[s].num_pipe_buffers() <= min(K, M) + 1
+    return events
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8])
+def test_compiled_zb_h1_plays(K: int, M: int) -> None:
+    events = play(K, M)
+    table = zb_h1_timetable(K, M)
+    for s in range(K):
+        assert events[s] == [(op.kind, op.micro) for op in table[s]], f"stage {s}"
+
+
+# ------------------------------------------------------------------ multi-rank against HF
+
+def _steps(n: int, per_step: int, seed: int) -> list[list]:
+    out = []
+    for i in range(n):
+        mbs = batches(per_step, 2, SEQ, VOCAB, seed=seed + i)
+        mbs[0][1][0, :2] = -100
+        out.append(mbs)
+    return out
+
+
+def _case(name: str, *, tp: int = 1, pp: int = 2, dp: int = 1, gas: int = 4, clip: float = 1.0, lr: float = 0.1,
+          schedule: str = "zb-h1", bf16: bool = False, zero: int = 0, **ds_mp) -> dict:
+    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=lr, clip=clip, schedule=schedule, seq=SEQ, **ds_mp)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if zero:
+        cfg["zero_optimization"] = {"stage": zero}
+        cfg["zero_allow_untested_optimizer"] = True
+    return {"name": name, "cfg": cfg, "tp": tp, "dp": dp, "gas": gas, "lr": lr, "clip": clip, "bf16": bf16,
+            "steps": _steps(3, dp * gas, seed=len(name.removesuffix("_1f1b")))}  # a twin sees the same data
+
+
+def cases(world: int) -> list[dict]:
+    if world == 2:
+        return [_case("pp2"), _case("pp2_ckpt", pipeline={"activation_checkpoint_interval": 1}),
+                _case("pp2_zero1", zero=1), _case("pp2_m1", gas=1),
+                _case("pp2_bf16", bf16=True), _case("pp2_bf16_1f1b", bf16=True, schedule="1f1b")]
+    if world == 3:
+        return [_case("pp3", pp=3, gas=5), _case("pp3_partition", pp=3, gas=3, pipeline={"partition": [2, 1, 1]})]
+    return [_case("tp2pp2", tp=2), _case("pp2dp2_zero1", dp=2, gas=3, zero=1),
+            _case("tp2pp2_bf16_zero1", tp=2, bf16=True, zero=1),
+            _case("tp2pp2_bf16_zero1_1f1b", tp=2, bf16=True, zero=1, schedule="1f1b")]
+
+
+def _rank(rank: int, world: int) -> dict:
+    import ds_mp
+
+    out = {}
+    for case in cases(world):
+        d, gas = (rank // case["tp"]) % case["dp"], case["gas"]
+        engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=case["cfg"])
+        losses, norms = [], []
+        for step in case["steps"]:
+            losses.append(float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))))
+            norms.append(float(engine.get_global_grad_norm()))
+        out[case["name"]] = (losses, norms, gather_weights(engine)[0], len(engine.zero_bubble.pending)
+                             if hasattr(engine, "zero_bubble") else 0)
+    return out
+
+
+def _check(world: int, results: list[dict]) -> None:
+    model = tiny_gpt2()
+    for case in cases(world):
+        hf_losses, hf_norms, hf_w = hf_train(model, case["steps"], case["lr"], case["clip"])
+        assert min(hf_norms) > case["clip"], "clipping must be active to be tested"
+        seen: set = set()
+        for rank, res in enumerate(results):
+            losses, norms, w, pending = res[case["name"]]
+            where = f"{case['name']} rank {rank}: {losses} {norms} vs HF {hf_losses} {hf_norms}"
+            assert pending == 0, where
+            seen |= set(w)
+            if not case["bf16"]:
+                assert max(abs(a - b) for a, b in zip(losses, hf_losses)) <= TOL, where
+                assert all(abs(a - b) <= TOL * b for a, b in zip(norms, hf_norms)), where
+                assert max_diff(w, hf_w) <= TOL, f"{where}: weights {max_diff(w, hf_w)}"
+            elif case["cfg"]["ds_mp"]["pipeline"]["schedule"] == "zb-h1":
+                one = res[case["name"] + "_1f1b"]
+                assert all(abs(a - b) <= BF16_VS_HF * b for a, b in zip(losses, hf_losses)), where
+                assert abs(norms[0] - hf_norms[0]) <= BF16_NORM_VS_HF * hf_norms[0], where
+                assert all(abs(a - b) <= BF16_VS_1F1B * abs(b) for a, b in zip(losses + norms, one[0] + one[1])), \
+                    f"{where}; 1f1b {one[:2]}"
+        assert seen == set(hf_w), f"{case['name']}: {set(hf_w) ^ seen} not covered"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zb_h1_equals_hf(world: int) -> None:
+    _check(world, run_ranks(_rank, world, world, timeout=600))
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage: the zb-h1 schedule"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled: the zb-h1 schedule")])
+def test_refused_combinations(extra: dict, match: str, monkeypatch) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    from ds_mp.config import ConfigError, load_config
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config({**ds_config(pp=2, schedule="zb-h1"), **extra}, 2)
+    assert "\n" not in str(e.value)

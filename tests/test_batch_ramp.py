@@ -166,6 +166,49 @@ def test_set_train_batch_size_on_the_pipeline_engine_equals_hf(schedule):
         assert losses == pytest.approx(want, abs=1e-5)
 
 
+def _dp_set_batch_rank(rank: int, mode: str, gas_per_step: list[int]) -> list[float]:
+    import ds_mp
+
+    micro, seq, vocab = 2, 16, 203
+    extra: dict = {"bf16": {"enabled": True}} if mode == "bf16" else {}
+    if mode == "zero1":
+        extra = {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+    model, block = tiny_gpt2(vocab=vocab), {}
+    if mode == "lora":
+        from test_lora import lora_block, peft_model
+
+        model, block = peft_model(), {"lora": lora_block()}
+    engine, *_ = ds_mp.initialize(model=model, config={**ds_config(micro=micro, gas=1, seq=seq, **block), **extra})
+    losses = []
+    for t, gas in enumerate(gas_per_step):
+        engine.set_train_batch_size(micro * gas * 2)
+        losses.append(float(engine.train_batch(iter(batches(gas, micro, seq, vocab, seed=100 + 10 * t + rank)))))
+    return losses
+
+
+BATCH_CHANGE_TOL = {"zero1": 1e-5, "lora": 1e-5, "bf16": 2e-3}  # bf16 vs HF fp32: measured 1.4e-4
+
+
+@pytest.mark.parametrize("mode", ["zero1", "bf16", "lora"])
+def test_set_train_batch_size_at_dp2_with_zero1_bf16_lora_equals_hf(mode):
+    """DP=2: steps of 1, 3 and 2 micro-batches per rank under ZeRO-1, bf16 (BF16_Optimizer) and LoRA
+    follow HF's (PEFT's for LoRA) single-process SGD on both ranks' micro-batches."""
+    gas_per_step = [1, 3, 2]
+    got = run_ranks(_dp_set_batch_rank, 2, mode, gas_per_step, timeout=240)
+    if mode == "lora":
+        from test_lora import peft_model
+
+        model = peft_model()
+    else:
+        model = tiny_gpt2(vocab=203)
+    steps = [batches(g, 2, 16, 203, seed=100 + 10 * t) + batches(g, 2, 16, 203, seed=101 + 10 * t)
+             for t, g in enumerate(gas_per_step)]
+    want, _ = hf_reference(model, steps)
+    print(f"{mode}: largest loss difference to HF {max(abs(a - b) for a, b in zip(got[0], want)):.2e}")
+    for losses in got:
+        assert losses == pytest.approx(want, abs=BATCH_CHANGE_TOL[mode])
+
+
 def _noise_rank(rank: int, mode: str) -> dict:
     import ds_mp
     from ds_mp.training.metrics import NoiseScaleProbe
@@ -284,3 +327,22 @@ def test_noise_scale_ramp_resumes_mid_ramp_with_its_estimator_at_another_tp(tmp_
         assert r["batch_size"] == w["batch_size"]
         assert float(r["loss"]) == pytest.approx(float(w["loss"]), abs=1e-5)
         assert float(r["noise_scale"]) == pytest.approx(float(w["noise_scale"]), rel=1e-4)
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(600)
+def test_ramp_from_the_json_through_the_launcher_at_tp_pp_dp(tmp_path, data):
+    """``deepspeed --num_gpus 8``: TP=2 × PP=2 × DP=2 in bf16, a linear ramp 4 -> 12 samples over 16
+    with sqrt LR scaling, straight from the JSON: each step's batch and LR in the log (the noise-scale
+    policy's measurement at TP × DP and under bf16 is tested in-process above)."""
+    ramp = {"policy": "linear", "start": 4, "max": 12, "ramp_samples": 16, "interval": 1, "lr_scaling": "sqrt"}
+    cfg = train_config(str(tmp_path), data, tp=2, pp=2, micro=2, gas=1, steps=5, batch_ramp=ramp,
+                       training={"checkpoint_interval": 0, "eval_interval": 5, "export_hf": False},
+                       ds={"bf16": {"enabled": True}})
+    proc = launch(str(tmp_path), cfg, n=8, timeout=540)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_log(os.path.join(str(tmp_path), "run"))
+    # s before the step: 0 -> 4; 4 -> 6 -> 4; 8 -> 8; 16 -> 12; 28 -> 12
+    assert [int(r["batch_size"]) for r in rows] == [4, 4, 8, 12, 12]
+    assert [float(r["lr"]) for r in rows] == pytest.approx([3e-3 * (b / 4) ** 0.5 for b in (4, 4, 8, 12, 12)])
+    assert rows[-1]["val_loss"] and all(float(r["loss"]) > 0 for r in rows)

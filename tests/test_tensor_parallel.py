@@ -59,7 +59,7 @@ def gather_weights(engine) -> tuple[dict, dict]:
     """This stage's weights unsharded to HF names, and each vocab shard's padding rows."""
     import torch.distributed as dist
 
-    from ds_mp.models.gpt2 import hf_param_name
+    from ds_mp.models.pipeline import hf_param_name
 
     pipe, topo = engine.module, engine.topology
     ctx, full, pad = pipe.ds_mp_ctx, {}, {}

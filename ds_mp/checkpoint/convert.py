@@ -7,7 +7,7 @@ time, so peak memory is one tensor (one full tensor for ds-to-hf), not one model
 
 Verification (default) re-reads the output one tensor at a time and compares it with the
 source, bit-exact (padding dropped), which also streams.  ``--verify-logits`` additionally
-runs two HF ``GPT2LMHeadModel``s on a fixed input and compares logits (max |Δ| ≤ ``--atol``)
+runs two HF models (the family's ``…ForCausalLM``) on a fixed input and compares logits (max |Δ| ≤ ``--atol``)
 — this holds two whole models in memory:
 
 * hf-to-ds: the source model vs a model rebuilt from the written shards (every tensor
@@ -30,15 +30,14 @@ from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.hf import HFReader, open_reader, write_hf_streaming
 from ds_mp.checkpoint.sharded import CheckpointError, ShardedReader, expected_shapes, is_sharded_dir, write_sharded
 from ds_mp.hub import HubError, resolve_model
-from ds_mp.models.gpt2 import stage_parts
+from ds_mp.models.family import family_of
+from ds_mp.models.partition import stage_parts
 from ds_mp.tensor_parallel.sharding import padded_vocab_size
 
 
 def model_from(reader: HFReader | ShardedReader) -> Any:
-    """An fp32 ``GPT2LMHeadModel`` holding exactly the reader's tensors."""
-    from transformers import GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(reader.config).float().eval()
+    """An fp32 HF model of the reader's family holding exactly the reader's tensors."""
+    model = family_of(reader.config).model_class(reader.config)(reader.config).float().eval()
     with torch.no_grad():
         for name in expected_shapes(reader.config):
             model.get_parameter(name).copy_(reader.get(name))
@@ -85,14 +84,16 @@ def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str | list[int] = 
     reader = open_reader(src)
     _no_lora(reader, src)
     cfg = reader.config
-    if tp < 1 or cfg.n_head % tp:
-        raise CheckpointError(f"--tp {tp} does not divide n_head={cfg.n_head}; use a divisor of {cfg.n_head}")
-    if pp < 1 or pp > cfg.n_layer:
-        raise CheckpointError(f"--pp {pp}: need 1 <= stages <= n_layer={cfg.n_layer}")
+    heads, L, family = cfg.num_attention_heads, cfg.num_hidden_layers, family_of(cfg)
+    if tp < 1 or heads % tp:
+        raise CheckpointError(f"--tp {tp} does not divide n_head={heads}; use a divisor of {heads}")
+    if pp < 1 or pp > L:
+        raise CheckpointError(f"--pp {pp}: need 1 <= stages <= n_layer={L}")
     if vocab_pad_multiple < 1:
         raise CheckpointError(f"--vocab-pad-multiple {vocab_pad_multiple}: must be >= 1")
-    _check_partition(partition, pp, cfg.n_layer)
-    parts = stage_parts(cfg.n_layer, pp, partition, cfg.n_embd, cfg.vocab_size)
+    _check_partition(partition, pp, L)
+    parts = stage_parts(L, pp, partition, cfg.hidden_size, cfg.vocab_size, lead=family.lead_layers,
+                        tail=family.tail_layers, block_params=family.block_parameters(cfg))
     padded = padded_vocab_size(cfg.vocab_size, tp, vocab_pad_multiple)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         write_sharded(reader, cfg, tmp, tp, parts, padded)
@@ -100,7 +101,8 @@ def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str | list[int] = 
         if verify:
             msg += "; " + _check_tensors(reader, ShardedReader(tmp), cfg)
         if verify_logits:
-            diff = max_logit_diff(model_from(reader), model_from(ShardedReader(tmp)), cfg.vocab_size, cfg.n_positions)
+            diff = max_logit_diff(model_from(reader), model_from(ShardedReader(tmp)), cfg.vocab_size,
+                                  cfg.max_position_embeddings)
             msg += "; " + _check(diff, atol, "source vs shards")
     return msg
 
@@ -129,9 +131,7 @@ def partition_arg(text: str) -> str | list[int]:
 
 def ds_to_hf(src: str, out: str, tokenizer_dir: str | None = None, verify: bool = True, atol: float = 1e-5,
              overwrite: bool = False, verify_logits: bool = False) -> str:
-    """Write the sharded directory ``src`` as an HF GPT-2 directory (vocab padding removed)."""
-    from transformers import GPT2LMHeadModel
-
+    """Write the sharded directory ``src`` as an HF model directory (vocab padding removed)."""
     if not is_sharded_dir(src):
         raise CheckpointError(f"{src}: not a ds_mp sharded checkpoint (no ds_mp_meta.json)")
     reader = ShardedReader(src)
@@ -143,14 +143,15 @@ def ds_to_hf(src: str, out: str, tokenizer_dir: str | None = None, verify: bool 
         if verify:
             msg += "; " + _check_tensors(reader, HFReader(tmp), cfg)
         if verify_logits:
-            hf = GPT2LMHeadModel.from_pretrained(tmp, dtype=torch.float32).eval()
-            diff = max_logit_diff(model_from(reader), hf, cfg.vocab_size, cfg.n_positions)
+            hf = family_of(cfg).model_class(cfg).from_pretrained(tmp, dtype=torch.float32).eval()
+            diff = max_logit_diff(model_from(reader), hf, cfg.vocab_size, cfg.max_position_embeddings)
             msg += "; " + _check(diff, atol, "shards vs from_pretrained")
     return msg
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-mp convert", description="Convert GPT-2 checkpoints between the "
+    p = argparse.ArgumentParser(prog="ds-mp convert", description="Convert HF causal-LM checkpoints (GPT-2, "
+                                "Llama, Qwen2, Mistral) between the "
                                 "Hugging Face layout and ds_mp's sharded layout (any TP × PP).")
     sub = p.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("hf-to-ds", help="HF directory, Hub id (gpt2, org/name@rev) or sharded dir -> sharded directory")

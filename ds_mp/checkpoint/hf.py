@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 directories in and out.
+"""Hugging Face model directories in and out (any family of ``ds_mp.models.family.FAMILIES``).
 
 In: :func:`directory_source` turns an HF directory (``config.json`` + ``model.safetensors``,
 a sharded safetensors index, or ``pytorch_model.bin``) or a ds_mp sharded directory into a
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from typing import Any, Callable
 
@@ -22,24 +21,22 @@ import torch
 import torch.distributed as dist
 
 from ds_mp.atomic import atomic_dir
-from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, canonical_name, expected_shapes,
-                                      SafetensorsRanges, is_sharded_dir, open_safetensors, st_dtype,
-                                      write_safetensors_streaming)
-from ds_mp.models.gpt2 import WeightSource, hf_param_name, tp_kind
+from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, SafetensorsRanges,
+                                      is_sharded_dir, open_safetensors, st_dtype, write_safetensors_streaming)
+from ds_mp.models.family import family_named, family_of
+from ds_mp.models.pipeline import hf_param_name, is_tied_copy
+from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel.sharding import read_shard, shard, unshard
 
-# Buffers older GPT-2 checkpoints carry (causal mask); recomputed by every implementation.
-_IGNORED = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 
 
 def read_hf_config(path: str) -> Any:
-    """The ``GPT2Config`` of an HF directory, refusing other model types."""
-    from transformers import GPT2Config
-
+    """The HF config of an HF directory, refusing model types (and non-causal-LM architectures) that
+    no family of ds_mp handles."""
     if not os.path.isdir(path):
-        raise CheckpointError(f"{path!r} is not a directory; give an HF GPT-2 directory (save_pretrained) "
+        raise CheckpointError(f"{path!r} is not a directory; give an HF model directory (save_pretrained) "
                               "or a ds_mp sharded checkpoint")
     cfg_path = os.path.join(path, "config.json")
     try:
@@ -50,18 +47,24 @@ def read_hf_config(path: str) -> Any:
                               "(save_pretrained writes one)") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({e}); fix or re-export the config") from None
-    if raw.get("model_type") != "gpt2":
-        raise CheckpointError(f"{cfg_path}: model_type is {raw.get('model_type')!r}; ds_mp reads GPT-2 "
-                              "checkpoints (model_type 'gpt2') only")
-    return GPT2Config.from_dict(raw)
+    try:
+        family = family_named(raw.get("model_type"))
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from None
+    arch = [a for a in raw.get("architectures") or [] if a not in family.architectures]
+    if arch:
+        raise CheckpointError(f"{cfg_path}: architectures {arch}; ds_mp trains causal LMs "
+                              f"({', '.join(family.architectures)}): export the base model")
+    return family.config_from_dict(raw)
 
 
 class HFReader:
-    """Validated, lazy access to the tensors of an HF GPT-2 directory by canonical name."""
+    """Validated, lazy access to the tensors of an HF model directory by canonical name."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.config = read_hf_config(path)
+        self.family = family_of(self.config)
         self._where: dict[str, tuple[Any, str]] = {}  # canonical name -> (source, stored key)
         self._shape: dict[str, tuple[int, ...]] = {}
         self.elements_read = [0]  # tensor elements read through get_shard (safetensors ranges)
@@ -104,9 +107,9 @@ class HFReader:
                                       "or not a weights-only PyTorch state dict") from None
             keys = {k: tuple(v.shape) for k, v in handle.items()}
         for key, shape in keys.items():
-            if _IGNORED.match(key):
+            if self.family.ignored(key):
                 continue
-            name = "lm_head.weight" if key == "lm_head.weight" else canonical_name(key)
+            name = self.family.canonical_name(key)
             self._where[name], self._shape[name] = (handle, key), shape
 
     def _raw(self, name: str) -> torch.Tensor:
@@ -115,30 +118,31 @@ class HFReader:
 
     def _validate(self) -> None:
         want = expected_shapes(self.config)
-        have = set(self._shape) - {"lm_head.weight"}
+        have = set(self._shape) - ({"lm_head.weight"} - set(want))  # a head stored beside a tied embedding
         if want.keys() - have:
             raise CheckpointError(f"{self.path}: missing tensors {sorted(want.keys() - have)[:5]}; the "
                                   "checkpoint does not match its config.json (n_layer?)")
         if have - want.keys():
             raise CheckpointError(f"{self.path}: unexpected tensors {sorted(have - want.keys())[:5]}; not a "
-                                  "plain GPT2LMHeadModel checkpoint for this config.json")
+                                  f"plain {self.family.architecture(self.config)} checkpoint for this config.json")
         for name, shape in want.items():
             if self._shape[name] != shape:
                 raise CheckpointError(f"{self.path}: {name} has shape {list(self._shape[name])} but config.json "
                                       f"implies {list(shape)}; the weights and config.json disagree")
-        if "lm_head.weight" in self._shape and not getattr(self.config, "tie_word_embeddings", True):
-            if not torch.equal(self._raw("lm_head.weight"), self._raw("transformer.wte.weight")):
-                raise CheckpointError(f"{self.path}: lm_head.weight is untied from wte; ds_mp ties the LM "
-                                      "head to the embedding, so this checkpoint cannot be loaded")
+        head, embedding = self.family.head_and_embedding()
+        if head in self._shape and head not in want and not getattr(self.config, "tie_word_embeddings", True):
+            if not torch.equal(self._raw(head), self._raw(embedding)):
+                raise CheckpointError(f"{self.path}: {head} is untied from {embedding}; ds_mp ties the LM "
+                                      "head to the embedding for this config, so this checkpoint cannot be loaded")
 
     def get(self, name: str) -> torch.Tensor:
-        name = canonical_name(name)
+        name = self.family.canonical_name(name)
         if name not in self._where:
-            raise CheckpointError(f"{self.path}: no tensor {name!r} in this GPT-2 checkpoint")
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in this {self.family.name} checkpoint")
         return self._raw(name)
 
     def dtype_of(self, name: str) -> torch.dtype:
-        handle, key = self._where[canonical_name(name)]
+        handle, key = self._where[self.family.canonical_name(name)]
         return st_dtype(self._headers[handle].entries[key]["dtype"]) if isinstance(handle, str) else handle[key].dtype
 
     def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
@@ -147,9 +151,9 @@ class HFReader:
         of this shard are read, straight into the shard (:class:`SafetensorsRanges`; the three
         q|k|v column ranges of ``c_attn``, the vocab rows); a ``pytorch_model.bin`` is
         memory-mapped and cut after a full read."""
-        name = canonical_name(name)
+        name = self.family.canonical_name(name)
         if name not in self._where:
-            raise CheckpointError(f"{self.path}: no tensor {name!r} in this GPT-2 checkpoint")
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in this {self.family.name} checkpoint")
         handle, key = self._where[name]
         if not isinstance(handle, str):
             return shard(handle[key], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab).clone()
@@ -166,7 +170,7 @@ def open_reader(path: str) -> HFReader | ShardedReader:
 
 
 def directory_source(path: str) -> WeightSource:
-    """A lazy ``WeightSource`` over an HF GPT-2 directory or a ds_mp sharded directory.
+    """A lazy ``WeightSource`` over an HF model directory or a ds_mp sharded directory.
 
     Names are accepted with or without the ``transformer.`` prefix; floating tensors
     are returned as fp32 (training keeps fp32 master weights; bf16 is DeepSpeed's cast).
@@ -197,8 +201,8 @@ def write_hf_files(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokeniz
     """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` into ``out``
     from full tensors (true vocab) by HF name.
 
-    With ``tie_word_embeddings`` (the GPT-2 default) ``lm_head.weight`` is omitted, as
-    ``save_pretrained`` does; otherwise it is written as a copy of ``wte``.
+    A tied head is omitted, as ``save_pretrained`` does; a GPT-2 config with
+    ``tie_word_embeddings`` false gets ``lm_head.weight`` as a copy of ``wte`` (ds_mp ties it).
     """
     import copy
 
@@ -210,11 +214,13 @@ def write_hf_files(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokeniz
         raise CheckpointError(f"{out}: refusing to write an incomplete model (missing "
                               f"{sorted(want.keys() - tensors.keys())[:5]})")
     state = {n: tensors[n].detach().cpu().contiguous() for n in want}
-    if not getattr(cfg, "tie_word_embeddings", True):
-        state["lm_head.weight"] = state["transformer.wte.weight"].clone()
+    family = family_of(cfg)
+    head, embedding = family.head_and_embedding()
+    if head not in want and not getattr(cfg, "tie_word_embeddings", True):
+        state[head] = state[embedding].clone()
     cfg = copy.deepcopy(cfg)
-    cfg.architectures = ["GPT2LMHeadModel"]
-    cfg.dtype = str(state["transformer.wte.weight"].dtype).removeprefix("torch.")
+    cfg.architectures = [family.architecture(cfg)]
+    cfg.dtype = str(state[embedding].dtype).removeprefix("torch.")
     cfg.save_pretrained(out)
     GenerationConfig.from_model_config(cfg).save_pretrained(out)
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
@@ -229,17 +235,18 @@ def write_hf_streaming(reader: Any, cfg: Any, out: str, tokenizer_dir: str | Non
 
     from transformers import GenerationConfig
 
-    shapes = expected_shapes(cfg)
+    shapes, family = expected_shapes(cfg), family_of(cfg)
+    head, embedding = family.head_and_embedding()
     specs = {n: (shape, reader.dtype_of(n)) for n, shape in shapes.items()}
-    if not getattr(cfg, "tie_word_embeddings", True):
-        specs["lm_head.weight"] = specs["transformer.wte.weight"]
+    if head not in shapes and not getattr(cfg, "tie_word_embeddings", True):
+        specs[head] = specs[embedding]
     cfg = copy.deepcopy(cfg)
-    cfg.architectures = ["GPT2LMHeadModel"]
-    cfg.dtype = str(specs["transformer.wte.weight"][1]).removeprefix("torch.")
+    cfg.architectures = [family.architecture(cfg)]
+    cfg.dtype = str(specs[embedding][1]).removeprefix("torch.")
     cfg.save_pretrained(out)
     GenerationConfig.from_model_config(cfg).save_pretrained(out)
     write_safetensors_streaming(os.path.join(out, "model.safetensors"), specs,
-                                lambda n: reader.get("transformer.wte.weight" if n == "lm_head.weight" else n))
+                                lambda n: reader.get(embedding if n == head and head not in shapes else n))
     if tokenizer_dir:
         copy_tokenizer(tokenizer_dir, out)
 
@@ -256,15 +263,15 @@ def write_hf_dir(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokenizer
 def gather_stage(engine: Any) -> dict[str, torch.Tensor]:
     """Collective over the TP group: this stage's full tensors by HF name (on TP rank 0).
 
-    The tied ``wte`` is kept only on stage 0.  Tensors travel as fp32 (gloo lacks bf16).
+    A tied embedding is kept only on stage 0.  Tensors travel as fp32 (gloo lacks bf16).
     """
     pipe, topo = engine.module, engine.topology
     out: dict[str, torch.Tensor] = {}
     for pname, p in pipe.named_parameters():
         name = hf_param_name(pname, pipe)
-        if name == "transformer.wte.weight" and topo.pp_rank != 0:
+        if is_tied_copy(pname, topo.pp_rank):
             continue
-        local, kind = p.detach().float().contiguous(), tp_kind(name)
+        local, kind = p.detach().float().contiguous(), pipe.family.tp_kind(name)
         if topo.tp > 1 and kind != "replicated":
             parts = [torch.empty_like(local) for _ in range(topo.tp)] if topo.tp_rank == 0 else None
             dist.gather(local, parts, dst=topo.rank_of(tp=0, pp=topo.pp_rank, dp=topo.dp_rank),
@@ -272,7 +279,7 @@ def gather_stage(engine: Any) -> dict[str, torch.Tensor]:
         else:
             parts = [local]
         if topo.tp_rank == 0:
-            out[name] = unshard(parts, kind, n_head=engine.hf_config.n_head,
+            out[name] = unshard(parts, kind, n_head=pipe.family.heads(name, engine.hf_config),
                                 vocab=engine.hf_config.vocab_size).cpu()
     return out
 
@@ -313,7 +320,7 @@ def write_on_rank0(engine: Any, what: str, write: Callable[[], None]) -> None:
 
 
 def save_hf(engine: Any, out_dir: str, tokenizer_dir: str | None = None) -> None:
-    """Collective (every rank calls it): global rank 0 writes an HF GPT-2 directory.
+    """Collective (every rank calls it): global rank 0 writes an HF model directory.
 
     The weights come from :func:`full_state_dict`.  A write error on rank 0 is re-raised on
     every rank.  ``out_dir`` is replaced atomically if it exists.  Weights are written in

@@ -10,12 +10,12 @@
                                     keyed "<HF name>::<state key>" (see training.py)
       trainer_state.pt              training checkpoints only
 
-A tensor is stored in the file of the stage that holds its layer (the tied ``wte`` once,
-on stage 0).  Shards are cut by :func:`ds_mp.tensor_parallel.sharding.shard` with the
-kind from ``GPT2_TP_PLAN``, so ``unshard`` of the TP shards of one name gives the full HF
-tensor (vocab padding dropped) and any other layout can re-cut it: the format is
-layout-free.  A LoRA run's training checkpoint also holds the factors
-(``transformer.h.<i>.<module>.lora_A/B``, cut by ``GPT2_LORA_PLAN``; ``"lora"`` in the meta
+A tensor is stored in the file of the stage that holds its layer (the tied embedding once,
+on stage 0).  Shards are cut by :func:`ds_mp.tensor_parallel.sharding.shard` with the kind
+from the family's TP plan (``Family.tp_kind``, e.g. ``GPT2_TP_PLAN``), so ``unshard`` of the
+TP shards of one name gives the full HF tensor (vocab padding dropped) and any other layout
+can re-cut it: the format is layout-free.  A LoRA run's training checkpoint also holds the
+factors (``<block>.<module>.lora_A/B``, cut by the family's LoRA plan; ``"lora"`` in the meta
 names them).  :class:`ShardedReader` validates every file header up front and reads
 tensors lazily, one name at a time, a TP shard as positioned reads of just its ranges
 (:class:`SafetensorsRanges`).
@@ -32,45 +32,35 @@ import numpy
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ds_mp.models.gpt2 import (BLOCK_RENAME, GPT2_TP_PLAN, layer_index, lora_targeted, param_shapes, pipeline_layers,
-                              tp_kind)
+from ds_mp.models.family import Family, family_named, family_of
 from ds_mp.checkpoint.integrity import MANIFEST, CheckpointError, Manifest, warn_unverified, write_manifest
 from ds_mp.tensor_parallel.sharding import locate, read_shard, shard, shard_ranges, unshard
 
 FORMAT, VERSION = "ds_mp.sharded", 1
 META = "ds_mp_meta.json"
-_TOP = ("wte.weight", "wpe.weight")
-_FINAL = ("ln_f.weight", "ln_f.bias")
-BLOCK_KEYS = tuple(k for k in GPT2_TP_PLAN if k not in _TOP + _FINAL)
 
 
-def canonical_name(name: str) -> str:
-    """``h.0.ln_1.weight`` / ``transformer.h.0.ln_1.weight`` -> ``transformer.h.0.ln_1.weight``."""
-    return name if name.startswith("transformer.") else "transformer." + name
-
-
-expected_shapes = param_shapes  # every GPT-2 parameter (HF name, HF order) and its full shape
+def expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Every parameter of ``cfg``'s family (HF name, HF order) and its full shape."""
+    return family_of(cfg).param_shapes(cfg)
 
 
 def lora_shapes(cfg: Any, lora: dict | None) -> dict[str, tuple[int, ...]]:
     """The LoRA factors of a run with ``lora`` (``{"r": …, "target_modules": […]}``, as in
-    ``ds_mp_meta.json``) and their full shapes in the Conv1D layout, ``lora_A`` (in, r) and
-    ``lora_B`` (r, out), in HF order; empty without LoRA.  They shard by ``GPT2_LORA_PLAN``."""
-    if not lora or not lora.get("r"):
-        return {}
-    r, base, out = lora["r"], param_shapes(cfg), {}
-    for i in range(cfg.n_layer):
-        for module in BLOCK_RENAME.values():
-            if lora_targeted(module, lora["target_modules"]):
-                prefix = f"transformer.h.{i}.{module}"
-                n_in, n_out = base[prefix + ".weight"]
-                out[prefix + ".lora_A"], out[prefix + ".lora_B"] = (n_in, r), (r, n_out)
-    return out
+    ``ds_mp_meta.json``) and their full shapes in ds_mp's layout, ``lora_A`` (in, r) and
+    ``lora_B`` (r, out), in HF order; empty without LoRA.  They shard by the family's LoRA plan."""
+    return family_of(cfg).lora_shapes(cfg, lora)
 
 
-def stage_of(name: str, layers: list[str], parts: list[int]) -> int:
+def stage_of(name: str, layers: list[str], parts: list[int], family: Family) -> int:
     """The stage whose layer range ``[parts[s], parts[s+1])`` holds ``name``'s layer."""
-    return bisect.bisect_right(parts, layer_index(canonical_name(name), layers)) - 1
+    return bisect.bisect_right(parts, family.layer_index(name, layers)) - 1
+
+
+def shard_meta(cfg: Any, name: str, padded_vocab: int) -> dict[str, int]:
+    """The ``shard``/``unshard`` keywords of tensor ``name``: the heads its ``qkv``/``kv`` cut keeps
+    whole (the family's :meth:`~ds_mp.models.family.Family.heads`) and the padded vocab."""
+    return {"n_head": family_of(cfg).heads(name, cfg), "padded_vocab": padded_vocab}
 
 
 def shard_shape(full: tuple[int, ...], kind: str, tp: int, n_head: int, padded_vocab: int) -> tuple[int, ...]:
@@ -89,7 +79,7 @@ def make_meta(cfg: Any, tp: int, parts: list[int], padded_vocab: int, has_optimi
     ``lora``: ``{"r", "alpha", "target_modules"}`` of a LoRA run, whose files also hold the
     factors (:func:`lora_shapes`)."""
     return {"format": FORMAT, "version": VERSION, "tp": tp, "pp": len(parts) - 1, "parts": list(parts),
-            "layers": list(layers or pipeline_layers(cfg.n_layer)),
+            "layers": list(layers or family_of(cfg).pipeline_layers(cfg)),
             "vocab_size": cfg.vocab_size, "padded_vocab": padded_vocab, "has_optimizer": has_optimizer,
             "lora": lora, "hf_config": cfg.to_dict(),
             "manifest": MANIFEST}  # written last, over every file (ds_mp.checkpoint.integrity)
@@ -144,16 +134,16 @@ def write_sharded(reader: Any, cfg: Any, out: str, tp: int, parts: list[int], pa
     ``dtype_of`` by HF name: an :class:`~ds_mp.checkpoint.hf.HFReader` or a
     :class:`ShardedReader` of another layout), one (stage, TP rank) file at a time and one
     shard at a time (read as slices, streamed to disk): peak memory is one shard."""
-    layers = pipeline_layers(cfg.n_layer)
-    shapes = expected_shapes(cfg)
+    family = family_of(cfg)
+    layers, shapes = family.pipeline_layers(cfg), expected_shapes(cfg)
     for s in range(len(parts) - 1):
-        names = [n for n in shapes if stage_of(n, layers, parts) == s]
+        names = [n for n in shapes if stage_of(n, layers, parts, family) == s]
         for r in range(tp):
-            specs = {n: (shard_shape(shapes[n], tp_kind(n), tp, cfg.n_head, padded_vocab), reader.dtype_of(n))
-                     for n in names}
+            specs = {n: (shard_shape(shapes[n], family.tp_kind(n), tp, family.heads(n, cfg), padded_vocab),
+                         reader.dtype_of(n)) for n in names}
             write_safetensors_streaming(
                 shard_file(out, "model", s, r), specs,
-                lambda n, r=r: reader.get_shard(n, tp_kind(n), r, tp, n_head=cfg.n_head, padded_vocab=padded_vocab))
+                lambda n, r=r: reader.get_shard(n, family.tp_kind(n), r, tp, **shard_meta(cfg, n, padded_vocab)))
     write_meta(out, make_meta(cfg, tp, parts, padded_vocab))
     write_manifest(out)
 
@@ -242,8 +232,6 @@ class ShardedReader:
     (:meth:`verify_files` checks a set ahead).  ``verify=False`` skips all of it."""
 
     def __init__(self, path: str, verify: bool = True) -> None:
-        from transformers import GPT2Config
-
         self.path = path
         self.manifest = Manifest.open(path) if verify else None
         if self.manifest is not None:
@@ -256,15 +244,17 @@ class ShardedReader:
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise CheckpointError(f"{path}: {META} has format {meta.get('format')!r} version "
                                   f"{meta.get('version')!r}; this ds_mp reads {FORMAT!r} version {VERSION}")
-        if meta["hf_config"].get("model_type") != "gpt2":
-            raise CheckpointError(f"{path}: model_type {meta['hf_config'].get('model_type')!r}; ds_mp reads GPT-2")
+        try:
+            self.family = family_named(meta["hf_config"].get("model_type"))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
         if verify and self.manifest is None:
             if meta.get("manifest"):
                 raise CheckpointError(f"{os.path.join(path, MANIFEST)}: file missing ({META} says it was written); "
                                       "the checkpoint is incomplete: re-copy it, or pass verify=False to load unchecked")
             warn_unverified(path)
         self.meta, self.tp, self.parts = meta, meta["tp"], meta["parts"]
-        self.config = GPT2Config.from_dict(meta["hf_config"])
+        self.config = self.family.config_from_dict(meta["hf_config"])
         self.lora = meta.get("lora") or None  # {"r", "alpha", "target_modules"} of a LoRA run
         self.shapes = {**expected_shapes(self.config), **lora_shapes(self.config, self.lora)}
         self.state_keys: dict[str, list[str]] = {}
@@ -278,7 +268,8 @@ class ShardedReader:
                     self._index_optim_file(s, r, want)
 
     def stage_of(self, name: str) -> int:
-        return stage_of(name, self.meta.get("layers") or pipeline_layers(self.config.n_layer), self.parts)
+        return stage_of(name, self.meta.get("layers") or self.family.pipeline_layers(self.config), self.parts,
+                        self.family)
 
     def _open(self, prefix: str, s: int, r: int, header_only: bool = False) -> Any:
         """A fresh handle per access: its memory map (pages counted in RSS) ends with it.
@@ -310,7 +301,8 @@ class ShardedReader:
         return out
 
     def local_shape(self, name: str) -> tuple[int, ...]:
-        return shard_shape(self.shapes[name], tp_kind(name), self.tp, self.config.n_head, self.meta["padded_vocab"])
+        return shard_shape(self.shapes[name], self.family.tp_kind(name), self.tp, self.family.heads(name, self.config),
+                           self.meta["padded_vocab"])
 
     def _check_model_file(self, s: int, r: int, want: set[str]) -> None:
         f, path = self._open("model", s, r, header_only=True), shard_file(self.path, "model", s, r)
@@ -340,12 +332,13 @@ class ShardedReader:
 
     def get(self, name: str) -> torch.Tensor:
         """The full HF tensor ``name`` (true vocab), merged from its TP shards."""
-        name = canonical_name(name)
+        name = self.family.canonical_name(name)
         if name not in self.shapes:
-            raise CheckpointError(f"{self.path}: no tensor {name!r} in a GPT-2 with this config")
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in a {self.family.name} with this config")
         s = self.stage_of(name)
         shards = [self._open("model", s, r).get_tensor(name) for r in range(self.tp)]
-        return unshard(shards, tp_kind(name), n_head=self.config.n_head, vocab=self.config.vocab_size)
+        return unshard(shards, self.family.tp_kind(name), n_head=self.family.heads(name, self.config),
+                       vocab=self.config.vocab_size)
 
     def _ranges(self, prefix: str, s: int, r: int, header_only: bool = False) -> SafetensorsRanges:
         path = shard_file(self.path, prefix, s, r)
@@ -359,7 +352,7 @@ class ShardedReader:
                     out: torch.Tensor) -> None:
         """Write the full tensor's range ``[lo, hi)`` along ``dim`` into ``out``, from the
         overlapping saved shard files only (each piece read straight into its place)."""
-        s, n_head, padded = self.stage_of(name), self.config.n_head, self.meta["padded_vocab"]
+        s, n_head, padded = self.stage_of(name), self.family.heads(name, self.config), self.meta["padded_vocab"]
         full = self.shapes[name]
         for k in range(1 if kind == "replicated" else self.tp):
             _, ranges, _ = shard_ranges(kind, k, self.tp, full, n_head=n_head, padded_vocab=padded)
@@ -367,16 +360,16 @@ class ShardedReader:
                 self._ranges(prefix, s, k).read(key, dim, llo, lhi, out.narrow(dim, glo - lo, lhi - llo))
 
     def dtype_of(self, name: str) -> torch.dtype:
-        name = canonical_name(name)
+        name = self.family.canonical_name(name)
         return st_dtype(self._ranges("model", self.stage_of(name), 0, header_only=True).entries[name]["dtype"])
 
     def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
                   padded_vocab: int = 0) -> torch.Tensor:
         """``shard(get(name), kind, rank, size, ...)`` for another layout, reading only the
         overlapping slices of the saved shard files (never the full tensor)."""
-        name = canonical_name(name)
+        name = self.family.canonical_name(name)
         if name not in self.shapes:
-            raise CheckpointError(f"{self.path}: no tensor {name!r} in a GPT-2 with this config")
+            raise CheckpointError(f"{self.path}: no tensor {name!r} in a {self.family.name} with this config")
         return read_shard(lambda d, lo, hi, out: self._read_range("model", name, name, kind, d, lo, hi, out),
                           self.shapes[name], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab,
                           dtype=self.dtype_of(name))
@@ -386,7 +379,7 @@ class ShardedReader:
         """:meth:`get_state` cut for one TP shard, reading only the slices it needs: state
         tensors shaped like the parameter follow its shard rule, others (Adam's ``step``)
         are read as stored, non-tensor entries come from the JSON metadata."""
-        name = canonical_name(name)
+        name = self.family.canonical_name(name)
         s = self.stage_of(name)
         out: dict[str, Any] = {}
         for key in self.state_keys.get(name, []):
@@ -409,14 +402,15 @@ class ShardedReader:
         """Optimizer state of parameter ``name``: tensors shaped like the parameter merged
         by its shard rule (full HF shape), other tensors (e.g. Adam's step) as stored, and
         non-tensor entries from the file's JSON metadata."""
-        name = canonical_name(name)
+        name = self.family.canonical_name(name)
         s = self.stage_of(name)
         out: dict[str, Any] = {}
         for key in self.state_keys.get(name, []):
             shards = [self._open("optim", s, r).get_tensor(f"{name}::{key}") for r in range(self.tp)]
             sharded = tuple(shards[0].shape) == self.local_shape(name)
-            kind = tp_kind(name) if sharded else "replicated"
-            out[key] = unshard(shards, kind, n_head=self.config.n_head, vocab=self.config.vocab_size)
+            kind = self.family.tp_kind(name) if sharded else "replicated"
+            out[key] = unshard(shards, kind, n_head=self.family.heads(name, self.config),
+                               vocab=self.config.vocab_size)
         if self.meta.get("has_optimizer"):
             extras = json.loads((self._open("optim", s, 0).metadata() or {}).get("extras", "{}"))
             out.update(extras.get(name, {}))

@@ -43,7 +43,7 @@ from ds_mp.atomic import commit_dir, fresh_dir, write_text_atomic
 from ds_mp.checkpoint.integrity import Manifest, file_entries, load_torch, write_manifest
 from ds_mp.checkpoint.sharded import (META, CheckpointError, ShardedReader, expected_shapes, lora_shapes,
                                       make_meta, shard_file, write_meta)
-from ds_mp.models.gpt2 import hf_param_name, tp_kind
+from ds_mp.models.pipeline import hf_param_name
 
 TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest"
@@ -127,7 +127,7 @@ def _rank_tensors(engine: Any, opt: Any) -> tuple[dict, dict, dict]:
         else:
             master = p
             entries = dict(opt.state.get(p, {})) if opt is not None and not native else {}
-        if name == "transformer.wte.weight" and topo.pp_rank != 0:
+        if name == engine.module.family.head_and_embedding()[1] and topo.pp_rank != 0:
             continue  # the tied copy on the last stage is identical; stored once on stage 0
         model[name] = master.detach().float().cpu().contiguous() if native else master.detach().cpu().contiguous()
         for key, value in entries.items():
@@ -247,10 +247,11 @@ def _verify_reads(engine: Any, reader: ShardedReader, path: str) -> None:
     if reader.manifest is None:
         return
     topo, trains = engine.topology, engine.optimizer is not None
-    meta = {"n_head": engine.hf_config.n_head, "padded_vocab": engine.module.ds_mp_ctx.padded_vocab}
+    family, padded = engine.module.family, engine.module.ds_mp_ctx.padded_vocab
     files = {os.path.join(path, TRAINER_STATE)}
     for name, p in _params(engine):  # the shards the load below reads, with the same cut
-        files |= reader.files_of_shard(name, tp_kind(name), topo.tp_rank, topo.tp, **meta,
+        meta = {"n_head": family.heads(name, engine.hf_config), "padded_vocab": padded}
+        files |= reader.files_of_shard(name, family.tp_kind(name), topo.tp_rank, topo.tp, **meta,
                                        state=trains and p.requires_grad)
     if os.path.isfile(_extra_file(path, topo)):
         files.add(_extra_file(path, topo))
@@ -319,8 +320,8 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
                               "start from its exported HF weights (runs/x/hf) with init_from")
     reader = ShardedReader(path, verify=verify)
     if expected_shapes(reader.config) != expected_shapes(engine.hf_config):
-        raise CheckpointError(f"{path}: saved model shape (n_layer={reader.config.n_layer}, n_embd="
-                              f"{reader.config.n_embd}, vocab={reader.config.vocab_size}) differs from the engine's; "
+        raise CheckpointError(f"{path}: saved model shape (n_layer={reader.config.num_hidden_layers}, n_embd="
+                              f"{reader.config.hidden_size}, vocab={reader.config.vocab_size}) differs from the engine's; "
                               "resume with the same model")
     saved, have = reader.lora, _lora_meta(engine)
     if (lora_shapes(reader.config, saved) != lora_shapes(engine.hf_config, have)  # the same factors, same scaling
@@ -338,11 +339,11 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
         raise CheckpointError(f"{path}: saved with optimizer {trainer['optimizer']} ({len(trainer['param_groups'])} "
                               f"groups), the engine has {type(base).__name__} ({len(base.param_groups)}); "
                               "resume with the same optimizer config")
-    meta = {"n_head": engine.hf_config.n_head, "padded_vocab": engine.module.ds_mp_ctx.padded_vocab}
+    family, padded = engine.module.family, engine.module.ds_mp_ctx.padded_vocab
     native = _is_native(engine)
     with torch.no_grad():  # each rank reads only the slices of its own shards
         for name, p in _params(engine):
-            kind = tp_kind(name)
+            kind, meta = family.tp_kind(name), {"n_head": family.heads(name, engine.hf_config), "padded_vocab": padded}
             weight = reader.get_shard(name, kind, topo.tp_rank, topo.tp, **meta)
             p.copy_(weight)  # a bf16 module weight: the master rounded, as DeepSpeed keeps it
             if opt is None or not p.requires_grad:  # frozen (LoRA's base): no master, no optimizer state

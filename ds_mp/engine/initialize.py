@@ -11,7 +11,10 @@ from ds_mp import deepspeed_compat as compat
 from ds_mp.config import ConfigError, DsMpConfig, load_config, read_json
 from ds_mp.engine.optimizer import optimizer_setup
 from ds_mp.models.cost_profile import PROFILE_NAME, agreed_layer_costs
-from ds_mp.models.gpt2 import LayerCosts, WeightSource, build_gpt2_pipeline, hf_config_from
+from ds_mp.models.gpt2 import hf_config_from
+from ds_mp.models.partition import LayerCosts
+from ds_mp.models.pipeline import build_pipeline
+from ds_mp.models.weights import WeightSource, fresh_source
 from ds_mp.schedules.registry import resolve
 from ds_mp.topology import Topology
 
@@ -58,8 +61,6 @@ def weight_source(model: Any, cfg: DsMpConfig, seed: int) -> WeightSource:
         from ds_mp.hub import resolve_model
 
         return directory_source(resolve_model(path))  # a Hub id: its cached snapshot
-    from ds_mp.optim.init import fresh_source
-
     # GPT-2's init (N(0, 0.02), residual output projections N(0, 0.02/sqrt(2 n_layer)), biases 0,
     # LayerNorm 1/0), drawn per parameter name and row block: the same full weights at every
     # layout, and each rank creates only the shards it keeps (no whole model anywhere).
@@ -104,13 +105,13 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     if partition == "cost" and layout is None:  # (a ring layout has its own split)
         costs = measured_costs(src, cfg, ds_dict, topology) if cfg.pp > 1 else None
         partition = costs.blocks(cfg.shape.n_layer, cfg.pp) if costs else [cfg.shape.n_layer]
-    net = build_gpt2_pipeline(src, topology, partition=partition,
-                              sequence_parallel=cfg.tensor_parallel.sequence_parallel,
-                              overlap_comm=cfg.tensor_parallel.overlap_comm,
-                              vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,
-                              activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
-                              dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout,
-                              lora=cfg.lora, seed=cfg.training.seed)
+    net = build_pipeline(src, topology, partition=partition,
+                         sequence_parallel=cfg.tensor_parallel.sequence_parallel,
+                         overlap_comm=cfg.tensor_parallel.overlap_comm,
+                         vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,
+                         activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
+                         dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout,
+                         lora=cfg.lora, seed=cfg.training.seed)
     mpu = net.mpu()
     params, optimizer = optimizer_setup(net, ds_dict, optimizer)
     engine = DsMpPipelineEngine(args=args, model=net, optimizer=optimizer, model_parameters=params,

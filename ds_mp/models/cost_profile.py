@@ -1,16 +1,17 @@
-"""``"partition": "cost"``: what one micro-batch costs in each kind of GPT-2 pipeline layer.
+"""``"partition": "cost"``: what one micro-batch costs in each kind of pipeline layer of a family.
 
-A stage of the pipeline built by ``build_gpt2_pipeline`` holding c blocks costs, per micro-batch
-(forward + backward),
+A stage of the pipeline built by ``ds_mp.models.pipeline.build_pipeline`` holding c blocks costs,
+per micro-batch (forward + backward),
 
     c·block + embed·[s = 0] + head·[s = K−1]
 
-    embed   wte lookup + wpe                          (stage 0)
+    embed   the layers before the first block     (GPT-2: wte lookup + wpe; Llama: embed_tokens)
     block   one transformer block
-    head    ln_f + tied LM head + loss                (last stage)
+    head    the layers after the last + the loss  (final norm + LM head + loss)
 
 and ``LayerCosts.blocks`` chooses the block counts that minimise the costliest stage (exact,
-``ds_mp.models.gpt2.balanced_blocks``).  :func:`measure_layer_costs` times the three segments
+``ds_mp.models.partition.balanced_blocks``).  The segments are built from the family's own
+layer table (``Family.layer_spec`` of its rows), so any family is measured the same way.  :func:`measure_layer_costs` times the three segments
 at the run's micro-batch shape (rows × seq), dtype, TP degree and sequence parallelism, with
 this rank's own layers, on the engine's device: each segment is a real layer built from the
 run's weight source, fed the previous segment's output (so shapes are the pipeline's, SP
@@ -44,8 +45,9 @@ import torch
 import torch.distributed as dist
 
 from ds_mp.atomic import write_text_atomic
-from ds_mp.models.gpt2 import (LAYER_COST_VERSION, Block, Ctx, FinalNorm, LayerCosts, LMLoss, Positions,
-                               TokenEmbedding, WeightSource, embed_forward, head_forward)
+from ds_mp.models.partition import LayerCosts
+from ds_mp.models.pipeline import LAYER_COST_VERSION, Ctx, LMLoss
+from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 from ds_mp.topology import Topology, build_grid
 
@@ -88,8 +90,13 @@ def profile_key(hf_config: Any, *, rows: int, seq: int, dtype: torch.dtype, devi
                 sequence_parallel: bool, vocab_pad_multiple: int, lora: Any = None, overlap_comm: bool = True) -> str:
     """The cache key: everything the three costs depend on."""
     c = hf_config
-    parts = {"n_embd": c.n_embd, "n_head": c.n_head, "n_inner": getattr(c, "n_inner", None), "vocab": c.vocab_size,
-             "act": c.activation_function, "rows": rows, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
+    shape = {"n_embd": c.hidden_size, "n_head": c.num_attention_heads, "vocab": c.vocab_size}
+    if c.model_type == "gpt2":  # (GPT-2's keys as before: its cached profiles stay valid)
+        shape.update(n_inner=getattr(c, "n_inner", None), act=c.activation_function)
+    else:
+        shape.update(model_type=c.model_type, kv_heads=c.num_key_value_heads, inner=c.intermediate_size,
+                     act=c.hidden_act, head_dim=getattr(c, "head_dim", None), tied=c.tie_word_embeddings)
+    parts = {**shape, "rows": rows, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
              "tp": tp, "sp": bool(sequence_parallel and tp > 1), "vocab_pad_multiple": vocab_pad_multiple,
              "overlap_comm": bool(overlap_comm and tp > 1),
              "lora": [lora.r, sorted(lora.target_modules)] if lora is not None and lora.r > 0 else None,
@@ -101,37 +108,39 @@ def measure_layer_costs(src: WeightSource, topology: Topology, *, rows: int, seq
                         device: torch.device, sequence_parallel: bool = False, vocab_pad_multiple: int = 128,
                         lora: Any = None, overlap_comm: bool = True, rounds: int = 5, warmup: int = 2) -> LayerCosts:
     """This rank's measurement (a collective over its TP group when ``topology.tp > 1``: the
-    topology must have its process groups).  Layers are built from ``src`` as
-    ``build_gpt2_pipeline`` builds them (block 0 stands for every block), cast to ``dtype``
-    and moved to ``device``; gradients accumulate into ``.grad`` as over a step's micro-batches."""
+    topology must have its process groups).  Layers are built from ``src`` as ``build_pipeline``
+    builds them (block 0 stands for every block; a tied embedding is one module at both ends),
+    cast to ``dtype`` and moved to ``device``; gradients accumulate into ``.grad`` as over a
+    step's micro-batches."""
     saved = rng_state()
     try:
         ctx = Ctx(topology, src.config, sequence_parallel, vocab_pad_multiple)
         ctx.lora = lora if lora is not None and lora.r > 0 else None
         ctx.overlap_comm = overlap_comm
-        wte, wpe, block, ln_f = (m.to(device=device, dtype=dtype).eval() for m in
-                                 (TokenEmbedding(src, ctx), Positions(src, ctx), Block(src, 0, ctx), FinalNorm(src, ctx)))
+        family, table, tied = ctx.family, ctx.family.pipeline_layers(src.config), {}
+        lead = [_built(family.layer_spec(p, src, ctx), device, dtype, tied) for p in table[:family.lead_layers]]
+        block = _built(family.layer_spec(table[family.lead_layers], src, ctx), device, dtype, tied)  # every block's
+        tail = [_built(family.layer_spec(p, src, ctx), device, dtype, tied) for p in table[-family.tail_layers:]]
         if ctx.lora is not None:  # LoRA trains only its factors: no base weight gradients
-            for name, p in block.named_parameters():
-                p.requires_grad = ".lora_" in name
-            for p in (*wte.parameters(), *wpe.parameters(), *ln_f.parameters()):
-                p.requires_grad = False
+            for _, module in (*lead, (None, block), *tail):
+                for name, p in module.named_parameters():
+                    p.requires_grad = ".lora_" in name
         loss_fn = LMLoss(ctx)
         gen = torch.Generator(device=device).manual_seed(0)
         ids = torch.randint(0, ctx.vocab, (rows, seq), generator=gen, device=device)
 
         def embed() -> torch.Tensor:
-            return wpe(embed_forward(wte, ids))
+            return _run(lead, ids)
 
         h0 = embed().detach()
-        h1 = block(h0).detach()
+        h1 = block[1](h0).detach()
         x_block, x_head = h0.clone().requires_grad_(), h1.clone().requires_grad_()
         g_embed = torch.randn(h0.shape, generator=gen, device=device, dtype=dtype)
         g_block = torch.randn(h1.shape, generator=gen, device=device, dtype=dtype)
         segments: dict[str, Callable[[], None]] = {
             "embed": lambda: _backward(embed(), g_embed),
-            "block": lambda: _backward(block(x_block), g_block),
-            "head": lambda: _backward(loss_fn(head_forward(wte, ln_f(x_head)), ids), None),
+            "block": lambda: _backward(block[1](x_block), g_block),
+            "head": lambda: _backward(loss_fn(_run(tail, x_head), ids), None),
         }
         times: dict[str, list[float]] = {k: [] for k in KINDS}
         for r in range(warmup + rounds):
@@ -142,6 +151,27 @@ def measure_layer_costs(src: WeightSource, topology: Topology, *, rows: int, seq
         return LayerCosts(**{k: statistics.median(v) for k, v in times.items()})
     finally:
         set_rng_state(saved)
+
+
+def _built(spec: Any, device: torch.device, dtype: torch.dtype,
+           tied: dict[str, torch.nn.Module]) -> tuple[Callable[..., Any], torch.nn.Module]:
+    """(forward, module) of a DeepSpeed layer spec, built and moved; a ``TiedLayerSpec`` key is built
+    once (kept in ``tied``) and called with its ``forward_fn``."""
+    key = getattr(spec, "key", None)
+    if key is not None and key in tied:
+        module = tied[key]
+    else:
+        module = spec.build().to(device=device, dtype=dtype).eval()
+        if key is not None:
+            tied[key] = module
+    fn = getattr(spec, "forward_fn", None)
+    return ((lambda x: fn(module, x)) if fn is not None else module), module
+
+
+def _run(layers: list[tuple[Callable[..., Any], torch.nn.Module]], x: Any) -> Any:
+    for forward, _ in layers:
+        x = forward(x)
+    return x
 
 
 def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:

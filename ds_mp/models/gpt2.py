@@ -1,7 +1,7 @@
-"""Hugging Face GPT-2 as a DeepSpeed ``PipelineModule`` with Megatron tensor parallelism.
+"""GPT-2 (``GPT2LMHeadModel``): its layer table, TP and LoRA plans, init rule and layers.
 
-The pipeline is a flat list of layers (DeepSpeed partitions it into stages); the one table
-of it is :func:`pipeline_layers` (layer index ↔ HF name prefix ↔ the class built there):
+The layer table (:meth:`GPT2Family.pipeline_layers`: pipeline layer ↔ HF name prefix ↔ the class
+built there):
 
     0        "wte"      TiedLayerSpec("wte")  token embedding (vocab-parallel), tied with the head
     1        "wpe"      Positions             + wpe, embedding dropout
@@ -10,36 +10,37 @@ of it is :func:`pipeline_layers` (layer index ↔ HF name prefix ↔ the class b
     L+3      "lm_head"  TiedLayerSpec("wte")  LM head: logits = h Eᵀ on the local vocab block
     loss                LMLoss                fused vocab-parallel cross-entropy, HF label shift
 
-Weights are read from a :class:`WeightSource` (an in-memory HF model or a safetensors
-directory) by HF name, and only for the layers this rank builds, so each rank
-materialises just its own stage.  ``GPT2_TP_PLAN`` is the whole TP plan: one table, one
-function (:func:`tp_kind`) applying it.
+``GPT2_TP_PLAN`` is the whole TP plan (HF suffix -> shard kind, applied by ``Family.tp_kind``);
+``GPT2_LORA_PLAN`` shards the LoRA factors; :meth:`GPT2Family.init_rule` is GPT-2's / Megatron-LM's
+weight initialisation:
+
+    Linear / Conv1D / Embedding weights   W ~ N(0, std^2)                    (std = 0.02)
+    residual output projections           W ~ N(0, (std / sqrt(2 * n_layer))^2)
+        (``attn.c_proj.weight`` and ``mlp.c_proj.weight``: each of the 2 * n_layer
+        residual branches adds to the stream, so their sum keeps variance ~ std^2)
+    biases                                0
+    LayerNorm                             weight 1, bias 0
 """
 from __future__ import annotations
 
-import contextlib
+import math
 import re
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from transformers.activations import ACT2FN
 
-from ds_mp.deepspeed_compat import module_grid, module_topology, set_local_layers, tied_weights
-from ds_mp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
-                                   padded_vocab_size, vocab_parallel_cross_entropy)
+from ds_mp.models.family import Family, lora_targeted
+from ds_mp.models.partition import LayerCosts, balanced_blocks, stage_parts
+from ds_mp.models.pipeline import (LAYER_COST_VERSION, Ctx, DsMpPipeline, LMLoss, attending_to, build_pipeline,
+                                   hf_param_name, shift_labels)
+from ds_mp.models.weights import LazyWeight, WeightSource, peft_to_hf_names
+from ds_mp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp
 from ds_mp.tensor_parallel.layers import embedding_lookup
 from ds_mp.tensor_parallel.random import parallel_region_rng
-from ds_mp.tensor_parallel.sharding import shard
-from ds_mp.topology import Topology
-
-#: Part of every cached cost profile's key (``partition_profile.json``, ``terapipe_profile.json``):
-#: bumped when what a layer's forward + backward costs changes in kind, so older profiles are
-#: measured again.  2: a step's later embedding backwards add only the looked-up rows.
-LAYER_COST_VERSION = 2
 
 # HF parameter name (suffix after "transformer." / "h.<i>.") -> how TP shards it.
 GPT2_TP_PLAN: dict[str, str] = {
@@ -71,6 +72,13 @@ BLOCK_RENAME: dict[str, str] = {"c_attn": "attn.c_attn", "attn_proj": "attn.c_pr
                                 "c_fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj"}
 
 
+
+RESIDUAL_PROJECTION = re.compile(r"(^|\.)(attn|mlp)\.c_proj\.weight$")
+LAYER_NORM = re.compile(r"(^|\.)ln_(1|2|f)\.weight$")
+# Buffers older GPT-2 checkpoints carry (causal mask); recomputed by every implementation.
+_IGNORED = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)$")
+
+
 def pipeline_layers(n_layer: int) -> list[str]:
     """THE layer layout: the HF name prefix held by each pipeline layer, in pipeline order.
 
@@ -78,29 +86,6 @@ def pipeline_layers(n_layer: int) -> list[str]:
     of its own (it is ``wte``, tied), so HF names map to layers 0 … L+2.
     """
     return ["wte", "wpe", *(f"h.{i}" for i in range(n_layer)), "ln_f", "lm_head"]
-
-
-def layer_index(hf_name: str, layers: list[str]) -> int:
-    """Index in ``layers`` (a :func:`pipeline_layers` order, or a reordering of it) of the layer
-    holding the HF parameter ``hf_name`` (its first occurrence for the tied ``wte``)."""
-    rest = re.sub(r"^transformer\.", "", hf_name)
-    prefix = ".".join(rest.split(".")[:2]) if rest.startswith("h.") else rest.split(".")[0]
-    return layers.index(prefix)
-
-
-def hf_param_name(module_name: str, pipe: "GPT2Pipeline") -> str:
-    """Map a pipeline parameter name (``5.c_attn.weight``, ``tied_modules.wte.wte.weight``) to its
-    HF name (``transformer.h.3.attn.c_attn.weight``) through :func:`pipeline_layers`."""
-    head, rest = module_name.split(".", 1)
-    if head == "tied_modules":  # tied_modules.wte.wte.weight
-        return "transformer.wte.weight"
-    prefix = pipe.layer_names[int(head)]
-    if prefix == "wpe":
-        return "transformer.wpe.weight"
-    if prefix == "ln_f":
-        return "transformer." + rest  # ln_f.weight
-    first, tail = rest.split(".", 1)
-    return f"transformer.{prefix}.{BLOCK_RENAME.get(first, first)}.{tail}"
 
 
 def hf_config_from(shape: Any) -> Any:
@@ -127,116 +112,15 @@ def param_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def tp_kind(hf_name: str) -> str:
-    """Shard kind of an HF GPT-2 parameter name (``transformer.h.3.attn.c_attn.weight``)."""
-    key = re.sub(r"^(transformer\.)?(h\.\d+\.)?", "", hf_name)
-    kind = GPT2_TP_PLAN.get(key) or GPT2_LORA_PLAN.get(key)
-    if kind is None:
-        raise KeyError(f"{hf_name!r} is not a GPT-2 parameter ds_mp knows")
-    return kind
-
-
-ShardGetter = Callable[..., torch.Tensor]  # (name, kind, rank, size, n_head=, padded_vocab=) -> shard
-
-
-
-class WeightSource:
-    """HF-layout tensors by name: ``get("transformer.h.0.ln_1.weight")`` (the full tensor) and
-    ``get_shard(name, kind, rank, size, n_head=, padded_vocab=)`` (one TP shard, equal to
-    ``shard(get(name), ...)``, as a new tensor the caller owns).  A source that can read or
-    create a shard without the full tensor (safetensors ranges, sliced init) passes
-    ``shard_getter`` (returning a new tensor too); the layers ask for shards through
-    :meth:`lazy`, so a rank materialises only what it keeps, once.  ``names``: every
-    name it holds, where known (optional tensors such as LoRA factors are looked up with
-    :meth:`has`)."""
-
-    def __init__(self, getter: Callable[[str], torch.Tensor], hf_config: Any,
-                 shard_getter: ShardGetter | None = None, names: set[str] | None = None) -> None:
-        self._get, self.config, self._get_shard = getter, hf_config, shard_getter
-        self.names = names
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._get(name)
-
-    def get_shard(self, name: str, kind: str, rank: int, size: int, **meta: int) -> torch.Tensor:
-        if self._get_shard is not None:
-            return self._get_shard(name, kind, rank, size, **meta)
-        return shard(self.get(name), kind, rank, size, **meta).clone()
-
-    def lazy(self, name: str) -> "LazyWeight":
-        """The weight ``name`` as the TP layers take it (``tp_parameter`` asks for its shard)."""
-        return LazyWeight(self, name)
-
-    def has(self, name: str) -> bool:
-        """True if ``name`` is known to be present (False when the source cannot list its names)."""
-        return self.names is not None and name in self.names
-
-    @classmethod
-    def from_model(cls, model: nn.Module) -> "WeightSource":
-        """An HF ``GPT2LMHeadModel``, or a PEFT ``PeftModel`` over one (its LoRA factors are read as
-        ``transformer.h.<i>.<module>.lora_A/B`` in ds_mp's layout, see :data:`GPT2_LORA_PLAN`)."""
-        sd = model.state_dict()
-        if hasattr(model, "peft_config"):
-            sd = peft_to_hf_names(sd)
-        return cls(lambda n: sd[n], model.config, names=set(sd))
-
-
-def peft_to_hf_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A PEFT LoRA model's state dict (``base_model.model.<hf>.base_layer.weight``,
-    ``….lora_A.<adapter>.weight`` (r, in), ``….lora_B.<adapter>.weight`` (out, r)) by HF name, the
-    factors transposed into the Conv1D layout (``….lora_A`` (in, r), ``….lora_B`` (r, out))."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in sd.items():
-        name = re.sub(r"^base_model\.model\.", "", name).replace(".base_layer.", ".")
-        m = re.match(r"^(.*)\.(lora_[AB])\.[^.]+\.weight$", name)
-        if m:
-            out[f"{m.group(1)}.{m.group(2)}"] = t.t().contiguous()
-        elif "lora_" not in name:
-            out[name] = t
-    return out
-
-
-class LazyWeight:
-    """One named weight of a :class:`WeightSource`, read or created shard by shard."""
-
-    def __init__(self, src: WeightSource, name: str) -> None:
-        self.src, self.name = src, name
-
-    def shard(self, kind: str, rank: int, size: int, **meta: int) -> torch.Tensor:
-        """This rank's shard as a new tensor that the caller owns (``tp_parameter`` takes it
-        over without a copy): never a view of a tensor kept elsewhere or of a memory-mapped
-        file, which the parameter would keep alive (resident)."""
-        return self.src.get_shard(self.name, kind, rank, size, **meta)
-
-
-class Ctx:
-    """What every layer needs: TP rank/size/group, SP flag, shapes. Passed explicitly."""
-
-    def __init__(self, topology: Topology, hf_config: Any, sequence_parallel: bool,
-                 vocab_pad_multiple: int) -> None:
-        self.topology = topology
-        self.tp_rank, self.tp = topology.tp_rank, topology.tp
-        self.sp = sequence_parallel and self.tp > 1
-        self.n_head, self.n_embd = hf_config.n_head, hf_config.n_embd
-        self.vocab = hf_config.vocab_size
-        self.padded_vocab = padded_vocab_size(self.vocab, self.tp, vocab_pad_multiple)
-        self.dropout = hf_config.resid_pdrop
-        self.embd_dropout = hf_config.embd_pdrop
-        self.attn_dropout = hf_config.attn_pdrop
-        self.eps = hf_config.layer_norm_epsilon
-        self.act = hf_config.activation_function
-        self.lora: Any = None  # a ds_mp.config.LoraConfig with r > 0, or None (set by build_gpt2_pipeline)
-        self.seed = 0  # LoRA factors not in the weight source are initialised from this seed
-        self.overlap_comm = True  # column-parallel backward overlaps the dX all-reduce with dW
-
-    @property
-    def group(self) -> Any:
-        return self.topology.tp_group if self.tp > 1 else None
-
-    def dropout_rng(self):
-        """Dropout on sequence-sharded activations must differ per TP rank."""
-        import contextlib
-        return parallel_region_rng() if self.sp else contextlib.nullcontext()
+def init_rule(name: str, n_layer: int, std: float = 0.02) -> tuple[str, float]:
+    """GPT-2's init of the HF parameter ``name``: ``("zeros"|"ones"|"normal", std)``."""
+    if name.endswith(".bias") or name == "bias":
+        return "zeros", 0.0
+    if LAYER_NORM.search(name):
+        return "ones", 0.0
+    if RESIDUAL_PROJECTION.search(name):
+        return "normal", std / math.sqrt(2 * n_layer)
+    return "normal", std
 
 
 class SequenceParallelLayerNorm(nn.LayerNorm):
@@ -255,7 +139,8 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
 
 
 def _layer_norm(src: WeightSource, prefix: str, ctx: Ctx) -> nn.LayerNorm:
-    ln = SequenceParallelLayerNorm(ctx.n_embd, ctx.eps, ctx.group) if ctx.sp else nn.LayerNorm(ctx.n_embd, eps=ctx.eps)
+    eps = ctx.hf.layer_norm_epsilon
+    ln = SequenceParallelLayerNorm(ctx.n_embd, eps, ctx.group) if ctx.sp else nn.LayerNorm(ctx.n_embd, eps=eps)
     with torch.no_grad():
         ln.weight.copy_(src.get(prefix + ".weight"))
         ln.bias.copy_(src.get(prefix + ".bias"))
@@ -271,6 +156,8 @@ class Block(nn.Module):
     earlier tokens of the same sequence: ``extend(index, k, v) -> (K̃, Ṽ, mask)``; the tokens
     attend to all of them plus causally to themselves.
     """
+
+    is_block = True  # DsMpPipeline.blocks()
 
     def __init__(self, src: WeightSource, index: int, ctx: Ctx) -> None:
         super().__init__()
@@ -289,7 +176,7 @@ class Block(nn.Module):
             sequence_parallel=ctx.sp, overlap_comm=ctx.overlap_comm)
         self.mlp_proj = _lora_layer(src, index, "mlp.c_proj", ctx) or RowParallelLinear(
             src.lazy(p + "mlp.c_proj.weight"), src.lazy(p + "mlp.c_proj.bias"), g, r, n, sequence_parallel=ctx.sp)
-        self.act = ACT2FN[ctx.act]
+        self.act = ACT2FN[ctx.hf.activation_function]
         self.n_head_local = ctx.n_head // n
         self.kv_extension: Any = None  # see attending_to
 
@@ -316,12 +203,6 @@ class Block(nn.Module):
             return x + F.dropout(h, self.ctx.dropout, self.training)
 
 
-def lora_targeted(module: str, targets: list[str]) -> bool:
-    """PEFT's matching of ``target_modules``: ``module`` (``attn.c_proj``) equals a target or ends
-    with ``.<target>`` (so ``c_proj`` means both projections)."""
-    return any(module == t or module.endswith("." + t) for t in targets)
-
-
 def _lora_layer(src: WeightSource, index: int, module: str, ctx: Ctx) -> nn.Module | None:
     """The LoRA variant of block ``index``'s ``module`` (``attn.c_attn`` …) when ``ctx.lora``
     targets it, else None.  Factors come from ``src`` when it holds them (a PEFT model), else
@@ -344,18 +225,6 @@ def _lora_layer(src: WeightSource, index: int, module: str, ctx: Ctx) -> nn.Modu
     if kind == "row":
         return LoRARowParallelLinear(w, b, ctx.group, ctx.tp_rank, ctx.tp, **kw)
     return LoRAColumnParallelLinear(w, b, ctx.group, ctx.tp_rank, ctx.tp, kind=kind, n_head=ctx.n_head, **kw)
-
-
-@contextlib.contextmanager
-def attending_to(blocks: list[Block], extension: Any) -> Iterator[None]:
-    """Inside the block, ``blocks`` attend to the keys/values ``extension.extend`` adds."""
-    for blk in blocks:
-        blk.kv_extension = extension
-    try:
-        yield
-    finally:
-        for blk in blocks:
-            blk.kv_extension = None
 
 
 class TokenEmbedding(nn.Module):
@@ -413,221 +282,82 @@ class FinalNorm(nn.Module):
         return self.ln_f(h)
 
 
-class LMLoss:
-    """Mean next-token cross-entropy with HF's shift (``logits[:, t]`` predicts
-    ``labels[:, t+1]``; ``-100`` ignored), from vocab-parallel logits."""
+class GPT2Family(Family):
+    """GPT-2's tables (module docstring)."""
 
-    def __init__(self, ctx: Ctx) -> None:
-        self.ctx = ctx
-        self.__name__ = "LMLoss"
+    name, model_types, architectures = "gpt2", ("gpt2",), ("GPT2LMHeadModel",)
+    tp_plan, lora_plan = GPT2_TP_PLAN, GPT2_LORA_PLAN
+    lora_modules = tuple(BLOCK_RENAME.values())
+    lora_targets = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
+    lead_layers, tail_layers, block_prefix = 2, 2, "transformer.h."
 
-    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-token loss ``(B, T)`` against already-shifted ``targets``."""
-        if self.ctx.tp == 1:  # one rank holds every logit: the plain (faster) kernel, padding cut off
-            flat = F.cross_entropy(logits[..., :self.ctx.vocab].reshape(-1, self.ctx.vocab).float(),
-                                   targets.reshape(-1), ignore_index=-100, reduction="none")
-            return flat.view(targets.shape)
-        start = self.ctx.tp_rank * (self.ctx.padded_vocab // self.ctx.tp)
-        flat = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                            vocab_start=start, true_vocab=self.ctx.vocab, group=self.ctx.group)
-        return flat.view(targets.shape)
+    def config_class(self) -> Any:
+        from transformers import GPT2Config
 
-    def __call__(self, logits: torch.Tensor, labels: Any) -> torch.Tensor:
-        """``labels`` (B, T), or ``(targets, count)`` for a TeraPipe token slice: its already-shifted
-        targets and the number of valid targets of its whole micro-batch (slice losses then sum
-        to the micro-batch loss)."""
-        if isinstance(labels, tuple):
-            targets, count = labels
-        else:
-            targets = shift_labels(labels)
-            count = (targets != -100).sum().clamp(min=1)
-        return self.token_losses(logits, targets).sum() / count
+        return GPT2Config
 
+    def config_from_dict(self, raw: dict) -> Any:
+        return self.config_class().from_dict(raw)
 
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """``targets[:, t] = labels[:, t+1]``, last position ignored (-100)."""
-    return F.pad(labels[:, 1:], (0, 1), value=-100)
+    def model_class(self, cfg: Any) -> Any:
+        from transformers import GPT2LMHeadModel
 
+        return GPT2LMHeadModel
 
-@dataclass(frozen=True)
-class LayerCosts:
-    """Measured seconds of one micro-batch's forward + backward through each kind of pipeline
-    layer (``ds_mp.models.cost_profile`` measures them): ``embed`` = wte + wpe (stage 0),
-    ``block`` = one transformer block, ``head`` = ln_f + tied LM head + loss (last stage)."""
+    def check(self, cfg: Any) -> None:
+        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if getattr(cfg, flag, False):
+                raise ValueError(f"GPT-2 option {flag}=True is not supported by ds_mp")
+        if not getattr(cfg, "scale_attn_weights", True):
+            raise ValueError("GPT-2 option scale_attn_weights=False is not supported by ds_mp")
 
-    embed: float
-    block: float
-    head: float
+    def dropouts(self, cfg: Any) -> tuple[float, float, float]:
+        return cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop
 
-    def blocks(self, n_layer: int, stages: int) -> list[int]:
-        """Blocks per stage minimising the costliest stage (the pipeline runs at its pace); the
-        first and last stage may hold no block when the embedding or head alone outweighs them."""
-        return balanced_blocks(n_layer, stages, self.block, self.embed, self.head, min_end_blocks=0)
+    def pipeline_layers(self, cfg: Any) -> list[str]:
+        return pipeline_layers(cfg.n_layer)
 
-    @property
-    def head_blocks(self) -> float:
-        """Embedding + head + loss in units of one block: what a stage holding both ends (Ouroboros'
-        ring rank 0) carries besides its blocks (``split_modules(head_blocks=...)``)."""
-        return (self.embed + self.head) / self.block
+    def canonical_name(self, name: str) -> str:
+        return name if name.startswith("transformer.") or name == "lm_head.weight" else "transformer." + name
 
+    def layer_prefix(self, hf_name: str) -> str:
+        rest = re.sub(r"^transformer\.", "", hf_name)
+        return ".".join(rest.split(".")[:2]) if rest.startswith("h.") else rest.split(".")[0]
 
-def stage_parts(n_layer: int, stages: int, partition: str | list, n_embd: int, vocab: int,
-                costs: LayerCosts | None = None) -> list[int]:
-    """DeepSpeed ``parts``: layer-index boundaries of each stage over the L+4 layers.
+    def hf_param_name(self, module_name: str, layer_names: list[str]) -> str:
+        head, rest = module_name.split(".", 1)
+        if head == "tied_modules":  # tied_modules.wte.wte.weight
+            return "transformer.wte.weight"
+        prefix = layer_names[int(head)]
+        if prefix == "wpe":
+            return "transformer.wpe.weight"
+        if prefix == "ln_f":
+            return "transformer." + rest  # ln_f.weight
+        first, tail = rest.split(".", 1)
+        return f"transformer.{prefix}.{BLOCK_RENAME.get(first, first)}.{tail}"
 
-    ``uniform`` gives blocks as evenly as possible (extra blocks to the middle stages,
-    which carry no embedding/head).  ``parameters`` balances parameter counts, charging
-    the embedding to the first stage and the (tied) head to the last; each stage keeps
-    at least one block.  ``cost`` balances the measured ``costs`` (:meth:`LayerCosts.blocks`).
-    A list gives blocks per stage.
-    """
-    if isinstance(partition, list):
-        blocks = list(partition)
-    elif partition == "uniform":
-        base, extra = divmod(n_layer, stages)
-        order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), s))
-        blocks = [base + (1 if s in order[:extra] else 0) for s in range(stages)]
-    elif partition == "parameters":
-        block_w, embed_w = 12 * n_embd * n_embd, vocab * n_embd
-        blocks = balanced_blocks(n_layer, stages, block_w, embed_w, embed_w, min_end_blocks=1)
-    elif partition == "cost":
-        if costs is None:
-            raise ValueError("partition 'cost' needs the measured layer costs (ds_mp.models.cost_profile."
-                             "agreed_layer_costs; ds_mp.initialize measures them), or give a list of blocks")
-        blocks = costs.blocks(n_layer, stages)
-    else:
-        raise ValueError(f"unknown partition {partition!r}")
-    parts, at = [0], 2  # layers 0,1 (embedding, positions) go to stage 0
-    for s, b in enumerate(blocks):
-        at += b
-        parts.append(at if s < stages - 1 else n_layer + 4)
-    return parts
+    def param_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]:
+        return param_shapes(cfg)
 
+    def head_and_embedding(self) -> tuple[str, str]:
+        return "lm_head.weight", "transformer.wte.weight"
 
-def balanced_blocks(n_layer: int, stages: int, block: float, first: float, last: float,
-                    min_end_blocks: int = 1) -> list[int]:
-    """Contiguous blocks per stage minimising the costliest stage (linear partition, exact).
+    def ignored(self, key: str) -> bool:
+        return bool(_IGNORED.match(key))
 
-    Stage s holding c blocks costs ``c·block + first·[s = 0] + last·[s = K−1]``; middle stages
-    hold ≥ 1 block, the first and last ≥ ``min_end_blocks``.  Two dynamic programs over
-    (stage s, blocks n left for stages s…K−1), O(K·L²) each: the least max-cost M*, then, among
-    the splits whose every stage costs ≤ M*, the one with the least sum of squared stage costs
-    (the most even: idle stages absorb less jitter), ties to fewer blocks on earlier stages.
-    Equal inputs give equal outputs on every rank.
-    """
-    K = stages
-    low = [min_end_blocks if s in (0, K - 1) else 1 for s in range(K)]
-    if K < 1 or n_layer < sum(low):
-        raise ValueError(f"cannot split {n_layer} blocks over {K} stages with at least {low} blocks each")
+    def plan_key(self, hf_name: str) -> str:
+        return re.sub(r"^(transformer\.)?(h\.\d+\.)?", "", hf_name)
 
-    def cost(s: int, c: int) -> float:
-        return c * block + (first if s == 0 else 0.0) + (last if s == K - 1 else 0.0)
+    def linear_in_out(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
+        return weight_shape[0], weight_shape[1]  # Conv1D: (in, out)
 
-    def table(combine: Callable[[float, float], float], allowed: Callable[[float], bool]) -> list[list[float]]:
-        """``t[s][n]``: best ``combine``-fold of stage costs for stages s… holding n blocks."""
-        t = [[inf] * (n_layer + 1) for _ in range(K + 1)]
-        t[K][0] = 0.0
-        for s in range(K - 1, -1, -1):
-            for n in range(rest_low[s], n_layer + 1):
-                top = n if s == K - 1 else n - rest_low[s + 1]
-                t[s][n] = min((combine(cost(s, c), t[s + 1][n - c]) for c in range(low[s], top + 1)
-                               if allowed(cost(s, c))), default=inf)
-        return t
+    def init_rule(self, hf_name: str, cfg: Any, std: float = 0.02) -> tuple[str, float]:
+        return init_rule(hf_name, cfg.n_layer, std)
 
-    inf = float("inf")
-    rest_low = [sum(low[s:]) for s in range(K)] + [0]
-    bound = table(max, lambda _: True)[0][n_layer]
-    def square_sum(x: float, rest: float) -> float:
-        return x * x + rest
+    def block_parameters(self, cfg: Any) -> int:
+        return 12 * cfg.n_embd * cfg.n_embd
 
-    even = table(square_sum, lambda x: x <= bound)
-    blocks, left = [], n_layer
-    for s in range(K - 1):  # smallest count that keeps the optimum
-        c = next(c for c in range(low[s], left - rest_low[s + 1] + 1)
-                 if cost(s, c) <= bound and square_sum(cost(s, c), even[s + 1][left - c]) == even[s][left])
-        blocks.append(c)
-        left -= c
-    return blocks + [left]
-
-
-class GPT2Pipeline(PipelineModule):
-    """GPT-2 as a PipelineModule; our partition replaces DeepSpeed's."""
-
-    def __init__(self, layers: list, layer_names: list[str], parts: list[int], topology: Topology, ctx: Ctx,
-                 **kw: Any) -> None:
-        self._ds_mp_parts, self.ds_mp_topology, self.ds_mp_ctx = parts, topology, ctx
-        self.layer_names = layer_names  # the pipeline_layers() entries in this pipeline's order
-        super().__init__(layers=layers, topology=topology.topo, loss_fn=LMLoss(ctx), **kw)
-
-    def _build(self) -> None:
-        self.ds_mp_topology.attach(module_grid(self))  # layers need the TP group at construction
-        super()._build()
-
-    def _synchronize_tied_weights(self) -> None:
-        """DeepSpeed broadcasts the tied ``wte`` from its first owner when the module is built.
-        Every stage here built its copy from the same weight source, so the copies already agree:
-        an all-reduce of per-row checksums (their max and min over the copies) confirms it, and
-        the full broadcast (which also doubled the last stage's memory for the tied shard while
-        building) runs only if a row differs.  The row sums are fp32 reductions along each row
-        (deterministic, no temporary the size of the shard: a float64 sum upcast its chunks and
-        left ~50 MiB of freed heap behind on GPT-2 medium).  Under no_grad: outside it autograd
-        would record the in-place collective on the leaf and warn on every backward that it
-        backpropagates through ``c10d::broadcast_``."""
-        with torch.no_grad():
-            for _, w, group, ranks in tied_weights(self):
-                rows = w.detach().reshape(w.shape[0], -1).sum(dim=1)  # (rows,)
-                both = torch.cat([rows, -rows])  # all-reduce MAX: (max, -min) per row
-                torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
-                if not torch.equal(both[:len(rows)], -both[len(rows):]):
-                    torch.distributed.broadcast(w, src=min(ranks), group=group)
-
-    def allreduce_tied_weight_gradients(self) -> None:
-        """DeepSpeed's, skipping a frozen tied weight (LoRA freezes ``wte``: there is no gradient)."""
-        import deepspeed.comm as ds_dist
-
-        for _, weight, group, _ in tied_weights(self):
-            if weight.requires_grad:
-                ds_dist.all_reduce(weight.grad, group=group)
-
-    def _partition_layers(self, method: str = "uniform") -> None:  # noqa: ARG002 - ours
-        self.parts = self._ds_mp_parts
-        stage = module_topology(self).get_coord(self.global_rank).pipe
-        set_local_layers(self, self.parts[stage], self.parts[stage + 1])
-
-    def blocks(self) -> list[Block]:
-        return [m for m in self.forward_funcs if isinstance(m, Block)]
-
-
-def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str | list = "uniform",
-                        sequence_parallel: bool = False, overlap_comm: bool = True, vocab_pad_multiple: int = 128,
-                        activation_checkpoint_interval: int = 0, dynamic_shape: bool = False,
-                        layout: tuple[list[str], list[int]] | None = None, lora: Any = None,
-                        seed: int = 0) -> GPT2Pipeline:
-    """Build this rank's stage of GPT-2 (reading only its weights from ``src``).
-
-    ``layout = (layer names, parts)`` replaces the default order :func:`pipeline_layers` and the
-    ``partition`` with a reordering of the same layers (e.g. Ouroboros' ring, where stage 0 holds
-    the first and the last module); stage s holds layers ``[parts[s], parts[s+1])`` of it.
-
-    ``dynamic_shape`` makes DeepSpeed announce activation shapes on every send (TeraPipe's
-    uneven slices); otherwise the engine re-announces only when the sequence length changes.
-
-    ``lora`` (a ``ds_mp.config.LoraConfig`` with ``r > 0``): the targeted Conv1Ds get LoRA factors
-    (from ``src`` if it holds them, else PEFT's init seeded by ``seed``) and every other parameter is
-    frozen (``requires_grad=False``: no gradient, no optimizer state).
-    """
-    cfg = src.config
-    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        if getattr(cfg, flag, False):
-            raise ValueError(f"GPT-2 option {flag}=True is not supported by ds_mp")
-    if not getattr(cfg, "scale_attn_weights", True):
-        raise ValueError("GPT-2 option scale_attn_weights=False is not supported by ds_mp")
-    ctx = Ctx(topology, cfg, sequence_parallel, vocab_pad_multiple)
-    ctx.overlap_comm = overlap_comm
-    ctx.lora, ctx.seed = (lora if lora is not None and lora.r > 0 else None), seed
-    L = cfg.n_layer
-
-    def spec(prefix: str) -> Any:
+    def layer_spec(self, prefix: str, src: WeightSource, ctx: Ctx) -> Any:
         if prefix == "wte":
             return TiedLayerSpec("wte", TokenEmbedding, src, ctx, forward_fn=embed_forward,
                                  tied_weight_attr=["wte.weight"])
@@ -640,21 +370,24 @@ def build_gpt2_pipeline(src: WeightSource, topology: Topology, *, partition: str
             return LayerSpec(FinalNorm, src, ctx)
         return LayerSpec(Block, src, int(prefix.split(".")[1]), ctx)
 
-    names, parts = layout or (pipeline_layers(L), stage_parts(L, topology.pp, partition, cfg.n_embd, cfg.vocab_size))
-    if sorted(names) != sorted(pipeline_layers(L)) or len(parts) != topology.pp + 1:
-        raise ValueError(f"layout {names} / {parts} is not a reordering of GPT-2's {L + 4} layers over "
-                         f"{topology.pp} stages")
-    layers = [spec(prefix) for prefix in names]
-    net = GPT2Pipeline(layers, names, parts, topology, ctx, activation_checkpoint_interval=activation_checkpoint_interval,
-                       dynamic_shape=dynamic_shape)
-    if ctx.lora is not None:
-        for name, param in net.named_parameters():
-            param.requires_grad = ".lora_" in name
-    return net
+
+FAMILY = GPT2Family()
+tp_kind = FAMILY.tp_kind  # shard kind of an HF GPT-2 parameter (or LoRA factor) name
 
 
+def layer_index(hf_name: str, layers: list[str]) -> int:
+    """Index in ``layers`` of the layer holding the HF GPT-2 parameter ``hf_name``."""
+    return FAMILY.layer_index(hf_name, layers)
 
-__all__ = ["GPT2_TP_PLAN", "GPT2_LORA_PLAN", "lora_targeted", "peft_to_hf_names", "tp_kind", "param_shapes",
-           "pipeline_layers", "layer_index", "hf_param_name", "hf_config_from", "WeightSource", "LazyWeight",
-           "build_gpt2_pipeline", "GPT2Pipeline", "Block", "attending_to", "LMLoss", "shift_labels",
-           "stage_parts", "balanced_blocks", "LayerCosts"]
+
+def build_gpt2_pipeline(src: WeightSource, topology: Any, **kw: Any) -> DsMpPipeline:
+    """:func:`ds_mp.models.pipeline.build_pipeline` for a GPT-2 weight source."""
+    return build_pipeline(src, topology, **kw)
+
+
+GPT2Pipeline = DsMpPipeline  # the pipeline class (family-free since the Llama family)
+
+__all__ = ["GPT2_TP_PLAN", "GPT2_LORA_PLAN", "FAMILY", "GPT2Family", "lora_targeted", "peft_to_hf_names", "tp_kind",
+           "param_shapes", "pipeline_layers", "layer_index", "hf_param_name", "hf_config_from", "init_rule",
+           "WeightSource", "LazyWeight", "build_gpt2_pipeline", "GPT2Pipeline", "Block", "attending_to", "LMLoss",
+           "shift_labels", "stage_parts", "balanced_blocks", "LayerCosts", "Ctx", "LAYER_COST_VERSION"]

@@ -1,4 +1,4 @@
-"""Optimisation maths: LAMB, GPT-2 initialisation, the LR range test."""
+"""Optimisation maths: LAMB, initialisation of a whole HF model, the LR range test."""
 
 from ds_mp.optim.init import init_gpt2_weights
 from ds_mp.optim.lamb import Lamb, param_groups_no_decay

@@ -1,0 +1,118 @@
+"""Splitting a family's pipeline layers into stages: DeepSpeed ``parts`` from a partition rule.
+
+``uniform`` (blocks evenly), ``parameters`` (parameter counts), ``cost`` (measured per-layer
+costs, :class:`LayerCosts`, balanced exactly by :func:`balanced_blocks`) or a list of blocks per
+stage.  Family-free: a family's table contributes how many layers come before the first block
+and after the last (``Family.lead_layers`` / ``tail_layers``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Measured seconds of one micro-batch's forward + backward through each kind of pipeline
+    layer (``ds_mp.models.cost_profile`` measures them): ``embed`` = wte + wpe (stage 0),
+    ``block`` = one transformer block, ``head`` = ln_f + tied LM head + loss (last stage)."""
+
+    embed: float
+    block: float
+    head: float
+
+    def blocks(self, n_layer: int, stages: int) -> list[int]:
+        """Blocks per stage minimising the costliest stage (the pipeline runs at its pace); the
+        first and last stage may hold no block when the embedding or head alone outweighs them."""
+        return balanced_blocks(n_layer, stages, self.block, self.embed, self.head, min_end_blocks=0)
+
+    @property
+    def head_blocks(self) -> float:
+        """Embedding + head + loss in units of one block: what a stage holding both ends (Ouroboros'
+        ring rank 0) carries besides its blocks (``split_modules(head_blocks=...)``)."""
+        return (self.embed + self.head) / self.block
+
+
+def stage_parts(n_layer: int, stages: int, partition: str | list, n_embd: int, vocab: int,
+                costs: LayerCosts | None = None, *, lead: int = 2, tail: int = 2,
+                block_params: int | None = None) -> list[int]:
+    """DeepSpeed ``parts``: layer-index boundaries of each stage over the ``lead + L + tail`` layers
+    of a family's table (``lead`` layers before the first block go to stage 0, the ``tail`` after
+    the last to the last stage; GPT-2: 2 and 2).
+
+    ``uniform`` gives blocks as evenly as possible (extra blocks to the middle stages,
+    which carry no embedding/head).  ``parameters`` balances parameter counts, charging
+    the embedding to the first stage and the (tied) head to the last (``block_params`` per block,
+    default GPT-2's 12·n_embd²); each stage keeps at least one block.  ``cost`` balances the measured ``costs`` (:meth:`LayerCosts.blocks`).
+    A list gives blocks per stage.
+    """
+    if isinstance(partition, list):
+        blocks = list(partition)
+    elif partition == "uniform":
+        base, extra = divmod(n_layer, stages)
+        order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), s))
+        blocks = [base + (1 if s in order[:extra] else 0) for s in range(stages)]
+    elif partition == "parameters":
+        block_w, embed_w = block_params or 12 * n_embd * n_embd, vocab * n_embd
+        blocks = balanced_blocks(n_layer, stages, block_w, embed_w, embed_w, min_end_blocks=1)
+    elif partition == "cost":
+        if costs is None:
+            raise ValueError("partition 'cost' needs the measured layer costs (ds_mp.models.cost_profile."
+                             "agreed_layer_costs; ds_mp.initialize measures them), or give a list of blocks")
+        blocks = costs.blocks(n_layer, stages)
+    else:
+        raise ValueError(f"unknown partition {partition!r}")
+    parts, at = [0], lead  # the layers before the first block (embedding, positions) go to stage 0
+    for s, b in enumerate(blocks):
+        at += b
+        parts.append(at if s < stages - 1 else n_layer + lead + tail)
+    return parts
+
+
+def balanced_blocks(n_layer: int, stages: int, block: float, first: float, last: float,
+                    min_end_blocks: int = 1) -> list[int]:
+    """Contiguous blocks per stage minimising the costliest stage (linear partition, exact).
+
+    Stage s holding c blocks costs ``c·block + first·[s = 0] + last·[s = K−1]``; middle stages
+    hold ≥ 1 block, the first and last ≥ ``min_end_blocks``.  Two dynamic programs over
+    (stage s, blocks n left for stages s…K−1), O(K·L²) each: the least max-cost M*, then, among
+    the splits whose every stage costs ≤ M*, the one with the least sum of squared stage costs
+    (the most even: idle stages absorb less jitter), ties to fewer blocks on earlier stages.
+    Equal inputs give equal outputs on every rank.
+    """
+    K = stages
+    low = [min_end_blocks if s in (0, K - 1) else 1 for s in range(K)]
+    if K < 1 or n_layer < sum(low):
+        raise ValueError(f"cannot split {n_layer} blocks over {K} stages with at least {low} blocks each")
+
+    def cost(s: int, c: int) -> float:
+        return c * block + (first if s == 0 else 0.0) + (last if s == K - 1 else 0.0)
+
+    def table(combine: Callable[[float, float], float], allowed: Callable[[float], bool]) -> list[list[float]]:
+        """``t[s][n]``: best ``combine``-fold of stage costs for stages s… holding n blocks."""
+        t = [[inf] * (n_layer + 1) for _ in range(K + 1)]
+        t[K][0] = 0.0
+        for s in range(K - 1, -1, -1):
+            for n in range(rest_low[s], n_layer + 1):
+                top = n if s == K - 1 else n - rest_low[s + 1]
+                t[s][n] = min((combine(cost(s, c), t[s + 1][n - c]) for c in range(low[s], top + 1)
+                               if allowed(cost(s, c))), default=inf)
+        return t
+
+    inf = float("inf")
+    rest_low = [sum(low[s:]) for s in range(K)] + [0]
+    bound = table(max, lambda _: True)[0][n_layer]
+    def square_sum(x: float, rest: float) -> float:
+        return x * x + rest
+
+    even = table(square_sum, lambda x: x <= bound)
+    blocks, left = [], n_layer
+    for s in range(K - 1):  # smallest count that keeps the optimum
+        c = next(c for c in range(low[s], left - rest_low[s + 1] + 1)
+                 if cost(s, c) <= bound and square_sum(cost(s, c), even[s + 1][left - c]) == even[s][left])
+        blocks.append(c)
+        left -= c
+    return blocks + [left]
+
+
+__all__ = ["LayerCosts", "stage_parts", "balanced_blocks"]

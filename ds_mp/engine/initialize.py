@@ -113,7 +113,12 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
                          dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout,
                          lora=cfg.lora, seed=cfg.training.seed)
     mpu = net.mpu()
-    params, optimizer = optimizer_setup(net, ds_dict, optimizer)
+    keys = None
+    if cfg.pipeline.schedule == "ouroboros":  # one group per module, so warm-up leaves a module out whole
+        from ds_mp.engine.ouroboros import param_group_keys
+
+        keys = param_group_keys(net, cfg, topology.pp_rank)
+    params, optimizer = optimizer_setup(net, ds_dict, optimizer, group_keys=keys)
     engine = DsMpPipelineEngine(args=args, model=net, optimizer=optimizer, model_parameters=params,
                                 training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                                 config=ds_dict, config_class=DeepSpeedConfig(ds_dict, mpu),

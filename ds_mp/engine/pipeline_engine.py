@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import os
 import sys
 import time
 from typing import Any, Callable
@@ -149,6 +150,11 @@ class DsMpPipelineEngine(PipelineEngine):
         """True if the schedule keeps work in flight across steps (its checkpoints carry it)."""
         return hasattr(self.schedule_support, "state_dict")
 
+    def schedule_state_tp_free(self) -> bool:
+        """True if the schedule's in-flight state is the same on every TP rank (it then resumes
+        at another TP degree)."""
+        return bool(getattr(self.schedule_support, "tp_free", lambda: False)())
+
     def load_schedule_state_dict(self, state: dict) -> None:
         self.schedule_support.load_state_dict(state)
 
@@ -196,8 +202,19 @@ class DsMpPipelineEngine(PipelineEngine):
 
     # --- gradients --------------------------------------------------------------------
     def _exec_reduce_tied_grads(self) -> None:
-        if not zero2.partitions_gradients(self):  # ZeRO-2: in _exec_reduce_grads, after the partitions
-            super()._exec_reduce_tied_grads()
+        """Sum the tied ``wte``'s gradient over its tied group (first and last stage).
+
+        DeepSpeed's own handler reads every tied weight's gradient (its fp32 master gradient
+        under bf16); LoRA freezes the embedding, which then has neither: skip a frozen weight."""
+        if zero2.partitions_gradients(self):  # ZeRO-2: in _exec_reduce_grads, after the partitions
+            return
+        bf16 = compat.uses_bf16_optimizer(self)
+        for _, weight, group, _ in compat.tied_weights(self.module):
+            if not weight.requires_grad:
+                continue
+            grad = compat.master_grad(weight) if bf16 else weight.grad
+            if grad is not None:
+                dist.all_reduce(grad, group=group)
 
     def _exec_reduce_grads(self) -> None:
         if zero2.partitions_gradients(self):  # reduced per backward; the step's partitions made final
@@ -240,8 +257,12 @@ class DsMpPipelineEngine(PipelineEngine):
             compat.set_global_grad_norm(self, norm)
             self.last_step_nonfinite = not math.isfinite(norm)
         else:
-            held = zero2.partition_gradients(self) if zero2.partitions_gradients(self) else \
-                [p.grad for p in self.module.parameters()]  # ZeRO-2 keeps no .grad: its partitions
+            if zero2.partitions_gradients(self):  # ZeRO-2 keeps no .grad: its partitions
+                held = zero2.partition_gradients(self)
+            elif compat.uses_bf16_optimizer(self):  # the fp32 master gradients: with bf16.immediate_grad_update
+                held = [compat.master_grad(p) for p in self.module.parameters()]  # .grad is gone by now
+            else:
+                held = [p.grad for p in self.module.parameters()]
             self.last_step_nonfinite = grads.any_nonfinite_tensors(held, self.device)
         if self.last_step_nonfinite:
             self.nonfinite_steps += 1
@@ -254,6 +275,42 @@ class DsMpPipelineEngine(PipelineEngine):
     def _fp32_grads(self) -> bool:
         """True when the optimizer steps ``p.grad`` directly (no bf16/fp16 master copy, no ZeRO)."""
         return not (self.bfloat16_enabled() or self.fp16_enabled() or self.zero_optimization())
+
+    # --- DeepSpeed's checkpoint API, on ds_mp's layout-free format -------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``engine.save_checkpoint``, writing ds_mp's layout-free checkpoint
+        (:func:`ds_mp.checkpoint.training.save_checkpoint`): it resumes at any TP × PP × DP,
+        precision wrapper and schedule.  Collective.  ``tag`` defaults to DeepSpeed's
+        ``global_step<N>``; frozen parameters (LoRA's base) are always kept, so the checkpoint
+        stands alone."""
+        from ds_mp.checkpoint.training import save_checkpoint
+
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        save_checkpoint(self, save_dir, tag, client_state=client_state, update_latest=save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
+        """DeepSpeed's ``engine.load_checkpoint`` on ds_mp's layout-free format: returns
+        ``(checkpoint path, client_state)``, or ``(None, None)`` when ``load_dir`` has no
+        ``latest`` pointer and no tag is given (as DeepSpeed does: start fresh).  Collective."""
+        from ds_mp.checkpoint.training import load_checkpoint, read_latest
+
+        partial = [k for k, v in (("load_module_strict=False", not load_module_strict),
+                                  ("load_optimizer_states=False", not load_optimizer_states),
+                                  ("load_lr_scheduler_states=False", not load_lr_scheduler_states),
+                                  ("load_module_only=True", load_module_only),
+                                  ("custom_load_fn", custom_load_fn is not None)) if v]
+        if partial:
+            raise ValueError(f"load_checkpoint: {', '.join(partial)} is not supported: a ds_mp checkpoint resumes "
+                             "the whole run; to start from its weights alone set ds_mp.training.init_from to it")
+        if tag is None and read_latest(load_dir) is None:
+            return None, None
+        tag = str(tag) if tag is not None else read_latest(load_dir)
+        client_state = load_checkpoint(self, load_dir, tag)
+        return os.path.join(load_dir, tag), client_state
 
     # --- public entry points for schedules' engine-side handlers ---------------------------
     def run_forward(self, buffer_id: int) -> None:

@@ -240,6 +240,53 @@ def zb_h1_timetable(K: int, M: int) -> Timetable:
     return table
 
 
+def interleaved_deps(num_virtual: int) -> Deps:
+    """Dependencies of interleaved 1F1B with ``num_virtual`` chunks per stage; an op's ``slice`` is
+    its chunk c (virtual stage c·K + s): the activation of chunk c leaves the last stage for chunk
+    c+1 on the first stage, its gradient comes back the other way.
+
+        F(s, m, c)  needs F(s−1, m, c), or F(K−1, m, c−1) when s = 0 < c
+        B(s, m, c)  needs F(s, m, c) and B(s+1, m, c), or B(0, m, c+1) when s = K−1, c < v−1
+    """
+    v = num_virtual
+
+    def deps(stage: int, op: Op, K: int) -> list[tuple[int, Op]]:
+        s, m, c = stage, op.micro, op.slice
+        if op.kind == "F":
+            return [(s - 1, op)] if s > 0 else ([(K - 1, _F(m, c - 1))] if c > 0 else [])
+        if op.kind == "B":
+            nxt = [(s + 1, op)] if s < K - 1 else ([(0, _B(m, c + 1))] if c < v - 1 else [])
+            return [(s, _F(m, c))] + nxt
+        raise ValueError(f"interleaved_deps knows ops F and B, got {op.kind!r}")
+    return deps
+
+
+def interleaved_timetable(K: int, M: int, v: int) -> Timetable:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): stage s holds chunks c = 0 … v−1
+    (virtual stages c·K + s).  Forwards go in groups of K micro-batches, chunk by chunk
+    (F(0,c) … F(K−1,c) for c = 0 … v−1, then the next group); backwards likewise with the chunks
+    reversed.  Stage s runs ``2(K − s − 1) + (v − 1)K`` warm-up forwards, then one forward and one
+    backward alternately, then drains.  The bubble is 1F1B's divided by v; needs M % K == 0.
+    ``Op.slice`` is the chunk (:func:`interleaved_deps`)."""
+    if M % K:
+        raise ValueError(f"interleaved 1F1B needs micro-batches ({M}) divisible by stages ({K})")
+    total = M * v
+
+    def nth(i: int, kind: str) -> Op:
+        group, r = divmod(i, K * v)
+        c, k = divmod(r, K)
+        return Op(kind, group * K + k, c if kind == "F" else v - 1 - c)
+
+    table = []
+    for s in range(K):
+        w = min(total, 2 * (K - s - 1) + (v - 1) * K)
+        ops = [nth(i, "F") for i in range(w)]
+        for j in range(total - w):
+            ops += [nth(w + j, "F"), nth(j, "B")]
+        table.append(ops + [nth(j, "B") for j in range(total - w, total)])
+    return table
+
+
 def one_f_one_b_split_timetable(K: int, M: int) -> Timetable:
     """1F1B with every backward written as B then W right after it (what ZB-H1 reorders)."""
     return [[x for op in ops for x in ((op, Op("W", op.micro)) if op.kind == "B" else (op,))]

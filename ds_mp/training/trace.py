@@ -22,10 +22,13 @@ Trace = list[tuple[str, int, float, float]]  # (instruction, buffer_id, start_s,
 
 
 def event_label(name: str, buffer_id: int) -> str:
-    """``F3`` / ``B3`` for forward / backward of buffer 3; other instructions keep their name."""
+    """``F3`` / ``B3`` for forward / backward of buffer 3, ``W3`` for a weight-gradient pass split off
+    the backward (``zb-h1``'s ``BackwardWeight``; its ``BackwardInput`` is ``B3``); other
+    instructions keep their name."""
     kind = instruction_kind(name)
     if kind in COMPUTE_KINDS and buffer_id >= 0:
-        return f"{'F' if kind == 'forward' else 'B'}{buffer_id}"
+        letter = "F" if kind == "forward" else "W" if "Weight" in name else "B"
+        return f"{letter}{buffer_id}"
     return name
 
 

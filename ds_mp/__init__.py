@@ -12,7 +12,7 @@ from ds_mp.schedules.registry import SCHEDULES, register_schedule
 __version__ = "0.1.0"
 
 __all__ = ["initialize", "ConfigError", "DsMpConfig", "load_config", "SCHEDULES", "register_schedule",
-           "save_hf", "save_lora", "__version__"]
+           "save_hf", "save_lora", "save_checkpoint", "load_checkpoint", "__version__"]
 
 
 def initialize(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None):
@@ -48,3 +48,21 @@ def save_lora(engine, out_dir: str, merge: bool = False, tokenizer_dir: str | No
     from ds_mp.checkpoint.lora import save_lora as _save_lora
 
     _save_lora(engine, out_dir, merge=merge, tokenizer_dir=tokenizer_dir, base_model=base_model)
+
+
+def save_checkpoint(engine, ckpt_root: str, tag: str, client_state: dict | None = None) -> str:
+    """Collective: write the layout-free training checkpoint ``<ckpt_root>/<tag>`` (weights,
+    optimizer state, LR schedule, counters, loss scale, in-flight schedule work, ``client_state``)
+    and point ``<ckpt_root>/latest`` at it; it resumes at any TP × PP × DP.  Returns its path.
+    ``engine.save_checkpoint(dir, tag)`` (DeepSpeed's name) writes the same."""
+    from ds_mp.checkpoint.training import save_checkpoint as _save
+
+    return _save(engine, ckpt_root, tag, client_state=client_state)
+
+
+def load_checkpoint(engine, ckpt_root: str, tag: str | None = None) -> dict:
+    """Collective: resume ``engine`` from ``<ckpt_root>/<tag>`` (default: ``latest``), saved at
+    any layout; returns the saved ``client_state``."""
+    from ds_mp.checkpoint.training import load_checkpoint as _load
+
+    return _load(engine, ckpt_root, tag)

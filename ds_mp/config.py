@@ -57,6 +57,7 @@ class TeraPipeConfig:
     batch_slices: Union[int, str] = 1  # equal batch-slices per micro-batch, or "auto" (knapsack over sizes)
     granularity: int = 8  # planner slice lengths are multiples of this
     profile: str = ""  # cost-model JSON to reuse ("" = <output_dir>/terapipe_profile.json)
+    order: str = "gpipe"  # "gpipe" (all slice forwards, then all backwards) or "1f1b" (activations bounded by stages)
 
 
 @dataclass
@@ -96,6 +97,14 @@ class TrainingConfig:
 
 
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")  # PEFT-style names of GPT-2's Conv1Ds
+LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # its nn.Linears
+_LLAMA_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
+#: HF model_type -> (config.json keys of n_layer, n_embd, n_head, vocab_size, n_positions; LoRA target names).
+#: The families themselves live in ds_mp.models (this module imports no model).
+MODEL_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "gpt2": (("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"), LORA_TARGETS),
+    **dict.fromkeys(("llama", "qwen2", "mistral"), (_LLAMA_KEYS, LLAMA_LORA_TARGETS)),
+}
 
 
 @dataclass
@@ -131,6 +140,7 @@ class DsMpConfig:
     world_size: int = field(default=1, repr=False)
     dp: int = field(default=1, repr=False)
     shape: InlineModel | None = field(default=None, repr=False)
+    hf_config: dict = field(default_factory=dict, repr=False)  # the model's HF config.json ({} for an inline shape)
 
     @property
     def tp(self) -> int:
@@ -224,16 +234,52 @@ def _model_shape(cfg: DsMpConfig) -> InlineModel:
             hf = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"ds_mp.model: cannot read {path}: {e}") from None
-    if hf.get("model_type") not in ("gpt2", None):
-        raise ConfigError(f"ds_mp.model: {cfg.model!r} is a {hf.get('model_type')!r} model; "
-                          "ds_mp supports GPT-2 checkpoints")
-    missing = [k for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions") if k not in hf]
+    return shape_of(cfg, {"model_type": "gpt2", **hf}, path)
+
+
+def shape_of(cfg: DsMpConfig, hf: dict, where: str) -> InlineModel:
+    """The model shape of an HF config dict (``config.json``, or a model object's ``config.to_dict()``),
+    kept in ``cfg.hf_config`` for the family checks of :func:`check_model_family`."""
+    if hf.get("model_type") not in MODEL_TYPES:
+        raise ConfigError(f"ds_mp.model: {where} is a {hf.get('model_type')!r} model; ds_mp trains GPT-2, Llama, "
+                          f"Qwen2 and Mistral (model_type {', '.join(MODEL_TYPES)})")
+    keys = MODEL_TYPES[hf["model_type"]][0]
+    missing = [k for k in keys if k not in hf]
     if missing:
-        raise ConfigError(f"ds_mp.model: {path} lacks {', '.join(missing)}; it is not a GPT-2 config.json "
-                          "(give a directory written by GPT2LMHeadModel.save_pretrained)")
-    drop = hf.get("resid_pdrop", 0.1)
-    return InlineModel(n_layer=hf["n_layer"], n_embd=hf["n_embd"], n_head=hf["n_head"],
-                       vocab_size=hf["vocab_size"], n_positions=hf["n_positions"], dropout=drop)
+        raise ConfigError(f"ds_mp.model: {where} lacks {', '.join(missing)}; it is not a {hf['model_type']} "
+                          "config.json (give a directory written by save_pretrained)")
+    cfg.hf_config = hf
+    drop = hf.get("resid_pdrop", 0.1) if hf["model_type"] == "gpt2" else hf.get("attention_dropout", 0.0)
+    return InlineModel(*(hf[k] for k in keys), dropout=drop)
+
+
+def check_model_family(cfg: DsMpConfig) -> None:
+    """What the model's family supports (``cfg.hf_config``; nothing to check for GPT-2).
+
+    Llama / Qwen2 / Mistral: 1f1b and gpipe (TeraPipe's token slices and Ouroboros' ring are built
+    for GPT-2's layers); LoRA on their linears, on k_proj/v_proj only where TP divides the key/value
+    heads (otherwise the frozen projections are replicated and the factor cut would differ by
+    rank); a sliding attention window refused unless it covers the sequence."""
+    hf = cfg.hf_config
+    kind = hf.get("model_type", "gpt2")
+    if kind == "gpt2":
+        return
+    if cfg.pipeline.schedule in ("terapipe", "ouroboros"):
+        raise ConfigError(f"ds_mp.pipeline.schedule: {cfg.pipeline.schedule!r} is built for GPT-2's layers (token "
+                          f"slices / the ring's tied ends); a {kind} model trains with 1f1b or gpipe")
+    inner = hf.get("intermediate_size", 0)
+    if inner % cfg.tp:
+        raise ConfigError(f"ds_mp.tensor_parallel.size: {cfg.tp} does not divide intermediate_size={inner} (the MLP "
+                          "is split in equal column blocks); use a TP size dividing it")
+    kv = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    if cfg.lora.r and kv % cfg.tp and any(t in ("k_proj", "v_proj") for t in cfg.lora.target_modules):
+        raise ConfigError(f"ds_mp.lora.target_modules: k_proj/v_proj with tensor_parallel.size={cfg.tp}, which does "
+                          f"not divide the {kv} key/value heads (they are replicated); use a TP size dividing {kv} "
+                          "or LoRA on q_proj, o_proj and the MLP")
+    window = hf.get("sliding_window") if kind == "mistral" or hf.get("use_sliding_window") else None
+    if window and cfg.data.seq_len > window:
+        raise ConfigError(f"ds_mp.data.seq_len: {cfg.data.seq_len} exceeds the model's sliding_window={window}, "
+                          f"which ds_mp does not apply; use seq_len <= {window}")
 
 
 def _positive(value: int, key: str) -> None:
@@ -241,10 +287,11 @@ def _positive(value: int, key: str) -> None:
         raise ConfigError(f"ds_mp.{key}: must be >= 1, got {value}")
 
 
-def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
+def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) -> DsMpConfig:
     """Check ``cfg`` against itself and ``world_size``; fill ``dp`` and ``shape``.
 
-    World size = TP × PP × DP, except for Ouroboros where PP is K − 1 ring ranks.
+    World size = TP × PP × DP, except for Ouroboros where PP is K − 1 ring ranks.  ``hf_config``:
+    the config dict of a model object given to ``ds_mp.initialize`` (its shape and family).
     """
     tp, pp = cfg.tensor_parallel, cfg.pipeline
     for key, v in (("tensor_parallel.size", tp.size), ("pipeline.stages", pp.stages),
@@ -273,7 +320,7 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
         raise ConfigError(f"ds_mp.pipeline.schedule: unknown schedule {pp.schedule!r}; "
                           f"registered: {', '.join(sorted(SCHEDULES))}{hint}")
 
-    shape = _model_shape(cfg)
+    shape = _model_shape(cfg) if hf_config is None else shape_of(cfg, hf_config, "the model object")
     for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
         _positive(getattr(shape, key), f"model.{key}")
     if shape.n_embd % shape.n_head:
@@ -372,8 +419,12 @@ def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
                               f"is {cfg.data.seq_len}; make the slices sum to {cfg.data.seq_len}")
     elif sl != "auto":
         raise ConfigError(f"ds_mp.terapipe.slices: {sl!r} is not 'auto' or a list of lengths")
+    if cfg.terapipe.order not in ("gpipe", "1f1b"):
+        raise ConfigError(f"ds_mp.terapipe.order: {cfg.terapipe.order!r} is not 'gpipe' (all slice forwards, then "
+                          "all backwards) or '1f1b' (each sequence's slices backwarded as soon as possible)")
 
     _validate_lora(cfg)
+    check_model_family(cfg)
     model_ranks = tp.size * pp.stages
     if world_size % model_ranks:
         raise ConfigError(f"ds_mp: world size {world_size} is not divisible by tensor_parallel.size "
@@ -393,10 +444,12 @@ def _validate_lora(cfg: DsMpConfig) -> None:
         raise ConfigError(f"ds_mp.lora.alpha: must be > 0, got {lo.alpha}")
     if not 0.0 <= lo.dropout < 1.0:
         raise ConfigError(f"ds_mp.lora.dropout: must be in [0, 1), got {lo.dropout}")
-    bad = [t for t in lo.target_modules if t not in LORA_TARGETS]
+    kind = cfg.hf_config.get("model_type", "gpt2")
+    targets = MODEL_TYPES[kind][1]
+    bad = [t for t in lo.target_modules if t not in targets]
     if not lo.target_modules or bad:
-        raise ConfigError(f"ds_mp.lora.target_modules: {bad or lo.target_modules} not GPT-2 Conv1D names; "
-                          f"choose from {', '.join(LORA_TARGETS)}")
+        raise ConfigError(f"ds_mp.lora.target_modules: {bad or lo.target_modules} not {kind} linear names; "
+                          f"choose from {', '.join(targets)}")
     if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1:
         raise ConfigError("ds_mp.lora: not supported with tensor_parallel.sequence_parallel (the replicated LoRA "
                           "factors would see only a slice of tokens); set sequence_parallel to false")
@@ -446,26 +499,37 @@ def _check_combination(raw: dict, cfg: DsMpConfig) -> None:
                               "support on this machine; use bf16 or fp32")
 
 
-def load_config(config: str | dict, world_size: int) -> tuple[DsMpConfig, dict]:
+def load_config(config: str | dict, world_size: int, hf_config: dict | None = None) -> tuple[DsMpConfig, dict]:
     """Return the validated ds_mp block and the full DeepSpeed dict (with ``ds_mp`` kept)."""
     raw = read_json(config)
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         v = raw.get(key, 1)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{key}: must be a positive integer, got {v!r}")
-    cfg = validate(parse_config(raw.get("ds_mp", {})), world_size)
+    cfg = validate(parse_config(raw.get("ds_mp", {})), world_size, hf_config)
     _check_combination(raw, cfg)
     if cfg.pipeline.schedule == "ouroboros":  # its module gradients are set on .grad by hand
         if (raw.get("fp16") or {}).get("enabled"):
             raise ConfigError("fp16.enabled: the ouroboros schedule trains in fp32 or bf16 (fp16's loss scaling "
                               "would have to scale every delayed module's replay); use the bf16 block instead")
+        if (raw.get("bf16") or {}).get("immediate_grad_update"):
+            raise ConfigError("bf16.immediate_grad_update: the ouroboros schedule sets every module's gradients "
+                              "after its delayed backward, which DeepSpeed's immediate update (hooks during backward) "
+                              "never sees; set it to false")
         if (raw.get("zero_optimization") or {}).get("stage", 0):
             raise ConfigError("zero_optimization.stage: the ouroboros schedule supports ZeRO stage 0 (its "
                               "gradients are assembled by hand, outside ZeRO's reduction hooks); set it to 0")
+    if cfg.pipeline.schedule == "zb-h1":  # its W pass adds weight gradients outside autograd's accumulation
+        if ((raw.get("zero_optimization") or {}).get("stage", 0) or 0) >= 2:
+            raise ConfigError("zero_optimization.stage: the zb-h1 schedule computes weight gradients in a deferred "
+                              "pass that ZeRO-2's per-parameter reduction hooks do not see; set it to 0 or 1")
+        if (raw.get("fp16") or {}).get("enabled"):
+            raise ConfigError("fp16.enabled: the zb-h1 schedule is tested in fp32 and bf16 only; use the bf16 block")
     if cfg.training.noise_scale_interval:  # measured on fp32/bf16 gradients around DeepSpeed's DP reduction
         _check_noise_scale(raw, cfg, "ds_mp.training.noise_scale_interval", "set it to 0")
     _check_batch_ramp(raw, cfg)
     return cfg, raw
+
 
 def _check_noise_scale(raw: dict, cfg: DsMpConfig, key: str, instead: str) -> None:
     """B_simple compares each replica's gradient before DeepSpeed's DP reduction with the reduced one."""

@@ -13,8 +13,9 @@ Measured against DeepSpeed 0.19.x (``pyproject.toml`` pins ``<0.20``).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 
 class DeepSpeedIncompatible(RuntimeError):
@@ -152,6 +153,41 @@ def copy_bf16_grads_to_master(engine: Any) -> None:
     engine.optimizer.update_hp_grads(clear_lp_grads=False)
 
 
+def flat_group_params(optimizer: Any) -> list[list[Any]]:
+    """BF16_Optimizer: the model parameters of each parameter group, in the order of its flat
+    fp32 partitions (``bf16_groups``: the groups passed to DeepSpeed, trainable ones only)."""
+    return [list(g) for g in optimizer.bf16_groups]
+
+
+@contextlib.contextmanager
+def skipping_flat_groups(optimizer: Any, indices: list[int]) -> Iterator[None]:
+    """Within the body, the wrapped torch optimizer's ``step`` skips the flat partitions of the
+    groups ``indices``: BF16_Optimizer.step sets each partition's ``.grad`` just before calling
+    it, and a torch optimizer leaves a parameter whose ``.grad`` is None untouched (no update,
+    no weight decay, no state or step count created)."""
+    if not indices:
+        yield
+        return
+    flats = flat_partitions(optimizer)
+
+    def drop_grads(*_: Any) -> None:
+        for i in indices:
+            flats[i].grad = None
+
+    handle = optimizer.optimizer.register_step_pre_hook(drop_grads)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def master_grad(param: Any) -> Any:
+    """BF16_Optimizer: ``param``'s fp32 gradient buffer (``_hp_grad``, its shape), which the bf16
+    gradients are accumulated into and DeepSpeed's reductions act on (None for a parameter it
+    keeps no master for: a frozen one)."""
+    return getattr(param, "_hp_grad", None)
+
+
 def reserve_pipe_buffers(engine: Any, n: int) -> None:
     engine._reserve_pipe_buffers(n)
 
@@ -208,6 +244,7 @@ def module_topology(module: Any) -> Any:
 
 __all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine",
            "skip_op_build", "set_global_grad_norm", "uses_bf16_optimizer", "copy_bf16_grads_to_master",
+           "flat_group_params", "skipping_flat_groups",
            "reserve_pipe_buffers", "reset_forward_outputs", "computing_loss", "tied_weights", "set_local_layers", "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations",
            "module_grid", "module_topology"]
 
@@ -238,7 +275,7 @@ def full_flat_state(param: Any, optimizer: Any, key: str) -> Any:
     import torch
     import torch.distributed as dist
 
-    buf = torch.zeros(param.numel(), dtype=torch.float32)
+    buf = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)  # NCCL: device tensors only
     m = param._hp_mapping
     if m is not None:
         state = optimizer.optimizer.state.get(flat_partitions(optimizer)[m.param_group_index], {})
@@ -265,37 +302,50 @@ def set_flat_state(param: Any, optimizer: Any, key: str, value: Any) -> None:
     state[key].narrow(0, hp.start, hp.numel).copy_(value.reshape(-1).narrow(0, lp.start, lp.numel))
 
 
-def flat_state_extras(param: Any, optimizer: Any) -> dict:
-    """State entries of ``param``'s flat partition that are not per-element (Adam's ``step``)."""
+LP_GROUPS = ("bf16_groups", "bit16_groups")  # BF16_Optimizer, DeepSpeedZeroOptimizer: model params per group
+
+
+def _group_index(param: Any, optimizer: Any) -> int:
+    """Index of the parameter group holding ``param`` (also on a DP rank whose partition holds
+    no fragment of it, where ``_hp_mapping`` is None)."""
     m = getattr(param, "_hp_mapping", None)
-    groups = [m.param_group_index] if m is not None else range(len(flat_partitions(optimizer)))
-    for g in groups:
-        flat = flat_partitions(optimizer)[g]
-        state = optimizer.optimizer.state.get(flat, {})
-        if state:
-            return {k: v.clone() if hasattr(v, "clone") else v for k, v in state.items()
-                    if not (hasattr(v, "shape") and v.shape == flat.shape)}
-    return {}
+    if m is not None:
+        return m.param_group_index
+    for attr in LP_GROUPS:
+        for i, group in enumerate(getattr(optimizer, attr, ())):
+            if any(q is param for q in group):
+                return i
+    raise DeepSpeedIncompatible(f"{type(optimizer).__name__}: no parameter group holds the parameter "
+                                f"(looked in {LP_GROUPS}); install a DeepSpeed 0.19.x")
+
+
+def _group_state(param: Any, optimizer: Any) -> tuple[Any, dict]:
+    flat = flat_partitions(optimizer)[_group_index(param, optimizer)]
+    return flat, optimizer.optimizer.state.get(flat, {})
+
+
+def flat_state_extras(param: Any, optimizer: Any) -> dict:
+    """State entries of ``param``'s group partition that are not per-element (Adam's ``step``;
+    each group counts its own steps, equal on every DP rank)."""
+    flat, state = _group_state(param, optimizer)
+    return {k: v.clone() if hasattr(v, "clone") else v for k, v in state.items()
+            if not (hasattr(v, "shape") and v.shape == flat.shape)}
 
 
 def flat_state_keys(param: Any, optimizer: Any) -> list[str]:
-    """Per-element state keys of ``param``'s partition (``exp_avg``...; [] before the first step)."""
-    m = getattr(param, "_hp_mapping", None)
-    groups = [m.param_group_index] if m is not None else range(len(flat_partitions(optimizer)))
-    for g in groups:
-        flat = flat_partitions(optimizer)[g]
-        state = optimizer.optimizer.state.get(flat, {})
-        if state:
-            return sorted(k for k, v in state.items() if hasattr(v, "shape") and v.shape == flat.shape)
-    return []
+    """Per-element state keys of ``param``'s partition (``exp_avg``...; [] before its first step)."""
+    flat, state = _group_state(param, optimizer)
+    return sorted(k for k, v in state.items() if hasattr(v, "shape") and v.shape == flat.shape)
 
 
-def set_flat_state_extras(optimizer: Any, extras: dict) -> None:
-    """Put non-per-element entries (``step``) into every flat partition's state."""
-    for flat in flat_partitions(optimizer):
-        state = optimizer.optimizer.state[flat]
-        for k, v in extras.items():
-            state[k] = v.clone() if hasattr(v, "clone") else v
+def set_flat_state_extras(param: Any, optimizer: Any, extras: dict) -> None:
+    """Put non-per-element entries (``step``) into the state of ``param``'s group partition."""
+    if not extras:
+        return
+    flat = flat_partitions(optimizer)[_group_index(param, optimizer)]
+    state = optimizer.optimizer.state[flat]
+    for k, v in extras.items():
+        state[k] = v.clone() if hasattr(v, "clone") else v
 
 
 # --- ZeRO-2 (gradient partitioning) in the pipeline engine: see ds_mp/engine/zero2.py ---------
@@ -455,3 +505,27 @@ def master_weights(module: Any, optimizer: Any) -> dict[int, Any]:
         if full is not None:
             out[id(p)] = full
     return out
+
+
+# --- layer-wise optimizers (ds_mp's Lamb) on bf16 / ZeRO flat partitions: engine/layerwise.py ---
+FLAT_LP_GROUPS = ("bf16_groups", "bit16_groups")  # BF16_Optimizer, DeepSpeedZeroOptimizer
+
+
+def flat_fragments(optimizer: Any) -> list[list[tuple[Any, tuple[int, int] | None]]]:
+    """Per parameter group of a bf16/ZeRO optimizer, every trainable model parameter with the
+    ``(start, numel)`` of its fragment in this DP rank's flat fp32 partition of the group
+    (``_hp_mapping.hp_fragment_address``), or None where the partition holds none of it.  The
+    parameters come in the group's order (``bf16_groups`` / ``bit16_groups``), the same on every
+    DP rank; group ``g`` is the wrapped torch optimizer's ``param_groups[g]``."""
+    for attr in FLAT_LP_GROUPS:
+        if hasattr(optimizer, attr):
+            out = []
+            for group in getattr(optimizer, attr):
+                rows = []
+                for q in group:
+                    m = getattr(q, "_hp_mapping", None)
+                    rows.append((q, None if m is None else (m.hp_fragment_address.start, m.hp_fragment_address.numel)))
+                out.append(rows)
+            return out
+    raise DeepSpeedIncompatible(f"{type(optimizer).__name__} has none of {FLAT_LP_GROUPS}: ds_mp cannot map its flat "
+                                "partitions to model parameters; install a DeepSpeed 0.19.x")

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, SafetensorsRanges,
                                       is_sharded_dir, open_safetensors, st_dtype, write_safetensors_streaming)
@@ -260,9 +261,10 @@ def write_hf_dir(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokenizer
         write_hf_files(tensors, cfg, tmp, tokenizer_dir)
 
 
-def gather_stage(engine: Any) -> dict[str, torch.Tensor]:
+def gather_stage(engine: Any, masters: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Collective over the TP group: this stage's full tensors by HF name (on TP rank 0).
 
+    ``masters`` (id(parameter) -> fp32 master weight) replaces the module weights it covers.
     A tied embedding is kept only on stage 0.  Tensors travel as fp32 (gloo lacks bf16).
     """
     pipe, topo = engine.module, engine.topology
@@ -271,7 +273,7 @@ def gather_stage(engine: Any) -> dict[str, torch.Tensor]:
         name = hf_param_name(pname, pipe)
         if is_tied_copy(pname, topo.pp_rank):
             continue
-        local, kind = p.detach().float().contiguous(), pipe.family.tp_kind(name)
+        local, kind = (masters or {}).get(id(p), p).detach().float().contiguous(), pipe.family.tp_kind(name)
         if topo.tp > 1 and kind != "replicated":
             parts = [torch.empty_like(local) for _ in range(topo.tp)] if topo.tp_rank == 0 else None
             dist.gather(local, parts, dst=topo.rank_of(tp=0, pp=topo.pp_rank, dp=topo.dp_rank),
@@ -293,8 +295,10 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     """
     topo = engine.topology
     tensors: dict[str, torch.Tensor] = {}
+    # bf16/fp16/ZeRO: the fp32 masters the optimizer steps, not the module's rounded copies
+    masters = compat.master_weights(engine.module, engine.optimizer)  # collective over DP
     if topo.dp_rank == 0:
-        tensors = gather_stage(engine)
+        tensors = gather_stage(engine, masters)
         if topo.tp_rank == 0 and topo.pp > 1:
             stages = [None] * topo.pp if topo.rank == 0 else None
             dist.gather_object(tensors, stages, dst=0, group=topo.pp_group)
@@ -324,7 +328,7 @@ def save_hf(engine: Any, out_dir: str, tokenizer_dir: str | None = None) -> None
 
     The weights come from :func:`full_state_dict`.  A write error on rank 0 is re-raised on
     every rank.  ``out_dir`` is replaced atomically if it exists.  Weights are written in
-    fp32 (a bf16 engine's module weights, upcast exactly).
+    fp32: the optimizer's fp32 master weights under bf16/fp16/ZeRO (not the module's rounded copies).
     """
     tensors = full_state_dict(engine)
     write_on_rank0(engine, f"save_hf to {out_dir!r}", lambda: write_hf_dir(

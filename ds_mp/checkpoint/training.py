@@ -118,7 +118,13 @@ def _rank_tensors(engine: Any, opt: Any) -> tuple[dict, dict, dict]:
     state: dict[str, torch.Tensor] = {}
     extras: dict[str, dict[str, Any]] = {}
     for name, p in _params(engine):
-        if native and p.requires_grad:  # frozen (LoRA's base): no master, no state; the module weight
+        slot = compat.fp16_slot(p, opt) if native and p.requires_grad else None
+        if slot is not None:  # fp16 without ZeRO: the fp32 copy the torch optimizer steps, replicated
+            holder, offset = slot
+            master = compat.slot_view(holder, offset, p)
+            entries = {k: compat.slot_view(v, offset, p) if torch.is_tensor(v) and v.shape == holder.shape else v
+                       for k, v in opt.optimizer.state.get(holder, {}).items()}
+        elif native and p.requires_grad:  # frozen (LoRA's base): no master, no state; the module weight
             from deepspeed.utils import safe_get_full_fp32_param
 
             master = safe_get_full_fp32_param(p)  # collective over the DP group
@@ -159,10 +165,28 @@ def _trainer_state(engine: Any, opt: torch.optim.Optimizer | None, client_state:
             "lr_scheduler": sched.state_dict() if sched is not None else None,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp},
-            "client_state": client_state}
+            "loss_scaler": compat.loss_scaler_state(engine.optimizer), "client_state": client_state}
 
 
-def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | None = None) -> str:
+def _matching_groups(base: torch.optim.Optimizer, saved: list[dict], path: str) -> list[tuple[dict, dict]]:
+    """Pair each engine parameter group with the saved hyper-parameters it resumes.
+
+    The same number of groups pairs them in order.  Otherwise (schedules split groups their
+    own way: Ouroboros keeps one group per module) each engine group takes the saved group with
+    its weight decay, whose hyper-parameters (lr, betas, ...) every group shares."""
+    if len(saved) == len(base.param_groups):
+        return list(zip(base.param_groups, saved))
+    by_decay = {g.get("weight_decay"): g for g in reversed(saved)}
+    missing = [g.get("weight_decay") for g in base.param_groups if g.get("weight_decay") not in by_decay]
+    if missing:
+        raise CheckpointError(f"{path}: saved parameter groups have weight decay {sorted(by_decay)}, the engine's "
+                              f"{sorted({g.get('weight_decay') for g in base.param_groups})}; resume with the same "
+                              "optimizer config")
+    return [(g, by_decay[g.get("weight_decay")]) for g in base.param_groups]
+
+
+def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | None = None,
+                    update_latest: bool = True) -> str:
     """Collective: write ``<ckpt_root>/<tag>`` and point ``<ckpt_root>/latest`` at it.
 
     ``client_state`` (data position, RNG states, ...) is taken from global rank 0 and
@@ -204,7 +228,8 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
         if topo.rank == 0:  # the manifest last: every rank's entries, and rank 0's own files read here
             write_manifest(tmp, {name: e for rank_entries in written for name, e in rank_entries.items()})
             commit_dir(tmp, final, overwrite=True)
-            write_text_atomic(os.path.join(os.path.dirname(final), LATEST), tag + "\n")
+            if update_latest:
+                write_text_atomic(os.path.join(os.path.dirname(final), LATEST), tag + "\n")
 
     _everywhere(f"save_checkpoint({final!r}): preparing", prepare)
     written = _everywhere(f"save_checkpoint({final!r}): writing", write, gather=True)
@@ -217,24 +242,48 @@ def _schedule_state(engine: Any) -> dict | None:
     return hook() if hook is not None else None
 
 
-def _extra_file(path: str, topo: Any) -> str:
-    return os.path.join(path, f"schedule-pp{topo.pp_rank:02d}-tp{topo.tp_rank:02d}-dp{topo.dp_rank:02d}.pt")
+def _extra_file(path: str, topo: Any, tp_rank: int | None = None) -> str:
+    tp = topo.tp_rank if tp_rank is None else tp_rank
+    return os.path.join(path, f"schedule-pp{topo.pp_rank:02d}-tp{tp:02d}-dp{topo.dp_rank:02d}.pt")
 
 
-def _load_extra(engine: Any, path: str, manifest: Manifest | None) -> None:
-    """The schedule's in-flight state of this rank (saved only by schedules that keep one; it
-    is tied to the layout it was saved at, unlike the weights)."""
+def _extra_source(engine: Any, path: str, saved_layout: dict | None) -> str | None:
+    """The schedule-state file this rank resumes from, None if its schedule keeps none.
+
+    In-flight work (Ouroboros: stashed module inputs, deltas in flight) is tied to the ring (PP)
+    and to each replica's samples (DP).  Across a TP change it moves when the schedule says its
+    state is replicated over TP (``engine.schedule_state_tp_free()``: activations are whole on
+    every TP rank, no TP-sharded weight snapshots, no dropout masks to redraw): every new TP rank
+    then takes TP rank 0's file."""
     if not getattr(engine, "keeps_schedule_state", lambda: False)():
+        return None
+    layout, topo = _layout(engine), engine.topology
+    if saved_layout is None or saved_layout == layout:
+        return _extra_file(path, topo)
+    way_out = "or start from the weights with ds_mp.training.init_from"
+    if (saved_layout["pp"], saved_layout["dp"]) != (layout["pp"], layout["dp"]):
+        raise CheckpointError(f"{path}: in-flight {engine.schedule_name} work was saved at {saved_layout}, the engine "
+                              f"has {layout}: it is tied to the ring (PP) and to each replica's samples (DP); resume "
+                              f"at pp={saved_layout['pp']}, dp={saved_layout['dp']} (any TP), {way_out}")
+    if not engine.schedule_state_tp_free():
+        raise CheckpointError(f"{path}: in-flight {engine.schedule_name} work was saved at tp={saved_layout['tp']}, the "
+                              f"engine has tp={layout['tp']}; it moves across TP only with recompute 'current' and "
+                              f"dropout 0 (no TP-sharded weight snapshots, no masks to redraw): resume at "
+                              f"tp={saved_layout['tp']}, {way_out}")
+    return _extra_file(path, topo, tp_rank=0)
+
+
+def _load_extra(engine: Any, path: str, manifest: Manifest | None, saved_layout: dict | None) -> None:
+    """The schedule's in-flight state of this rank (saved only by schedules that keep one; see
+    :func:`_extra_source` for the layouts it resumes at)."""
+    file = _extra_source(engine, path, saved_layout)
+    if file is None:
         return
-    file = _extra_file(path, engine.topology)
     if not os.path.isfile(file):
         raise CheckpointError(f"{path}: no {os.path.basename(file)}; schedule {engine.schedule_name!r} keeps work "
                               "in flight across steps and resumes only at the layout it was saved with (or start "
                               "from the weights with ds_mp.training.init_from)")
     saved = load_torch(file, manifest)
-    if saved["layout"] != _layout(engine):
-        raise CheckpointError(f"{file}: in-flight {engine.schedule_name} state saved at {saved['layout']}, the engine "
-                              f"has {_layout(engine)}; resume at the same layout or start from the weights with init_from")
     engine.load_schedule_state_dict(saved["state"])
 
 
@@ -253,8 +302,9 @@ def _verify_reads(engine: Any, reader: ShardedReader, path: str) -> None:
         meta = {"n_head": family.heads(name, engine.hf_config), "padded_vocab": padded}
         files |= reader.files_of_shard(name, family.tp_kind(name), topo.tp_rank, topo.tp, **meta,
                                        state=trains and p.requires_grad)
-    if os.path.isfile(_extra_file(path, topo)):
-        files.add(_extra_file(path, topo))
+    for extra in (_extra_file(path, topo), _extra_file(path, topo, tp_rank=0)):  # its own, or TP rank 0's
+        if os.path.isfile(extra):
+            files.add(extra)
     reader.verify_files(files)
 
 
@@ -334,11 +384,10 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
     _verify_reads(engine, reader, path)
     trainer = load_torch(os.path.join(path, TRAINER_STATE), reader.manifest)
     base = _base_optimizer(engine)
-    if base is not None and (trainer["optimizer"] != type(base).__name__
-                             or len(trainer["param_groups"]) != len(base.param_groups)):
-        raise CheckpointError(f"{path}: saved with optimizer {trainer['optimizer']} ({len(trainer['param_groups'])} "
-                              f"groups), the engine has {type(base).__name__} ({len(base.param_groups)}); "
-                              "resume with the same optimizer config")
+    if base is not None and trainer["optimizer"] != type(base).__name__:
+        raise CheckpointError(f"{path}: saved with optimizer {trainer['optimizer']}, the engine has "
+                              f"{type(base).__name__}; resume with the same optimizer config")
+    groups = _matching_groups(base, trainer["param_groups"], path) if base is not None else []
     family, padded = engine.module.family, engine.module.ds_mp_ctx.padded_vocab
     native = _is_native(engine)
     with torch.no_grad():  # each rank reads only the slices of its own shards
@@ -349,6 +398,19 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
             if opt is None or not p.requires_grad:  # frozen (LoRA's base): no master, no optimizer state
                 continue
             state = reader.get_state_shard(name, kind, topo.tp_rank, topo.tp, **meta)
+            slot = compat.fp16_slot(p, opt) if native else None
+            if slot is not None:  # fp16 without ZeRO: into the fp32 copy its torch optimizer steps
+                holder, offset = slot
+                compat.slot_view(holder, offset, p).copy_(weight.float())
+                held = opt.optimizer.state[holder]
+                for key, v in state.items():
+                    if torch.is_tensor(v) and v.shape == p.shape:
+                        if key not in held:
+                            held[key] = torch.zeros_like(holder)
+                        compat.slot_view(held[key], offset, p).copy_(v.float())
+                    else:
+                        held[key] = v.clone() if torch.is_tensor(v) else v
+                continue
             if native:  # fp32 master + state into this DP rank's fragments of the flat partitions
                 from deepspeed.utils import safe_set_full_fp32_param
 
@@ -356,18 +418,20 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
                 for key, v in state.items():
                     if torch.is_tensor(v) and v.shape == p.shape:
                         compat.set_flat_state(p, opt, key, v.float())
-                compat.set_flat_state_extras(opt, {k: v for k, v in state.items()
-                                                   if not (torch.is_tensor(v) and v.shape == p.shape)})
+                compat.set_flat_state_extras(p, opt, {k: v for k, v in state.items()
+                                                      if not (torch.is_tensor(v) and v.shape == p.shape)})
                 continue
             state = {k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v for k, v in state.items()}
             opt.state.pop(p, None)
             if state:
                 opt.state[p] = state
-    for group, saved in zip(base.param_groups if base is not None else [], trainer["param_groups"]):
+    for group, saved in groups:
         group.update(saved)
+    if trainer.get("loss_scaler") is not None:  # fp16: resume at the scale and counters it had
+        compat.set_loss_scaler_state(engine.optimizer, trainer["loss_scaler"])
     if engine.lr_scheduler is not None and trainer["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
     engine.global_steps, engine.global_samples = trainer["global_steps"], trainer["global_samples"]
     engine.skipped_steps = trainer["skipped_steps"]
-    _load_extra(engine, path, reader.manifest)
+    _load_extra(engine, path, reader.manifest, trainer.get("layout"))
     return trainer["client_state"]

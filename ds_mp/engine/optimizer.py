@@ -6,27 +6,44 @@ DeepSpeed builds the optimizer from the JSON itself; ds_mp only supplies paramet
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
 from ds_mp.config import ConfigError
 
 
-def optimizer_setup(net: torch.nn.Module, ds_dict: dict, optimizer: Any) -> tuple[list, Any]:
+def optimizer_setup(net: torch.nn.Module, ds_dict: dict, optimizer: Any,
+                    group_keys: dict[int, Hashable] | None = None) -> tuple[list, Any]:
     """Parameter groups (no weight decay on biases/LayerNorm) and, for ``"type": "Lamb"``,
     ds_mp's own LAMB (DeepSpeed's Lamb is CUDA-only): it is passed to DeepSpeed as a
     client optimizer and the ``optimizer`` block is removed from the dict DeepSpeed sees.
+    ``group_keys`` (id(parameter) -> key) splits every group further by key (:func:`split_groups`).
     """
     from ds_mp.optim import Lamb, param_groups_no_decay
 
     block = ds_dict.get("optimizer") or {}
     opts = dict(block.get("params", {}))
     groups = param_groups_no_decay(net, float(opts.get("weight_decay", 0.0)))
+    if group_keys is not None:
+        groups = split_groups(groups, group_keys)
     if optimizer is None and str(block.get("type", "")).lower() == "lamb":
         optimizer = Lamb(groups, **_lamb_params(opts))
         del ds_dict["optimizer"]
     return groups, optimizer
+
+
+def split_groups(groups: list[dict], keys: dict[int, Hashable]) -> list[dict]:
+    """Each group cut into one group per distinct ``keys[id(p)]`` (first-seen order), with the
+    same hyper-parameters: the optimizer update is unchanged, but a wrapper that flattens each
+    group (DeepSpeed's bf16/ZeRO) keeps per-key partitions and step counters."""
+    out = []
+    for g in groups:
+        by_key: dict[Hashable, list] = {}
+        for p in g["params"]:
+            by_key.setdefault(keys[id(p)], []).append(p)
+        out += [{**g, "params": ps} for ps in by_key.values()]
+    return out
 
 
 def _lamb_params(opts: dict) -> dict:
@@ -69,4 +86,4 @@ def single_process_optimizer(block: dict, model: torch.nn.Module) -> torch.optim
                       "use Adam, AdamW, SGD, Adagrad or Lamb")
 
 
-__all__ = ["optimizer_setup", "single_process_optimizer"]
+__all__ = ["optimizer_setup", "split_groups", "single_process_optimizer"]

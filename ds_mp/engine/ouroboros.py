@@ -97,6 +97,31 @@ def _valid_targets(labels: Tensor) -> int:
     return int((labels[:, 1:] != -100).sum())
 
 
+def module_ranges(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, int]]:
+    """Module index m -> the range [a, b) of ``net.forward_funcs`` (ring rank ``stage_id``'s
+    pipeline layers) that forms G_m: ring rank 0 holds [wte, wpe, G_0 blocks, G_{K-1} blocks,
+    ln_f, head], rank r the blocks of G_r."""
+    K, n = cfg.pipeline.stages + 1, len(net.forward_funcs)
+    if stage_id == 0:
+        n0 = len(config_split(cfg)[0])
+        return {0: (0, 2 + n0), K - 1: (2 + n0, n)}
+    return {ring_layout(K)[stage_id][0]: (0, n)}
+
+
+def param_group_keys(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, ...]]:
+    """id(parameter) -> the modules G_m holding it (two for the tied V on ring rank 0).
+
+    The optimizer's parameter groups are split by this key, so a module still in warm-up (no
+    gradient yet) is a group of its own that the update can leave out whole: DeepSpeed's bf16
+    optimizer steps one flat fp32 partition per group, with one Adam step counter per group.
+    """
+    keys: dict[int, list[int]] = {}
+    for m, (a, b) in sorted(module_ranges(net, cfg, stage_id).items()):
+        for p in _Layers(net.forward_funcs[a:b]).parameters():
+            keys.setdefault(id(p), []).append(m)
+    return {k: tuple(v) for k, v in keys.items()}
+
+
 class OuroborosState:
     """One ring rank's Ouroboros state (see the module docstring) and its engine hooks."""
 
@@ -117,12 +142,7 @@ class OuroborosState:
         self.iteration = 0
         self.owner = module_owner(self.K)
         funcs = engine.module.forward_funcs
-        mine = ring_layout(self.K)[engine.stage_id]
-        if engine.stage_id == 0:  # [wte, wpe, G_0 blocks, G_{K-1} blocks, ln_f, head]
-            n0 = len(config_split(cfg)[0])
-            self.ranges = {0: (0, 2 + n0), self.K - 1: (2 + n0, len(funcs))}
-        else:
-            self.ranges = {mine[0]: (0, len(funcs))}
+        self.ranges = module_ranges(engine.module, cfg, engine.stage_id)
         self.layers = {m: _Layers(funcs[a:b]) for m, (a, b) in self.ranges.items()}
         # G_m's parameters (each once; the tied wte under its first name) and their names in layers[m]
         self.names = {m: [n for n, _ in mod.named_parameters()] for m, mod in self.layers.items()}
@@ -232,7 +252,14 @@ class OuroborosState:
     def update(self) -> None:
         """Complete this iteration's sends; p.grad = Σ_m (module m's gradient of p), the tied V
         scaled by tie_scale, None while all of p's modules are in warm-up; then the shared DP
-        reduce and optimizer step."""
+        reduce and optimizer step.
+
+        A parameter in warm-up is left out of the update entirely, as a torch optimizer leaves
+        out a parameter whose ``.grad`` is None: no weight decay, no step count.  Under bf16,
+        DeepSpeed's BF16_Optimizer steps flat fp32 partitions, one per parameter group, and the
+        groups are split per module (:func:`param_group_keys`): the groups of modules in warm-up
+        are skipped whole.  Its DP reduce acts on the fp32 master gradients, so the bf16
+        gradients are copied into them first."""
         self.flush()
         waiting = []
         for p in self.engine.module.parameters():
@@ -240,18 +267,23 @@ class OuroborosState:
             if p.grad is None:
                 waiting.append(p)
         self.grads.clear()
-        if self.engine.topology.dp > 1:  # DeepSpeed's reduction buckets and copies even over one replica
-            self.engine.reduce_gradients()
-        if compat.uses_bf16_optimizer(self.engine):
-            # bf16: DeepSpeed's BF16_Optimizer steps its fp32 master copies as one flat group and needs
-            # every gradient, so modules in warm-up step with zeros here (a plain optimizer skips them).
+        bf16 = compat.uses_bf16_optimizer(self.engine)
+        if bf16:  # the master gradients need every parameter's: zeros for waiting ones (their groups skip)
             for p in waiting:
                 p.grad = torch.zeros_like(p)
             compat.copy_bf16_grads_to_master(self.engine)
-        else:
+        if self.engine.topology.dp > 1:  # DeepSpeed's reduction buckets and copies even over one replica
+            self.engine.reduce_gradients()
+        if not bf16:
             for p in waiting:  # DeepSpeed's DP reduce gives gradient-less parameters zeros: skip them again
                 p.grad = None
-        self.engine.optimizer_step()
+            self.engine.optimizer_step()
+            return
+        idle = {id(p) for p in waiting}
+        groups = compat.flat_group_params(self.engine.optimizer)
+        skip = [i for i, g in enumerate(groups) if g and all(id(p) in idle for p in g)]
+        with compat.skipping_flat_groups(self.engine.optimizer, skip):
+            self.engine.optimizer_step()
 
     def _load_micro_batch(self, j: int) -> Tensor:
         """Ring rank 0: micro-batch j of x_t (its labels kept for G_{K-1})."""
@@ -331,6 +363,13 @@ class OuroborosState:
         finally:
             self.loss = saved
 
+    def tp_free(self) -> bool:
+        """The in-flight state is whole on every TP rank: stashed inputs and deltas are full
+        activations; no weight snapshot (recompute "current") and no dropout, whose replayed masks
+        depend on the TP rank's RNG streams."""
+        ctx = self.engine.module.ds_mp_ctx
+        return not self.stash_weights and max(ctx.dropout, ctx.embd_dropout, ctx.attn_dropout) == 0
+
     def state_dict(self) -> dict:
         """The work in flight: t, the stashed inputs (with their forward's RNG state), the deltas."""
         return {"K": self.K, "delay": self.delay, "iteration": self.iteration,
@@ -342,6 +381,9 @@ class OuroborosState:
         if (state["K"], state["delay"]) != (self.K, self.delay):
             raise ValueError(f"Ouroboros state holds K={state['K']}, delay={state['delay']}; this engine has "
                              f"K={self.K}, delay={self.delay}: load it with the same ds_mp.ouroboros settings")
+        if any(kept is not None for _, q in state["stash"] for _, _, kept in q) and not self.stash_weights:
+            raise ValueError("Ouroboros state holds weight snapshots (recompute 'stashed' or 'none'); this engine "
+                             "replays with the current weights: resume with the same ds_mp.ouroboros.recompute")
         dev = self.engine.device
         self.iteration = state["iteration"]
         self.stash = {m: deque((s, [(x.to(dev), rng, None) for x, rng in chunks],  # graphs are not saved: replay

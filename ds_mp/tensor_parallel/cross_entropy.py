@@ -26,10 +26,9 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, target, vocab_start, true_vocab, ignore_index, group):  # type: ignore[override]
         z = logits.float()  # (N, V_local)
         n_local = z.shape[-1]
-        cols = torch.arange(vocab_start, vocab_start + n_local, device=z.device)
-        pad = cols >= true_vocab
-        if pad.any():
-            z = z.masked_fill(pad, float("-inf"))
+        if vocab_start + n_local > true_vocab:  # this block holds padding columns (decided on the host: no sync)
+            cols = torch.arange(vocab_start, vocab_start + n_local, device=z.device)
+            z = z.masked_fill(cols >= true_vocab, float("-inf"))
         m = _allreduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)  # (N,)
         valid = target != ignore_index
         local_t = target - vocab_start
@@ -47,9 +46,8 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):  # type: ignore[override]
         softmax, idx, mine, valid = ctx.saved_tensors
-        grad = softmax
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows[mine], idx[mine]] -= 1.0
+        grad = softmax  # softmax(z) - onehot(t) where this rank owns t: a scatter, no boolean indexing (no host sync)
+        grad.scatter_add_(-1, idx.unsqueeze(-1), mine.to(grad.dtype).neg().unsqueeze(-1))
         grad.mul_((grad_loss * valid).unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None, None, None
 

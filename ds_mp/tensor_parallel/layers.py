@@ -24,7 +24,7 @@ from ds_mp.tensor_parallel.sharding import shard
 
 
 #: ``tp_kind`` values whose tensors are split over the TP group (each rank holds a different part).
-SHARD_KINDS = frozenset({"column", "qkv", "row", "vocab"})
+SHARD_KINDS = frozenset({"column", "qkv", "row", "vocab", "linear_out", "linear_in", "kv"})
 
 
 def tp_parameter(full: Any, kind: str, rank: int, size: int, **meta: int) -> nn.Parameter:
@@ -85,11 +85,11 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.mm(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        y = torch.mm(x.reshape(-1, x.shape[-1]), self.weight)  # (B·T, out): fresh, not a view
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence(y, self.group, dim=1)
-        else:
-            y = reduce_from_tp(y, self.group)
+            y = reduce_scatter_to_sequence(y.view(*x.shape[:-1], -1), self.group, dim=1)
+        else:  # g sums the fresh partial product in place (a view of it would be copied first)
+            y = reduce_from_tp(y, self.group).view(*x.shape[:-1], -1)
         # SP: the replicated bias meets only this rank's tokens; copy_to_tp sums its gradient over TP
         return y + (copy_to_tp(self.bias, self.group) if self.sequence_parallel else self.bias)
 

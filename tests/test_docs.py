@@ -36,11 +36,20 @@ deepspeed() { command deepspeed --master_port "$(free_port)" "$@" $DOCS_APPEND; 
 """
 
 
+def _to_run(page: str, launcher: bool) -> list[Block]:
+    """The page's runnable blocks of this kind, less those an earlier page repeats verbatim (the
+    README's examples reappear at the top of their pages; each runs once)."""
+    earlier = {(b.code, b.options) for p in pages()[:pages().index(page)] for b in blocks(p)
+               if b.marker == "runnable"}
+    return [b for b in blocks(page) if b.marker == "runnable" and b.launcher == launcher
+            and (b.code, b.options) not in earlier]
+
+
 def _runnable(launcher: bool) -> list:
     """pytest params: one per page that has runnable blocks of this kind."""
     out = []
     for page in pages():
-        if any(b.marker == "runnable" and b.launcher == launcher for b in blocks(page)):
+        if _to_run(page, launcher):
             marks = [pytest.mark.launcher, pytest.mark.timeout(900)] if launcher else \
                 [pytest.mark.timeout(400)]
             out.append(pytest.param(page, id=page, marks=marks))
@@ -111,9 +120,8 @@ def _run(block: Block, cwd: str, fx: dict, timeout: float) -> None:
 
 def _run_page(page: str, launcher: bool, tmp_path, fx: dict, timeout: float) -> None:
     cwd = _scratch(str(tmp_path), fx)
-    for block in blocks(page):
-        if block.marker == "runnable" and block.launcher == launcher:
-            _run(block, cwd, fx, timeout)
+    for block in _to_run(page, launcher):
+        _run(block, cwd, fx, timeout)
 
 
 @pytest.mark.parametrize("page", _runnable(launcher=False))

@@ -212,8 +212,12 @@ def _rows(module_name: str) -> tuple[list[dict], Any]:
 
 
 def _layout(value: Any, layouts: dict) -> str:
-    """A layout name of the module's ``LAYOUTS`` (``"tp2dp2"``) as its degrees; other values as they are."""
-    return degrees(*layouts[value]) if isinstance(value, str) and value in layouts else str(value)
+    """A layout name of the module's ``LAYOUTS`` (``"tp2dp2"``) as its degrees, a layout change
+    (``"tp2>pp2"``) as ``TP=2 → PP=2``; other values as they are."""
+    names = value.split(">") if isinstance(value, str) else []
+    if names and all(n in layouts for n in names):
+        return " → ".join(degrees(*layouts[n]) for n in names)
+    return str(value)
 
 
 def matrix_table(module_name: str) -> str:

@@ -112,7 +112,8 @@ class LoraConfig:
     r: int = 0  # rank of the low-rank update (0 = LoRA off: full fine-tuning)
     alpha: float = 16.0  # scaling = alpha / r (PEFT's lora_alpha)
     dropout: float = 0.0  # dropout on the LoRA branch's input (PEFT's lora_dropout)
-    target_modules: list = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"])  # c_proj = attn + mlp
+    # layers to adapt, PEFT-style names: c_attn, c_fc, c_proj (= attn.c_proj + mlp.c_proj), attn.c_proj, mlp.c_proj
+    target_modules: list = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"])
 
 
 @dataclass

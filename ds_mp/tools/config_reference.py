@@ -47,6 +47,7 @@ SECTION_PAGES: dict[str, str] = {
     "data": "fine-tuning.md",
     "training": "monitoring.md",
     "lora": "fine-tuning.md#lora-fine-tuning",
+    "batch_ramp": "batch-ramp.md",
 }
 
 

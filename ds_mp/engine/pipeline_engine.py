@@ -20,7 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.engine import grads, zero2
+from ds_mp.engine import grads, layerwise, zero2
 from ds_mp.schedules.registry import ENGINE_SUPPORT, resolve
 
 
@@ -56,6 +56,7 @@ class DsMpPipelineEngine(PipelineEngine):
         compat.check_engine(self)
         if zero2.partitions_gradients(self):
             compat.check_zero2(self)
+        layerwise.attach(self)  # ds_mp's Lamb: one trust ratio per model parameter, at any TP/DP/ZeRO
         if getattr(getattr(self.module, "ds_mp_ctx", None), "sp", False):
             compat.send_whole_activations(self)
         support = ENGINE_SUPPORT.get(self.schedule_name)

@@ -1,25 +1,28 @@
 """Batch-size ramps against fixed batches, in small: does the noise-scale ramp save tokens and steps?
 
-    .venv/bin/python -m benchmarks.batch_ramp            # ~15 min on 2 CPU cores: results/batch_ramp.{json,png}
+    .venv/bin/python -m benchmarks.batch_ramp            # results/batch_ramp.{json,png} (~10 min on 2 idle cores)
     .venv/bin/python -m benchmarks.batch_ramp --quick    # a smoke run (results/quick/)
+    options: --max N (large batch / ramp max, default 128), --cap N, --beta2 B (Adam), --seeds N,
+             --only "noise-scale ramp,..." (ramp runs to keep; fixed runs always run), --out DIR
 
-A small GPT-2 on the embedded corpus (the stdlib sources, BPE 8192), trained by ds_mp's own loop
-(``ds_mp.training.loop``: the ``batch_ramp`` block, log.csv) on 2 gloo ranks, DP = 2, AdamW at a
-constant LR, the same token budget for every run:
+A small GPT-2 (2 × 64, vocab 8192) on the embedded corpus (the stdlib sources), 32-token samples,
+2 gloo ranks (DP = 2, micro-batch 2), AdamW at a constant LR, trained with the training loop's own
+batch-ramp wiring (``BatchRamp``, ``LrScaling``, DeepSpeed's ``set_train_batch_size``):
 
-* fixed small batch (``start`` samples) and fixed large batch (``max``), the large one at the base
-  LR and at the base LR × max/start (linear LR scaling);
+* fixed small batch (``start`` = 4 samples) and fixed large batch (``max``), the large one at the
+  base LR and at the base LR × max/start (linear LR scaling);
 * the linear ramp (start -> max over a third of the budget) and the noise-scale ramp (B_simple,
-  measured every step), each with ``lr_scaling`` "none" and "linear";
+  measured every step, decided every 5), each with ``lr_scaling`` "none" and "linear";
 
-each over ≥ 2 seeds (model init and data order).  Per seed, the target is the best final
-validation loss among the fixed-batch runs; for every run, the tokens and optimizer steps at which
-its validation loss first reaches the target (linear interpolation between validation passes;
-``null`` = never).  Reported: the mean and [min, max] over seeds, and the ratios of the issue's
-targets (noise-scale ramp vs fixed large batch in tokens, vs fixed small batch in steps), plus
-the write-up's two observations: a ramp's early gain at constant LR (validation loss at a quarter
-and half of the budget against the fixed large batch), and linear LR scaling's instability (the
-largest rise of the training loss over its running minimum, and divergence).
+each over 2 seeds (model init and data order).  Every run trains the ``budget`` (3072 samples);
+per seed, the target is the best validation loss of a fixed-batch run at the budget, and every
+run goes on (up to ``cap`` samples) until its validation loss reaches it.  Reported, with the
+mean and [min, max] over seeds: tokens and optimizer steps to the target (linear interpolation
+between validation passes every 256 samples; null = not within the cap), the issue's two ratios
+(noise-scale ramp vs the fixed large batch in tokens, target <= 0.8; vs the fixed small batch in
+steps, target <= 0.7), and the write-up's two observations: a ramp's early gain at constant LR
+(validation loss at a quarter and half of the budget) and linear LR scaling's instability (the
+largest rise of the training loss above its running minimum; divergence).
 """
 from __future__ import annotations
 
@@ -36,10 +39,10 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 8192, "n_positions": 64, "dropout": 0.0}
 # budget: samples every run trains; cap: samples a run may go on for to reach the target
-FULL = {"seq_len": 32, "micro": 2, "start": 4, "max": 32, "budget": 3072, "cap": 7680, "lr": 2e-3, "eval_every": 256,
-        "seeds": 2}
+FULL = {"seq_len": 32, "micro": 2, "start": 4, "max": 128, "budget": 3072, "cap": 9216, "lr": 2e-3, "eval_every": 256,
+        "seeds": 2, "beta2": 0.95}
 QUICK = {"seq_len": 32, "micro": 2, "start": 4, "max": 16, "budget": 512, "cap": 1024, "lr": 2e-3, "eval_every": 128,
-         "seeds": 1}
+         "seeds": 1, "beta2": 0.95}
 
 
 def runs(p: dict) -> dict[str, dict]:
@@ -62,7 +65,8 @@ def ds_json(p: dict, run: dict, seed: int) -> dict:
     """The DeepSpeed JSON of one run (the batch ramp block as a user writes it)."""
     micro, batch = p["micro"], run["batch"] or run["ramp"]["start"]
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": batch // (micro * 2),
-           "optimizer": {"type": "AdamW", "params": {"lr": run["lr"], "weight_decay": 0.0, "torch_adam": True}},
+           "optimizer": {"type": "AdamW", "params": {"lr": run["lr"], "betas": [0.9, p["beta2"]], "weight_decay": 0.0,
+                                                     "torch_adam": True}},
            "gradient_clipping": 0.0, "steps_per_print": 10**9,
            "ds_mp": {"model": dict(MODEL), "data": {"seq_len": p["seq_len"], "seed": 1000 + seed},
                      "training": {"seed": seed, "noise_scale_interval": 1}}}
@@ -152,7 +156,8 @@ def run_all(p: dict) -> list[dict]:
 
     from benchmarks.common import _free_port
 
-    jobs = [(name, seed, ds_json(p, run, seed)) for seed in range(p["seeds"]) for name, run in runs(p).items()]
+    jobs = [(name, seed, ds_json(p, run, seed)) for seed in range(p["seeds"]) for name, run in runs(p).items()
+            if not p.get("only") or name.startswith("fixed") or name in p["only"]]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runs.json")
         ctx, port = mp.get_context("spawn"), _free_port()
@@ -233,6 +238,8 @@ def analyse(results: list[dict], p: dict) -> dict:
                      "final_batch": [by[n][s][-1].get("batch") for s in seeds]})
 
     def ratio(a: str, b: str, what: dict) -> dict:
+        if a not in what or b not in what:
+            return spread([])
         xs = [None if x is None or y is None else x / y for x, y in zip(what[a]["values"], what[b]["values"])]
         return spread(xs)
 
@@ -282,6 +289,17 @@ def plot(results: list[dict], path: str) -> str:
     return path
 
 
+def _rounded(x: Any) -> Any:
+    """``x`` with every float to 6 significant digits (the per-step rows stay readable and small)."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
+
+
 def _show(x: float | None, fmt: str) -> str:
     return "never" if x is None else fmt.format(x)
 
@@ -290,23 +308,37 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run (small budget, one seed)")
     ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--max", type=int, default=None, help="the large batch and the ramps' max (default 128)")
+    ap.add_argument("--cap", type=int, default=None, help="samples a run may train to reach the target")
+    ap.add_argument("--beta2", type=float, default=None, help="Adam's beta2 (default 0.95)")
+    ap.add_argument("--only", default="", help="comma-separated ramp runs (the fixed runs always run)")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
     args = ap.parse_args(argv)
     p = dict(QUICK if args.quick else FULL)
     if args.seeds:
         p["seeds"] = args.seeds
+    if args.beta2:
+        p["beta2"] = args.beta2
+    if args.max:
+        p["max"] = args.max
+    if args.cap:
+        p["cap"] = args.cap
+    p["only"] = [x.strip() for x in args.only.split(",") if x.strip()]
     from benchmarks.common import machine
 
-    out_dir = os.path.join(HERE, "results", "quick" if args.quick else "")
+    out_dir = args.out or os.path.join(HERE, "results", "quick" if args.quick else "")
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
     results = run_all(p)
     for r in results:
         r["seq_len"] = p["seq_len"]
     report = {"params": p, "model": MODEL, "machine": machine(), "wall_s": round(time.time() - t0, 1),
-              "command": "python -m benchmarks.batch_ramp" + (" --quick" if args.quick else ""),
+              "command": " ".join(["python -m benchmarks.batch_ramp", *(sys.argv[1:] if argv is None else argv)]),
               "analysis": analyse(results, p), "runs": results}
-    with open(os.path.join(out_dir, "batch_ramp.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    with open(os.path.join(out_dir, "batch_ramp.json"), "w") as f:  # the analysis readable, one line per run
+        body = json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1)
+        f.write(body[:-2] + ',\n "runs": [\n' + ",\n".join(json.dumps(_rounded(r), separators=(",", ":")) for r in results)
+                + "\n ]\n}\n")
     plot(results, os.path.join(out_dir, "batch_ramp.png"))
     print(json.dumps({k: report["analysis"][k] for k in ("targets", "checks")}, indent=1))
     for row in report["analysis"]["rows"]:

@@ -167,7 +167,8 @@ def _train(engine: Any, steps: list) -> list[float]:
     return [float(engine.train_batch(iter(mbs[topo.dp_rank * gas:(topo.dp_rank + 1) * gas]))) for mbs in steps]
 
 
-def run_case(values: dict, ckpt: str, api: str) -> dict:
+def run_case(values: dict, ckpt: str, api: str, switch: dict | None = None) -> dict:
+    """``switch`` (precision / zero of the resumed engine) changes the wrapper at the resume."""
     import ds_mp
     from test_combinations import CollectiveDeviceGuard
 
@@ -184,7 +185,8 @@ def run_case(values: dict, ckpt: str, api: str) -> dict:
             ds_mp.save_checkpoint(engine, ckpt, "mid", client_state={"seen": K})
         rest = _train(engine, data[K:])
         digest_a = _replica_digest(engine)
-        engine, *_ = ds_mp.initialize(model=tiny_gpt2(seed=1), config=config(values, after))  # other init: all loaded
+        resumed_as = {**values, **(switch or {})}
+        engine, *_ = ds_mp.initialize(model=tiny_gpt2(seed=1), config=config(resumed_as, after))  # other init: all loaded
         if api == "deepspeed":
             path, client = engine.load_checkpoint(ckpt)
             assert path.endswith("mid"), path
@@ -198,11 +200,24 @@ def run_case(values: dict, ckpt: str, api: str) -> dict:
             "guard_errors": guard.errors}
 
 
-def _program(rank: int, jobs: list[tuple[str, dict, str, str]]) -> dict:
-    out = {}
-    for name, values, ckpt, api in jobs:
-        out[name] = run_case(values, ckpt, api)
-    return out
+def _program(rank: int, jobs: list[tuple]) -> dict:
+    return {name: run_case(*args) for name, *args in jobs}
+
+
+# Resumes that change precision and optimizer wrapper (fp32 <-> bf16, ZeRO 0/1/2): the checkpoint
+# holds fp32 masters and fp32 optimizer state whatever wrote it.  Compared with the uninterrupted
+# run in the precision it was saved in, at SWITCH_RTOL (bf16 activations on one side only).
+SWITCHES: list[tuple[dict, dict]] = [
+    (dict(precision="fp32", zero=0, change="tp2>pp2", schedule="1f1b", lora=False, optimizer="AdamW", clip=0.5),
+     dict(precision="bf16", zero=1)),
+    (dict(precision="bf16", zero=1, change="pp2>dp2", schedule="gpipe", lora=False, optimizer="AdamW", clip=0.0),
+     dict(precision="fp32", zero=2)),
+]
+SWITCH_RTOL = 5e-4  # bf16 vs fp32 activations over two steps (measured max 4.5e-5)
+
+
+def switch_id(values: dict, switch: dict) -> str:
+    return f"{case_id(values)}-to-{switch['precision']}-z{switch['zero']}"
 
 
 def _world(values: dict) -> int:
@@ -218,6 +233,8 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     for world in (2, 4):
         jobs = [(case_id(v), v, str(tmp_path_factory.mktemp("life")), ("deepspeed", "ds_mp")[i % 2])
                 for i, v in enumerate(CASES) if _world(v) == world and (fp16 or v["precision"] != "fp16")]
+        jobs += [(switch_id(v, sw), v, str(tmp_path_factory.mktemp("switch")), "ds_mp", sw)
+                 for v, sw in SWITCHES if _world(v) == world]
         if jobs:
             per_rank = run_ranks(_program, world, jobs, timeout=900)
             for name, *_ in jobs:
@@ -241,6 +258,16 @@ def test_resume_at_another_layout_equals_uninterrupted(values, results):
             for tp, pp, _, total in digest:
                 by_coord.setdefault((tp, pp), set()).add(total)
             assert all(len(v) == 1 for v in by_coord.values()), digest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("values, switch", SWITCHES, ids=[switch_id(v, sw) for v, sw in SWITCHES])
+def test_resume_in_another_precision_continues_the_run(values, switch, results):
+    """Saved in fp32 and resumed in bf16 under ZeRO-1, and back (bf16 ZeRO-1 -> fp32 ZeRO-2), at
+    another layout: the resumed losses follow the uninterrupted run within SWITCH_RTOL."""
+    for r in results[switch_id(values, switch)]:
+        assert r["guard_errors"] == []
+        torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(r["rest"]), rtol=SWITCH_RTOL, atol=0)
 
 
 # --- the cover and the refusals --------------------------------------------------------------

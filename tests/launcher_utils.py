@@ -47,14 +47,15 @@ def train_config(tmp: str, data: str, *, tp: int = 1, pp: int = 2, schedule: str
 
 
 def launch(tmp: str, cfg: dict | None, n: int = 2, script: str = "launch/train.py", args: tuple = (),
-           timeout: float = 240, launcher_args: tuple = (), config_path: str | None = None
-           ) -> subprocess.CompletedProcess:
-    """``deepspeed --num_gpus n <script> --deepspeed_config <cfg>``; returns the finished process."""
+           timeout: float = 240, launcher_args: tuple = (), config_path: str | None = None,
+           collective_timeout: int = 60) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus n <script> --deepspeed_config <cfg>``; returns the finished process.
+    ``collective_timeout``: seconds a rank waits in a collective before failing (``DS_MP_TIMEOUT``)."""
     if config_path is None:
         config_path = os.path.join(tmp, "config.json")
         with open(config_path, "w") as f:
             json.dump(cfg, f)
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_MP_TIMEOUT="60", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_MP_TIMEOUT=str(collective_timeout), PYTHONUNBUFFERED="1")
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), *launcher_args,
            "--master_port", str(free_port())]
     if "--hostfile" not in launcher_args:

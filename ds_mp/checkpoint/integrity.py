@@ -23,6 +23,16 @@ size (a missing or truncated file is named at once), the header of each safetens
 checked whenever it is parsed (:meth:`Manifest.check_header`: a few KB), and a whole file is
 checked the first time data is read from it (:meth:`Manifest.verify`, once per file and
 reader).  A mismatch raises :class:`CheckpointError` naming the file and what to do.
+Files ds_mp does not read (``config.json``, kept for HF tools) are size-checked only.
+
+Which files a rank verifies: the ones it reads, whole.  A rank that needs a slice of a
+shard (resharding to a larger TP) checks the whole shard, so at TP 8 from TP 1 every rank
+reads each file it touches in full once more (measured: ~1.14x the CPU seconds of an
+unverified GPT-2-small load at TP 1 and TP 2, ``benchmarks/checkpoint_integrity.py``).
+The alternative, ranks splitting the files between them, reads each file once in total but
+lets a rank use bytes another rank checked, which is wrong where ranks read different copies
+(node-local disks).  ``load_checkpoint(..., verify=False)`` / ``ShardedReader(path,
+verify=False)`` skip every check, for checkpoints too large to read twice.
 
 A directory without a manifest was written by a ds_mp older than this module: it loads,
 with a warning (:func:`warn_unverified`), unless its ``ds_mp_meta.json`` says a manifest was

@@ -235,7 +235,7 @@ class ShardedReader:
         self.path = path
         self.manifest = Manifest.open(path) if verify else None
         if self.manifest is not None:
-            self.verify_files([os.path.join(path, META), os.path.join(path, "config.json")])
+            self.verify_files([os.path.join(path, META)])  # config.json (for HF tools) is not read here
         try:
             with open(os.path.join(path, META)) as f:
                 meta = json.load(f)

@@ -16,7 +16,6 @@ import shutil
 import warnings
 
 import pytest
-import torch
 
 from dist_utils import run_ranks
 from ds_mp.checkpoint import CheckpointError, ShardedReader, convert_cli, directory_source
@@ -141,6 +140,15 @@ def test_convert_and_export_refuse_a_damaged_source(sharded, tmp_path, damage, c
         for r in range(2):
             source.get_shard("transformer.h.3.mlp.c_fc.weight", "column", r, 2, n_head=4, padded_vocab=256)
     assert tree_digest(src) == before
+
+
+def test_files_ds_mp_does_not_read_are_not_checked(sharded, tmp_path):
+    """``config.json`` is written for HF tools; editing it does not make the checkpoint damaged."""
+    _, ds = sharded
+    src = shutil.copytree(ds, str(tmp_path / "src"))
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    json.dump({**cfg, "comment": "edited by hand"}, open(os.path.join(src, "config.json"), "w"))
+    assert convert_cli(["ds-to-hf", src, str(tmp_path / "hf")]) == 0
 
 
 def test_reader_verifies_exactly_the_files_it_reads(sharded):

@@ -18,12 +18,12 @@ defence against someone who edits the checkpoint on purpose (that would need a k
 Writers record the files they wrote (:func:`file_entries`, each rank its own, reading them back
 while they are in the page cache) and the committing rank writes the manifest
 (:func:`write_manifest`; files nobody reported are read by it).  Readers open the manifest
-first (:meth:`Manifest.open`): its own CRC is checked, every listed file must exist with its
-size (a missing or truncated file is named at once), the header of each safetensors file is
-checked whenever it is parsed (:meth:`Manifest.check_header`: a few KB), and a whole file is
-checked the first time data is read from it (:meth:`Manifest.verify`, once per file and
-reader).  A mismatch raises :class:`CheckpointError` naming the file and what to do.
-Files ds_mp does not read (``config.json``, kept for HF tools) are size-checked only.
+first (:meth:`Manifest.open`: its own CRC is checked), then each file as it is used: its
+size (a missing or truncated file is named as such), the header of each safetensors file
+whenever it is parsed (:meth:`Manifest.check_header`: a few KB; a sharded reader parses every
+header up front), and the whole file the first time data is read from it
+(:meth:`Manifest.verify`, once per file and reader).  A mismatch raises :class:`CheckpointError` naming the file and what to do.
+Files ds_mp does not read (``config.json``, kept for HF tools) are not checked.
 
 Which files a rank verifies: the ones it reads, whole.  A rank that needs a slice of a
 shard (resharding to a larger TP) checks the whole shard, so at TP 8 from TP 1 every rank
@@ -140,8 +140,7 @@ class Manifest:
 
     @classmethod
     def open(cls, directory: str) -> "Manifest | None":
-        """The directory's manifest, None if it has none; its own CRC is checked and every
-        listed file must exist with its recorded size."""
+        """The directory's manifest, None if it has none; its own CRC is checked."""
         path = os.path.join(directory, MANIFEST)
         if not os.path.isfile(path):
             return None
@@ -156,10 +155,7 @@ class Manifest:
         if not ok:
             raise CheckpointError(f"{path}: not a valid {FORMAT} version {VERSION} (unreadable, or its own "
                                   f"checksum does not match); {DAMAGED}")
-        manifest = cls(directory, files)
-        for name in files:
-            manifest.check_size(name)
-        return manifest
+        return cls(directory, files)
 
     def _entry(self, name: str) -> dict[str, Any]:
         if name not in self.files:

@@ -275,7 +275,7 @@ class ShardedReader:
         """A fresh handle per access: its memory map (pages counted in RSS) ends with it.
         The file is verified first (only its header with ``header_only``)."""
         path = shard_file(self.path, prefix, s, r)
-        if self.manifest is not None and os.path.isfile(path):
+        if self.manifest is not None:
             self.manifest.check_header(path) if header_only else self.manifest.verify(path)
         return open_safetensors(path)
 

@@ -193,3 +193,39 @@ def test_zero2_checkpoint_resumes_at_another_layout_and_wrapper(tmp_path) -> Non
         where = f"resumed under ZeRO-{stage}: {losses} vs HF {hf_losses[2:]}"
         assert all(abs(a - b) <= FP32_TOL * abs(b) for a, b in zip(losses, hf_losses[2:])), where
         assert digest == other, f"ZeRO-{stage}: DP replicas differ after the resume"
+
+
+# --- a non-finite step is skipped; the constructor's stage is the only one hidden ---------------
+def _nan_rank(rank: int) -> dict:
+    import ds_mp
+
+    cfg = ds_config(lr=1e30, seq=SEQ)  # SGD: the first step blows the weights up, the next gradients are not finite
+    cfg["zero_optimization"] = {"stage": 2}
+    cfg["zero_allow_untested_optimizer"] = True  # DeepSpeed's rule for SGD under ZeRO
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=cfg)
+    for _ in range(3):
+        engine.train_batch(iter(batches(2, 2, SEQ, VOCAB)))
+    finite = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
+    return {"nonfinite": engine.nonfinite_steps, "finite": finite}
+
+
+def test_zero2_skips_a_nonfinite_step() -> None:
+    """ZeRO-2 keeps no ``.grad`` after its reduction: ds_mp's NaN check (what ``training.on_nan``
+    acts on) reads the DP partitions' gradients, so the step is counted and skipped and the
+    weights stay finite.  Reading ``.grad`` it counted nothing (measured: nonfinite_steps 0)."""
+    for r in run_ranks(_nan_rank, 2, timeout=300):
+        assert r["nonfinite"] >= 1 and r["finite"], r
+
+
+def test_zero2_stage_hidden_only_from_the_pipeline_constructor_assert() -> None:
+    import sys
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from ds_mp import deepspeed_compat as compat
+
+    compat.check_zero2()  # the installed DeepSpeed reads the stage once in PipelineEngine.__init__
+    assert compat.zero_stage_for(2, SimpleNamespace(f_code=PipelineEngine.__init__.__code__)) == 1
+    assert compat.zero_stage_for(2, sys._getframe()) == 2
+    assert compat.zero_stage_for(1, SimpleNamespace(f_code=PipelineEngine.__init__.__code__)) == 1

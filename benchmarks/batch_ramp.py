@@ -198,13 +198,12 @@ def val_at(rows: list[dict], samples: float) -> float:
 
 
 def max_rise(rows: list[dict]) -> float:
-    """Largest rise of the training loss above its running minimum (after the first 5% of steps)."""
-    losses = [r["loss"] for r in rows if "loss" in r]
+    """Largest rise of the validation loss above its running minimum (the same validation set for
+    every run, so comparable across batch sizes, unlike the training loss of one small batch)."""
     lo, rise = float("inf"), 0.0
-    for i, x in enumerate(losses):
-        if i >= len(losses) // 20:
-            rise = max(rise, x - lo)
-        lo = min(lo, x)
+    for r in rows:
+        if r.get("val_loss") is not None:
+            rise, lo = max(rise, r["val_loss"] - lo), min(lo, r["val_loss"])
     return rise
 
 
@@ -238,10 +237,17 @@ def analyse(results: list[dict], p: dict) -> dict:
                      "final_batch": [by[n][s][-1].get("batch") for s in seeds]})
 
     def ratio(a: str, b: str, what: dict) -> dict:
+        """Per seed a / b; where b never reached the target, a / (b's whole run) is an upper bound
+        (b would have needed more than it trained); None where a never reached it."""
         if a not in what or b not in what:
             return spread([])
-        xs = [None if x is None or y is None else x / y for x, y in zip(what[a]["values"], what[b]["values"])]
-        return spread(xs)
+        xs, bounds = [], []
+        for s, x, y in zip(seeds, what[a]["values"], what[b]["values"]):
+            last = by[b][s][-1]
+            whole = last["samples"] * p["seq_len"] if what is tokens else last["step"]
+            xs.append(None if x is None else x / (y if y is not None else whole))
+            bounds.append(x is not None and y is None)
+        return {**spread(xs), "upper_bound": bounds}
 
     checks = {
         "noise_tokens_vs_fixed_large": {**ratio("noise-scale ramp", "fixed large", tokens), "target": "<= 0.8"},
@@ -289,6 +295,24 @@ def plot(results: list[dict], path: str) -> str:
     return path
 
 
+def markdown(report: dict) -> str:
+    """The results table (mean [min, max] over seeds) as Markdown."""
+    def cell(d: dict, fmt: str, scale: float = 1.0) -> str:
+        if d["mean"] is None:
+            got = [v for v in d["values"] if v is not None]
+            return f"not reached ({len(got)}/{len(d['values'])} seeds)" if got else "not reached"
+        return f"{fmt.format(d['mean'] * scale)} [{fmt.format(d['min'] * scale)}, {fmt.format(d['max'] * scale)}]"
+
+    lines = ["| run | val loss at the budget | tokens to target (k) | steps to target | val loss at ¼ / ½ budget "
+             "| largest val-loss rise |", "|---|---|---|---|---|---|"]
+    for r in report["analysis"]["rows"]:
+        lines.append(f"| {r['run']} | {cell(r['final_val_loss'], '{:.3f}')} | "
+                     f"{cell(r['tokens_to_target'], '{:.0f}', 1e-3)} | {cell(r['steps_to_target'], '{:.0f}')} | "
+                     f"{r['val_at_quarter']['mean']:.2f} / {r['val_at_half']['mean']:.2f} | "
+                     f"{r['max_loss_rise']['mean']:.2f} |")
+    return "\n".join(lines)
+
+
 def _rounded(x: Any) -> Any:
     """``x`` with every float to 6 significant digits (the per-step rows stay readable and small)."""
     if isinstance(x, float):
@@ -300,10 +324,6 @@ def _rounded(x: Any) -> Any:
     return x
 
 
-def _show(x: float | None, fmt: str) -> str:
-    return "never" if x is None else fmt.format(x)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run (small budget, one seed)")
@@ -313,7 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beta2", type=float, default=None, help="Adam's beta2 (default 0.95)")
     ap.add_argument("--only", default="", help="comma-separated ramp runs (the fixed runs always run)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results/)")
+    ap.add_argument("--analyse", metavar="DIR", default=None,
+                    help="recompute the analysis, table and plot of DIR/batch_ramp.json (no training)")
     args = ap.parse_args(argv)
+    if args.analyse:
+        with open(os.path.join(args.analyse, "batch_ramp.json")) as f:
+            report = json.load(f)
+        report["analysis"] = analyse(report["runs"], report["params"])
+        return _write(report, args.analyse)
     p = dict(QUICK if args.quick else FULL)
     if args.seeds:
         p["seeds"] = args.seeds
@@ -335,17 +362,20 @@ def main(argv: list[str] | None = None) -> int:
     report = {"params": p, "model": MODEL, "machine": machine(), "wall_s": round(time.time() - t0, 1),
               "command": " ".join(["python -m benchmarks.batch_ramp", *(sys.argv[1:] if argv is None else argv)]),
               "analysis": analyse(results, p), "runs": results}
+    return _write(report, out_dir)
+
+
+def _write(report: dict, out_dir: str) -> int:
+    """results JSON, plot and the printed table of ``report``."""
+    results = report["runs"]
     with open(os.path.join(out_dir, "batch_ramp.json"), "w") as f:  # the analysis readable, one line per run
         body = json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1)
         f.write(body[:-2] + ',\n "runs": [\n' + ",\n".join(json.dumps(_rounded(r), separators=(",", ":")) for r in results)
                 + "\n ]\n}\n")
     plot(results, os.path.join(out_dir, "batch_ramp.png"))
     print(json.dumps({k: report["analysis"][k] for k in ("targets", "checks")}, indent=1))
-    for row in report["analysis"]["rows"]:
-        t, s = row["tokens_to_target"], row["steps_to_target"]
-        print(f"{row['run']:30s} final val {row['final_val_loss']['mean']:.4f}  tokens to target "
-              f"{_show(t['mean'], '{:.0f}')}  steps {_show(s['mean'], '{:.0f}')}")
-    print(f"batch_ramp: {report['wall_s']} s; results in {out_dir}")
+    print(markdown(report))
+    print(f"batch_ramp: {report['wall_s']} s of training; results in {out_dir}")
     return 0
 
 

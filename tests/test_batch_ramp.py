@@ -285,13 +285,14 @@ def test_linear_ramp_logs_batch_size_and_resumes_mid_ramp_at_another_layout(tmp_
     at step 4 (batch about to grow) and resumed at PP=2 × DP=1 × micro 2 (unit 2): steps 5-8 equal
     the uninterrupted run's (fp32, 1e-5), and the log shows each step's batch and scaled LR."""
     ramp = {"policy": "linear", "start": 2, "max": 8, "ramp_samples": 24, "interval": 1, "lr_scaling": "sqrt"}
-    train = {"steps": 8, "checkpoint_interval": 4, "eval_interval": 0, "export_hf": False}
+    train = {"steps": 8, "checkpoint_interval": 4, "eval_interval": 4, "export_hf": False}  # validation at batch 6
     full = train_config(str(tmp_path / "a"), data, pp=1, micro=1, gas=2, batch_ramp=ramp, training=train)
     run_ranks(_main_rank, 2, _write(full, str(tmp_path / "full.json")), False, timeout=300)
     rows = read_log(str(tmp_path / "a" / "run"))
     # s before the step: 0, 2, 4, 6 -> 2 + 6·s/24 < 4 -> 2;  8 -> 4;  12 -> 5 -> 4;  16 -> 6;  22 -> 7.5 -> 6
     assert [int(r["batch_size"]) for r in rows] == [2, 2, 2, 2, 4, 4, 6, 6]
     assert [float(r["lr"]) for r in rows] == pytest.approx([3e-3 * (b / 2) ** 0.5 for b in (2, 2, 2, 2, 4, 4, 6, 6)])
+    assert rows[3]["val_loss"] and rows[7]["val_loss"]  # passes of the JSON's 2 micro-batches, not the step's 6
 
     other = str(tmp_path / "b" / "run")
     _fork_at(str(tmp_path / "a" / "run"), "step4", other)

@@ -243,3 +243,35 @@ def test_ouroboros_in_flight_work_resumes_at_another_tp(tmp_path):
     for r in saved:
         assert "tied to the ring (PP) and to each replica's samples (DP)" in r["refusal"], r["refusal"]
         assert "init_from" in r["refusal"]
+
+
+# --- a damaged init_from checkpoint fails on every rank ---------------------------------------
+def _init_from(rank: int, good: str, bad: str) -> str:
+    import ds_mp
+    from ds_mp.checkpoint import CheckpointError
+
+    try:  # rank 1 sees a damaged copy (its node's disk), rank 0 the good one
+        ds_mp.initialize(model=bad if rank == 1 else good, config=ds_config(tp=2, lr=0.05))
+    except CheckpointError as e:
+        return str(e)
+    return ""
+
+
+def test_damaged_init_from_fails_on_every_rank(tmp_path):
+    """A rank that reads damaged weights fails at once naming the file; the others fail with it
+    (before: they went on into the model build's collectives and waited for the dead peer)."""
+    import shutil
+
+    from ds_mp.checkpoint import hf_to_ds
+
+    hf, good, bad = (str(tmp_path / n) for n in ("hf", "good", "bad"))
+    tiny_gpt2().save_pretrained(hf)
+    hf_to_ds(hf, good, tp=2, pp=1)
+    shutil.copytree(good, bad)
+    shard = tmp_path / "bad" / "model-pp00-tp01.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    errors = run_ranks(_init_from, 2, good, bad, timeout=240)
+    assert "model-pp00-tp01.safetensors" in errors[1] and "damaged" in errors[1], errors
+    assert "failed on other ranks" in errors[0] and "rank 1" in errors[0], errors

@@ -170,15 +170,21 @@ def open_reader(path: str) -> HFReader | ShardedReader:
     return HFReader(path)
 
 
-def directory_source(path: str) -> WeightSource:
+def directory_source(path: str, verify_weights: bool = False) -> WeightSource:
     """A lazy ``WeightSource`` over an HF model directory or a ds_mp sharded directory.
 
     Names are accepted with or without the ``transformer.`` prefix; floating tensors
     are returned as fp32 (training keeps fp32 master weights; bf16 is DeepSpeed's cast).
     ``get_shard`` reads only the shard's slices (see ``HFReader.get_shard`` /
-    ``ShardedReader.get_shard``).
+    ``ShardedReader.get_shard``).  ``verify_weights``: check every model file of a ds_mp
+    directory against its manifest now (a damaged one raises here, before any collective,
+    instead of on the ranks that happen to read it while the model is built).
     """
     reader = open_reader(path)
+    if verify_weights and isinstance(reader, ShardedReader):
+        import glob
+
+        reader.verify_files(sorted(glob.glob(os.path.join(path, "model-*.safetensors"))))
 
     def fp32(t: torch.Tensor) -> torch.Tensor:
         return t.float() if t.is_floating_point() else t

@@ -85,7 +85,7 @@ def _lora_meta(engine: Any) -> dict | None:
     return None if lora is None else {"r": lora.r, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
 
 
-def _everywhere(what: str, fn: Callable[[], Any], gather: bool = False) -> Any:
+def everywhere(what: str, fn: Callable[[], Any], gather: bool = False) -> Any:
     """Run ``fn`` on this rank, then raise on every rank if it failed on any (collective: one
     ``all_gather_object``); ranks failing alike are listed once.  Returns ``fn``'s result, or
     with ``gather`` every rank's (in rank order).  ``fn`` itself must enter no collective: a
@@ -231,9 +231,9 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
             if update_latest:
                 write_text_atomic(os.path.join(os.path.dirname(final), LATEST), tag + "\n")
 
-    _everywhere(f"save_checkpoint({final!r}): preparing", prepare)
-    written = _everywhere(f"save_checkpoint({final!r}): writing", write, gather=True)
-    _everywhere(f"save_checkpoint({final!r}): committing", commit)
+    everywhere(f"save_checkpoint({final!r}): preparing", prepare)
+    written = everywhere(f"save_checkpoint({final!r}): writing", write, gather=True)
+    everywhere(f"save_checkpoint({final!r}): committing", commit)
     return final
 
 
@@ -350,11 +350,11 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None, verify:
     ``verify=False`` skips the checks (a checkpoint too large to read twice).
     """
     where = os.path.join(ckpt_root, tag) if tag else f"{ckpt_root} ({LATEST})"
-    return _everywhere(f"load_checkpoint({where})", lambda: _load(engine, ckpt_root, tag, verify))
+    return everywhere(f"load_checkpoint({where})", lambda: _load(engine, ckpt_root, tag, verify))
 
 
 def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
-    """:func:`load_checkpoint` on this rank; enters no collective (it runs inside ``_everywhere``)."""
+    """:func:`load_checkpoint` on this rank; enters no collective (it runs inside ``everywhere``)."""
     opt, topo = _optimizer(engine), engine.topology
     pointed, tag = tag is None, tag or latest_tag(ckpt_root)
     path = os.path.join(ckpt_root, tag)

@@ -60,11 +60,32 @@ def weight_source(model: Any, cfg: DsMpConfig, seed: int) -> WeightSource:
         from ds_mp.checkpoint.hf import directory_source
         from ds_mp.hub import resolve_model
 
-        return directory_source(resolve_model(path))  # a Hub id: its cached snapshot
+        return directory_source(resolve_model(path), verify_weights=True)  # a Hub id: its cached snapshot
     # GPT-2's init (N(0, 0.02), residual output projections N(0, 0.02/sqrt(2 n_layer)), biases 0,
     # LayerNorm 1/0), drawn per parameter name and row block: the same full weights at every
     # layout, and each rank creates only the shards it keeps (no whole model anywhere).
     return fresh_source(hf_config_from(cfg.shape), seed)
+
+
+def agreed_weight_source(model: Any, cfg: DsMpConfig) -> WeightSource:
+    """:func:`weight_source` on every rank, agreed: a damaged or unreadable checkpoint fails on
+    every rank here (its own error where it failed, a CheckpointError naming those ranks
+    elsewhere), before the collectives of the model build could leave a peer waiting."""
+    from ds_mp.checkpoint.integrity import CheckpointError
+
+    try:
+        src, error = weight_source(model, cfg, cfg.training.seed), None
+    except Exception as e:  # noqa: BLE001 - re-raised below, after every rank has said how it went
+        src, error = None, e
+    if torch.distributed.get_world_size() > 1:
+        said = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(said, None if error is None else f"{type(error).__name__}: {error}")
+        failed = [f"rank {r}: {e}" for r, e in enumerate(said) if e]
+        if failed and error is None:
+            raise CheckpointError("reading the model weights failed on other ranks: " + "; ".join(failed))
+    if error is not None:
+        raise error
+    return src
 
 
 def build_engine(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None):
@@ -85,16 +106,17 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
         if not isinstance(model, str):
             raw["ds_mp"]["model"] = _inline_from_hf(model.config)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg, raw = load_config(raw, world)  # every rank, before any collective
+    hf_dict = model.config.to_dict() if model is not None and not isinstance(model, str) else None
+    cfg, raw = load_config(raw, world, hf_dict)  # every rank, before any collective
     init_distributed()
     world = torch.distributed.get_world_size()
     if world != cfg.world_size:
-        cfg, raw = load_config(raw, world)
+        cfg, raw = load_config(raw, world, hf_dict)
     topology = Topology(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=torch.distributed.get_rank())
     # Offset per pipeline stage (Megatron-LM: seed + 100·pp_rank) so stages (and Ouroboros' ring
     # ranks) draw different dropout masks.
     seed_everything(cfg.training.seed, topology.tp_rank, pp_rank=topology.pp_rank)
-    src = weight_source(model, cfg, cfg.training.seed)
+    src = agreed_weight_source(model, cfg)
     schedule = resolve(cfg.pipeline.schedule)
     layout = schedule.pipeline_layout(cfg) if hasattr(schedule, "pipeline_layout") else None
     ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
@@ -148,5 +170,7 @@ def measured_costs(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: 
 
 
 def _inline_from_hf(hf: Any) -> dict:
-    return {"n_layer": hf.n_layer, "n_embd": hf.n_embd, "n_head": hf.n_head, "vocab_size": hf.vocab_size,
-            "n_positions": hf.n_positions, "dropout": float(hf.resid_pdrop)}
+    """The shape of an HF config of any family (GPT-2's attribute map gives it the standard names)."""
+    return {"n_layer": hf.num_hidden_layers, "n_embd": hf.hidden_size, "n_head": hf.num_attention_heads,
+            "vocab_size": hf.vocab_size, "n_positions": hf.max_position_embeddings,
+            "dropout": float(getattr(hf, "resid_pdrop", getattr(hf, "attention_dropout", 0.0)))}

@@ -54,8 +54,7 @@ def resolve_model(prog: str, model: str, tokenizer: str | None, tmp: str) -> tup
 def default_tokenizer_dir(path: str, hf_dir: str) -> str | None:
     """Where the tokenizer of the model at ``path`` lives: the HF directory if it holds one,
     else (training checkpoints) the tokenizer of the dataset it was trained on."""
-    import torch
-
+    from ds_mp.checkpoint.integrity import Manifest, load_torch
     from ds_mp.checkpoint.training import TRAINER_STATE, resolve_checkpoint
     from ds_mp.data import DataError, DatasetInfo
 
@@ -65,7 +64,7 @@ def default_tokenizer_dir(path: str, hf_dir: str) -> str | None:
     state = os.path.join(path, TRAINER_STATE)
     if not os.path.isfile(state):
         return None
-    data = torch.load(state, map_location="cpu", weights_only=True).get("client_state", {}).get("data")
+    data = load_torch(state, Manifest.open(path)).get("client_state", {}).get("data")  # checked: names a damaged file
     try:
         return DatasetInfo.load(data).tokenizer_dir if data else None
     except DataError:

@@ -99,6 +99,7 @@ class TrainingConfig:
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")  # PEFT-style names of GPT-2's Conv1Ds
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # its nn.Linears
 _LLAMA_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
+LLAMA_SCHEDULES = ("1f1b", "gpipe", "terapipe")  # the schedules tested against HF for the Llama family
 #: HF model_type -> (config.json keys of n_layer, n_embd, n_head, vocab_size, n_positions; LoRA target names).
 #: The families themselves live in ds_mp.models (this module imports no model).
 MODEL_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -257,17 +258,18 @@ def shape_of(cfg: DsMpConfig, hf: dict, where: str) -> InlineModel:
 def check_model_family(cfg: DsMpConfig) -> None:
     """What the model's family supports (``cfg.hf_config``; nothing to check for GPT-2).
 
-    Llama / Qwen2 / Mistral: 1f1b and gpipe (TeraPipe's token slices and Ouroboros' ring are built
-    for GPT-2's layers); LoRA on their linears, on k_proj/v_proj only where TP divides the key/value
-    heads (otherwise the frozen projections are replicated and the factor cut would differ by
-    rank); a sliding attention window refused unless it covers the sequence."""
+    Llama / Qwen2 / Mistral: the schedules tested against HF for them (:data:`LLAMA_SCHEDULES`;
+    Ouroboros' engine and reference are built on GPT-2's layers); LoRA on their linears, on
+    k_proj/v_proj only where TP divides the key/value heads (otherwise the frozen projections are
+    replicated and the factor cut would differ by rank); an MLP width TP splits evenly; a sliding
+    attention window refused unless it covers the sequence."""
     hf = cfg.hf_config
     kind = hf.get("model_type", "gpt2")
     if kind == "gpt2":
         return
-    if cfg.pipeline.schedule in ("terapipe", "ouroboros"):
-        raise ConfigError(f"ds_mp.pipeline.schedule: {cfg.pipeline.schedule!r} is built for GPT-2's layers (token "
-                          f"slices / the ring's tied ends); a {kind} model trains with 1f1b or gpipe")
+    if cfg.pipeline.schedule not in LLAMA_SCHEDULES:
+        raise ConfigError(f"ds_mp.pipeline.schedule: {cfg.pipeline.schedule!r} is not tested with {kind} models (only "
+                          f"with GPT-2); use one of {', '.join(LLAMA_SCHEDULES)}")
     inner = hf.get("intermediate_size", 0)
     if inner % cfg.tp:
         raise ConfigError(f"ds_mp.tensor_parallel.size: {cfg.tp} does not divide intermediate_size={inner} (the MLP "

@@ -87,6 +87,9 @@ def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str | list[int] = 
     heads, L, family = cfg.num_attention_heads, cfg.num_hidden_layers, family_of(cfg)
     if tp < 1 or heads % tp:
         raise CheckpointError(f"--tp {tp} does not divide n_head={heads}; use a divisor of {heads}")
+    inner = getattr(cfg, "intermediate_size", 0) or 0  # the Llama family's MLP width (equal column blocks)
+    if inner % tp:
+        raise CheckpointError(f"--tp {tp} does not divide intermediate_size={inner}; use a divisor of it")
     if pp < 1 or pp > L:
         raise CheckpointError(f"--pp {pp}: need 1 <= stages <= n_layer={L}")
     if vocab_pad_multiple < 1:

@@ -6,7 +6,8 @@ LoRA factors included, gathered to global rank 0 by HF name; factors in the Conv
 
 * adapter (``merge=False``): ``adapter_config.json`` + ``adapter_model.safetensors`` with PEFT's
   keys ``base_model.model.transformer.h.<i>.<module>.lora_A.weight`` = A (r, in) and
-  ``….lora_B.weight`` = B (out, r), ``fan_in_fan_out: true`` (GPT-2's Conv1D), so
+  ``….lora_B.weight`` = B (out, r), ``fan_in_fan_out: true`` for GPT-2's Conv1D (false for the
+  Llama family's ``nn.Linear``), so
   ``PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), out)`` loads it.
 * merged (``merge=True``): an HF GPT-2 directory with ``W ← W + s · lora_A lora_B``
   (= W + s·(BA)ᵀ in the Conv1D layout), s = alpha / r, and no LoRA tensors.
@@ -31,11 +32,15 @@ def _factors(tensors: dict[str, torch.Tensor]) -> list[str]:
     return sorted(n[: -len(".lora_A")] for n in tensors if n.endswith(".lora_A"))
 
 
-def merge_lora(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """HF tensors with every LoRA update folded into its base weight (``W + s · lora_A lora_B``)."""
+def merge_lora(tensors: dict[str, torch.Tensor], scaling: float,
+               fan_in_fan_out: bool = True) -> dict[str, torch.Tensor]:
+    """HF tensors with every LoRA update folded into its base weight: ``W + s · lora_A lora_B`` for a
+    Conv1D-layout ``W`` (in, out), its transpose for an ``nn.Linear`` ``W`` (out, in;
+    ``fan_in_fan_out=False``, the Llama family)."""
     out = {n: t for n, t in tensors.items() if ".lora_" not in n}
     for m in _factors(tensors):
-        out[m + ".weight"] = out[m + ".weight"] + scaling * (tensors[m + ".lora_A"] @ tensors[m + ".lora_B"])
+        delta = scaling * (tensors[m + ".lora_A"] @ tensors[m + ".lora_B"])
+        out[m + ".weight"] = out[m + ".weight"] + (delta if fan_in_fan_out else delta.t())
     return out
 
 
@@ -48,11 +53,12 @@ def peft_adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def adapter_config(lora: Any, base_model: str | None) -> dict:
-    """PEFT's ``adapter_config.json`` for ``ds_mp.lora`` (a ``LoraConfig``)."""
+def adapter_config(lora: Any, base_model: str | None, fan_in_fan_out: bool = True) -> dict:
+    """PEFT's ``adapter_config.json`` for ``ds_mp.lora`` (a ``LoraConfig``); ``fan_in_fan_out``: the base
+    weights are GPT-2's Conv1D (in, out), not ``nn.Linear``'s (out, in)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-            "target_modules": list(lora.target_modules), "fan_in_fan_out": True, "bias": "none",
+            "target_modules": list(lora.target_modules), "fan_in_fan_out": fan_in_fan_out, "bias": "none",
             "inference_mode": True, "init_lora_weights": True, "modules_to_save": None}
 
 
@@ -64,11 +70,11 @@ def save_lora(engine: Any, out_dir: str, merge: bool = False, tokenizer_dir: str
     lora = engine.ds_mp_config.lora
     if not lora.r:
         raise CheckpointError("save_lora: this engine has no LoRA (ds_mp.lora.r is 0); use ds_mp.save_hf")
-    tensors = full_state_dict(engine)
+    tensors, conv1d = full_state_dict(engine), engine.module.family.fan_in_fan_out
 
     def write() -> None:
         if merge:
-            write_hf_dir(merge_lora(tensors, lora.alpha / lora.r), engine.hf_config, out_dir,
+            write_hf_dir(merge_lora(tensors, lora.alpha / lora.r, conv1d), engine.hf_config, out_dir,
                          tokenizer_dir=tokenizer_dir, overwrite=True)
             return
         from safetensors.torch import save_file
@@ -77,6 +83,6 @@ def save_lora(engine: Any, out_dir: str, merge: bool = False, tokenizer_dir: str
             save_file(peft_adapter_tensors(tensors), os.path.join(tmp, "adapter_model.safetensors"),
                       metadata={"format": "pt"})
             with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-                json.dump(adapter_config(lora, base_model), f, indent=2)
+                json.dump(adapter_config(lora, base_model, conv1d), f, indent=2)
 
     write_on_rank0(engine, f"save_lora to {out_dir!r}", write)

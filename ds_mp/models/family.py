@@ -28,6 +28,9 @@ from typing import Any
 #: HF ``model_type`` -> module defining ``FAMILY`` (imported lazily: reading a config imports no model).
 FAMILIES: dict[str, str] = {
     "gpt2": "ds_mp.models.gpt2",
+    "llama": "ds_mp.models.llama",
+    "qwen2": "ds_mp.models.llama",
+    "mistral": "ds_mp.models.llama",
 }
 
 
@@ -44,6 +47,10 @@ class Family:
     lead_layers: int = 2  # pipeline layers before the first block
     tail_layers: int = 2  # pipeline layers after the last block (the head's loss is DeepSpeed's loss_fn)
     block_prefix: str = ""  # HF prefix of block i is f"{block_prefix}{i}" (e.g. "transformer.h.")
+    fan_in_fan_out: bool = False  # linear weights stored (in, out) (GPT-2's Conv1D), not nn.Linear's (out, in)
+    # layer classes DeepSpeed may activation-checkpoint (None: any layer with parameters); a layer fed
+    # token ids must not be (a reentrant checkpoint of an input without grad returns no graph)
+    checkpointable: tuple[str, ...] | None = None
 
     # --- configs -----------------------------------------------------------------------
     def config_class(self) -> Any:
@@ -162,8 +169,8 @@ def lora_targeted(module: str, targets: list[str]) -> bool:
 def family_named(model_type: str) -> Family:
     """The family registered for the HF ``model_type``."""
     if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not a model family ds_mp knows; it trains GPT-2 "
-                         f"(model_type {', '.join(sorted(FAMILIES))})")
+        raise ValueError(f"model_type {model_type!r} is not a model family ds_mp knows; it trains GPT-2, Llama, "
+                         f"Qwen2 and Mistral (model_type {', '.join(sorted(FAMILIES))})")
     return importlib.import_module(FAMILIES[model_type]).FAMILY
 
 

@@ -289,7 +289,7 @@ class GPT2Family(Family):
     tp_plan, lora_plan = GPT2_TP_PLAN, GPT2_LORA_PLAN
     lora_modules = tuple(BLOCK_RENAME.values())
     lora_targets = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
-    lead_layers, tail_layers, block_prefix = 2, 2, "transformer.h."
+    lead_layers, tail_layers, block_prefix, fan_in_fan_out = 2, 2, "transformer.h.", True
 
     def config_class(self) -> Any:
         from transformers import GPT2Config

@@ -194,7 +194,8 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
                          f"over {topology.pp} stages")
     layers = [family.layer_spec(prefix, src, ctx) for prefix in names]
     net = DsMpPipeline(layers, names, parts, topology, ctx, activation_checkpoint_interval=activation_checkpoint_interval,
-                       dynamic_shape=dynamic_shape)
+                       dynamic_shape=dynamic_shape,
+                       checkpointable_layers=list(family.checkpointable) if family.checkpointable else None)
     if ctx.lora is not None:
         for name, param in net.named_parameters():
             param.requires_grad = ".lora_" in name

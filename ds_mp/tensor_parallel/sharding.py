@@ -12,6 +12,16 @@ shard is cut the same way when training and when converting.  GPT-2's ``Conv1D``
   ``replicated`` and added once after the all-reduce.
 * ``vocab``: embedding rows, zero-padded to ``padded_vocab`` then split in ``p`` blocks.
 * ``replicated``: every rank holds the full tensor.
+
+``nn.Linear`` stores ``W`` as ``[out, in]`` (``y = x Wᵀ + b``; the Llama family), so its cuts are
+named by the features they split:
+
+* ``linear_out``: column-parallel, ``W`` and ``b`` split along ``out`` (dim 0) — heads stay whole
+  when ``p`` divides the heads (``q_proj``: rank r gets heads ``r·h/p … (r+1)·h/p − 1``).
+* ``linear_in``: row-parallel, ``W`` split along ``in`` (last dim).
+* ``kv``: grouped-query key/value projections (``n_head`` = the key/value heads): ``linear_out``
+  by heads when ``p`` divides them, else every rank holds them all (the cut depends on the tensor
+  and ``p`` only, so a checkpoint saved at one ``p`` re-cuts at another).
 """
 from __future__ import annotations
 
@@ -19,7 +29,17 @@ from typing import Callable
 
 import torch
 
-KINDS = ("column", "qkv", "row", "vocab", "replicated")
+KINDS = ("column", "qkv", "row", "vocab", "replicated", "linear_out", "linear_in", "kv")
+
+
+def _as_conv1d_kind(kind: str, size: int, n_head: int) -> str:
+    """The Conv1D-layout kind that cuts like ``kind`` (``linear_out`` cuts dim 0 as ``row`` does,
+    ``linear_in`` the last dim as ``column``; ``kv`` is ``row`` or ``replicated``)."""
+    if kind == "kv":
+        if not n_head:
+            raise ValueError("kind 'kv' needs n_head = the key/value heads")
+        return "row" if n_head % size == 0 else "replicated"
+    return {"linear_out": "row", "linear_in": "column"}.get(kind, kind)
 
 
 def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:
@@ -36,6 +56,7 @@ def _qkv_view(t: torch.Tensor, n_head: int) -> torch.Tensor:
 def shard(full: torch.Tensor, kind: str, rank: int, size: int, *, n_head: int = 0,
           padded_vocab: int = 0) -> torch.Tensor:
     """This rank's shard of ``full`` (a view where possible; callers clone)."""
+    kind = _as_conv1d_kind(kind, size, n_head)
     if kind == "replicated" or (size == 1 and kind != "vocab"):
         return full
     if kind == "column":
@@ -65,6 +86,7 @@ def unshard(shards: list[torch.Tensor], kind: str, *, n_head: int = 0, vocab: in
 
     For ``vocab`` the padding rows are dropped (``vocab`` = true vocabulary size).
     """
+    kind = _as_conv1d_kind(kind, len(shards), n_head)
     if kind == "replicated" or (len(shards) == 1 and kind != "vocab"):
         return shards[0]
     if kind == "column":
@@ -94,6 +116,7 @@ def shard_ranges(kind: str, rank: int, size: int, shape: tuple[int, ...], *, n_h
     """
     if kind not in KINDS:
         raise ValueError(f"unknown shard kind {kind!r}; expected one of {KINDS}")
+    kind = _as_conv1d_kind(kind, size, n_head)
     last = len(shape) - 1
     if kind == "replicated":
         return 0, [(0, shape[0])], shape[0]

@@ -88,7 +88,7 @@ def generate_cli(argv: list[str] | None = None) -> int:
         print(f"ds-mp generate: --model {args.model!r} is neither a directory nor a Hub id", file=sys.stderr)
         return 2
     import torch
-    from transformers import AutoTokenizer, GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         dirs = resolve_model("ds-mp generate", args.model, args.tokenizer, tmp)
@@ -100,7 +100,7 @@ def generate_cli(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:
             print(f"ds-mp generate: no tokenizer in {tok_dir!r} ({e}); pass --tokenizer DIR", file=sys.stderr)
             return 2
-        model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # GPT-2, Llama, Qwen2, Mistral
     torch.manual_seed(args.seed)
     ids = tok(args.prompt, return_tensors="pt").input_ids
     sample = args.temperature > 0

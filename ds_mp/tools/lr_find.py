@@ -29,12 +29,12 @@ def lr_find_cli(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     raw = read_json(args.config)
     cfg, raw = load_config(raw, world_size=cfg_world(raw))
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
     from ds_mp.data import ChunkSampler
 
     torch.manual_seed(cfg.training.seed)
-    model = (GPT2LMHeadModel.from_pretrained(cfg.model) if isinstance(cfg.model, str)
+    model = (AutoModelForCausalLM.from_pretrained(cfg.model) if isinstance(cfg.model, str)  # any family's directory
              else GPT2LMHeadModel(hf_config_from(cfg.shape))).train()
     _, train_ds, _ = datasets_for(cfg)
     micro = raw.get("train_micro_batch_size_per_gpu", 1) * raw.get("gradient_accumulation_steps", 1)

@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", required=True,
                    help="DeepSpeed JSON with a \"ds_mp\" block")
     p.add_argument("--resume", action="store_true", help="continue from <output_dir>/checkpoints/latest")
-    p.add_argument("--model", default=None, help="HF GPT-2 directory or Hub id (gpt2, org/name@rev) to fine-tune (overrides ds_mp.model)")
+    p.add_argument("--model", default=None, help="HF directory or Hub id (gpt2, Qwen/Qwen2.5-0.5B, org/name@rev) of a "
+                   "GPT-2, Llama, Qwen2 or Mistral model to fine-tune (overrides ds_mp.model)")
     p.add_argument("--data", default=None, help="prepared dataset dir (overrides ds_mp.data.path)")
     p.add_argument("--steps", type=int, default=None, help="override ds_mp.training.steps")
     p.add_argument("--output_dir", default=None, help="override ds_mp.training.output_dir")

@@ -1,0 +1,95 @@
+"""LoRA on the Llama family's TP layers equals PEFT's own LoRA on the single-process HF model.
+
+The oracle: ``peft.get_peft_model`` (``nn.Linear``: ``fan_in_fan_out=False``) on a tiny
+``Qwen2ForCausalLM`` (q/k/v biases, 2 key/value heads) targeting ``q_proj``, ``v_proj`` and
+``down_proj`` (column, grouped key/value and row-parallel bases), its B factors randomised (PEFT
+inits B = 0, which would leave A's gradient zero in step 1), handed to ``ds_mp.initialize``; both
+take the same SGD steps.  At TP=2 and TP=2 × PP=2: per-step losses, a frozen base, and the exported
+adapter (``PeftModel.from_pretrained``) and merged export (``from_pretrained``) giving the
+reference's logits.  TP=3 with 2 key/value heads and ``v_proj`` targeted is refused at config time.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from helpers import batches, ds_config, hf_reference
+from test_llama import tiny_llama
+
+VOCAB, SEQ, R, ALPHA, LR = 1003, 16, 4, 8.0, 0.05
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def peft_model(seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    model = get_peft_model(tiny_llama("qwen2", kv=2, tied=True, seed=seed), cfg)
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def steps_data(n: int = 2) -> list[list]:
+    return [batches(2, 2, SEQ, VOCAB, seed=20 + i) for i in range(n)]
+
+
+def lora_block() -> dict:
+    return {"r": R, "alpha": ALPHA, "dropout": 0.0, "target_modules": TARGETS}
+
+
+def _rank(rank: int, tp: int, pp: int, out: str) -> dict:
+    import ds_mp
+
+    engine, *_ = ds_mp.initialize(model=peft_model(), config=ds_config(tp=tp, pp=pp, lr=LR, seq=SEQ,
+                                                                         lora=lora_block()))
+    trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    losses = [float(engine.train_batch(iter(mbs))) for mbs in steps_data()]
+    frozen_grads = [n for n, p in engine.module.named_parameters() if not p.requires_grad and p.grad is not None]
+    ds_mp.save_lora(engine, out + "/adapter")
+    ds_mp.save_lora(engine, out + "/merged", merge=True)
+    return {"losses": losses, "frozen_grads": frozen_grads}
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "tp2xpp2"])
+def test_lora_equals_peft(tp: int, pp: int, tmp_path) -> None:
+    from peft import PeftModel
+    from transformers import Qwen2ForCausalLM
+
+    want, trained = hf_reference(peft_model(), steps_data(), lr=LR)
+    results = run_ranks(_rank, tp * pp, tp, pp, str(tmp_path), timeout=600)
+    assert all(r["frozen_grads"] == [] for r in results)
+    assert results[0]["losses"] == pytest.approx(want, abs=2e-5)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    base = tiny_llama("qwen2", kv=2, tied=True)  # peft_model()'s base weights
+    with torch.no_grad():
+        ref = trained.eval()(input_ids=ids).logits
+        assert (base(input_ids=ids).logits - ref).abs().max() > 1e-3  # the adapter matters
+        loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        merged = Qwen2ForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+        assert (loaded(input_ids=ids).logits - ref).abs().max() < 1e-4
+        assert (merged(input_ids=ids).logits - ref).abs().max() < 1e-4
+
+
+def test_refusals_at_config_time() -> None:
+    """LoRA on k_proj/v_proj where TP does not divide the KV heads, an untested schedule, an MLP
+    that TP does not split evenly, GPT-2 LoRA names: one line naming the key, before any collective."""
+    from ds_mp.config import ConfigError, load_config
+
+    hf = tiny_llama("qwen2", kv=2, inner=204).config.to_dict()  # 204: TP=3 splits the MLP
+    cfg = ds_config(tp=3, lr=LR, seq=SEQ, lora=lora_block())
+    with pytest.raises(ConfigError, match=r"k_proj/v_proj.*tensor_parallel.size=3.*2 key/value heads"):
+        load_config(cfg, 3, hf)
+    load_config(ds_config(tp=3, lr=LR, seq=SEQ, lora={**lora_block(), "target_modules": ["q_proj", "down_proj"]}),
+                3, hf)
+    with pytest.raises(ConfigError, match=r"'ouroboros' is not tested with qwen2.*1f1b, gpipe, terapipe"):
+        load_config(ds_config(tp=1, pp=1, seq=SEQ, schedule="ouroboros"), 1, hf)
+    with pytest.raises(ConfigError, match=r"does not divide intermediate_size=200"):
+        load_config(ds_config(tp=3, seq=SEQ), 3, tiny_llama("qwen2", kv=2).config.to_dict())
+    with pytest.raises(ConfigError, match=r"target_modules.*c_attn.*q_proj"):
+        load_config(ds_config(tp=1, seq=SEQ, lora={**lora_block(), "target_modules": ["c_attn"]}), 1, hf)

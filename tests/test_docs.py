@@ -8,6 +8,7 @@
   in order among themselves, with ``append="ARGS"`` appended to every ``deepspeed`` command.
 * Every bash/python block of ds_mp's own pages is marked (runnable, or not-runnable with a reason).
 * Relative links and their ``#anchors`` resolve; tests and repository paths named in backticks exist.
+* docs/img PNGs are small, shown by a page, and that page names the command that makes them.
 * The combination tables equal the tests' case lists (:data:`docs_utils.MATRICES`), and
   docs/config.md is what ``python -m ds_mp.tools.config_reference --write`` writes.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from docs_utils import (MATRICES, OTHERS_PAGES, REPO, Block, blocks, generated_blocks, link_errors,
-                        marking_errors, matrix_table, named_thing_errors, pages, write_generated)
+                        marking_errors, matrix_table, named_thing_errors, pages, read, write_generated)
 
 LINKED = ("ds_configs", "launch", "benchmarks", "scripts")  # symlinked into every page's scratch dir
 CORPUS = ("textwrap", "shlex", "fnmatch", "glob", "colorsys", "bisect", "heapq")  # stdlib modules as "your text"
@@ -170,6 +172,21 @@ def test_named_tests_and_paths_exist() -> None:
     assert not errors, "\n".join(errors)
 
 
+def test_pictures_are_small_linked_and_say_how_they_were_made() -> None:
+    """Every docs/img PNG is under 200 KiB and shown by some page; every page showing one names
+    the command that makes it (``python -m ds_mp.tools.docs_plots``)."""
+    shown: set[str] = set()
+    for page in pages():
+        text = read(page)
+        used = set(re.findall(r"!\[[^\]]*\]\((?:docs/)?(img/[^)\s]+\.png)\)", text))
+        assert not used or "python -m ds_mp.tools.docs_plots" in text, f"{page} shows {sorted(used)} without its command"
+        shown |= used
+    pngs = {f"img/{name}" for name in os.listdir(os.path.join(REPO, "docs", "img")) if name.endswith(".png")}
+    assert pngs and pngs == shown, f"PNGs no page shows: {sorted(pngs - shown)}; missing: {sorted(shown - pngs)}"
+    big = {p: os.path.getsize(os.path.join(REPO, "docs", p)) for p in pngs}
+    assert all(size < 200 * 1024 for size in big.values()), big
+
+
 # ------------------------------------------------------------------ generated content
 
 def test_combination_tables_equal_the_tests_case_lists() -> None:
@@ -179,6 +196,24 @@ def test_combination_tables_equal_the_tests_case_lists() -> None:
         page, current = found[module]
         assert current == matrix_table(module), \
             f"{page}: the {module} table differs from tests/{module}.py; run python tests/test_docs.py --write"
+
+
+def test_case_tables_show_layouts_changes_and_dict_cases(monkeypatch) -> None:
+    """The table renderer on a stand-in module: dict cases, LAYOUTS names as degrees, a layout
+    change as an arrow, MATRICES' row function where given."""
+    import types
+
+    import docs_utils
+
+    fake = types.ModuleType("fake_cases")
+    fake.LAYOUTS = {"tp2": (2, 1, 1), "pp2dp2": (1, 2, 2)}
+    fake.CASES = [{"precision": "fp32", "change": "tp2>pp2dp2"}, {"precision": "bf16", "change": "pp2dp2"}]
+    monkeypatch.setitem(sys.modules, "fake_cases", fake)
+    monkeypatch.setitem(docs_utils.MATRICES, "fake_cases", None)
+    assert matrix_table("fake_cases").splitlines()[:4] == [
+        "| precision | change |", "|---|---|", "| fp32 | TP=2 → PP=2 × DP=2 |", "| bf16 | PP=2 × DP=2 |"]
+    monkeypatch.setitem(docs_utils.MATRICES, "fake_cases", lambda c: {"p": c["precision"].upper()})
+    assert matrix_table("fake_cases").splitlines()[2] == "| FP32 |"
 
 
 def test_config_reference_is_current() -> None:

@@ -36,6 +36,7 @@ def _zero2_row(case: tuple) -> dict:
 MATRICES: dict[str, Callable[[Any], dict] | None] = {
     "test_combinations": None,
     "test_zero2": _zero2_row,
+    "test_lifecycle": None,
 }
 
 MARKER = re.compile(r"^<!--\s*(runnable|not-runnable)\s*(?::\s*(.*?))?\s*-->\s*$")

@@ -52,7 +52,7 @@ def _runnable(launcher: bool) -> list:
     out = []
     for page in pages():
         if _to_run(page, launcher):
-            marks = [pytest.mark.launcher, pytest.mark.timeout(900)] if launcher else \
+            marks = [pytest.mark.launcher, pytest.mark.slow, pytest.mark.timeout(900)] if launcher else \
                 [pytest.mark.timeout(400)]
             out.append(pytest.param(page, id=page, marks=marks))
     return out

@@ -137,7 +137,7 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     mpu = net.mpu()
     keys = None
     if cfg.pipeline.schedule == "ouroboros":  # one group per module, so warm-up leaves a module out whole
-        from ds_mp.engine.ouroboros import param_group_keys
+        from ds_mp.engine.ouroboros_modules import param_group_keys
 
         keys = param_group_keys(net, cfg, topology.pp_rank)
     params, optimizer = optimizer_setup(net, ds_dict, optimizer, group_keys=keys)

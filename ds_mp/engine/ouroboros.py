@@ -28,98 +28,21 @@ deltas in flight and t are the engine's schedule state, saved per rank with each
 """
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from ds_mp import deepspeed_compat as compat
+from ds_mp.engine.ouroboros_modules import ModuleLayers, accumulate, leaf, module_ranges, replayed, valid_targets
 from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
-                                                 SendHidden, UpdateModules, config_split, module_owner, ring_layout)
+                                                 SendHidden, UpdateModules, module_owner)
 from ds_mp.tensor_parallel.layers import sparse_lookups
-from ds_mp.tensor_parallel.random import rng_state, set_rng_state
-
-
-@contextlib.contextmanager
-def _replayed(state: dict | None) -> Iterator[None]:
-    """Run the body on the captured RNG ``state`` (every stream ds_mp draws dropout from); the
-    ambient streams are left as they were."""
-    if state is None:
-        yield
-        return
-    ambient = rng_state()
-    set_rng_state(state)
-    try:
-        yield
-    finally:
-        set_rng_state(ambient)
-
-
-def _leaf(x: Tensor) -> Tensor:
-    return x.detach().requires_grad_(x.is_floating_point())
-
-
-def _accumulate(total: list[Tensor] | None, grads: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
-    """total + grads elementwise (in place into total); ``grads`` as a list when total is None."""
-    if total is None:
-        return list(grads)
-    for acc, g in zip(total, grads):
-        acc.add_(g)
-    return total
-
-
-class _Layers(nn.Module):
-    """The pipeline layers of one module G_m as one ``nn.Module`` (a tied layer is a partial over
-    the tied module), so ``torch.func.functional_call`` can run them on other weights."""
-
-    def __init__(self, funcs: list) -> None:
-        super().__init__()
-        owners: dict[int, nn.Module] = {}
-        for f in funcs:
-            module = f if isinstance(f, nn.Module) else f.args[0]
-            owners.setdefault(id(module), module)
-        self.owners = nn.ModuleList(owners.values())
-        self.funcs = list(funcs)
-
-    def forward(self, x: Any) -> Tensor:
-        for f in self.funcs:
-            x = f(x)
-        return x
-
-
-def _valid_targets(labels: Tensor) -> int:
-    """Targets the loss counts: HF's shift (labels[:, 1:]) without the ignored -100."""
-    return int((labels[:, 1:] != -100).sum())
-
-
-def module_ranges(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, int]]:
-    """Module index m -> the range [a, b) of ``net.forward_funcs`` (ring rank ``stage_id``'s
-    pipeline layers) that forms G_m: ring rank 0 holds [wte, wpe, G_0 blocks, G_{K-1} blocks,
-    ln_f, head], rank r the blocks of G_r."""
-    K, n = cfg.pipeline.stages + 1, len(net.forward_funcs)
-    if stage_id == 0:
-        n0 = len(config_split(cfg)[0])
-        return {0: (0, 2 + n0), K - 1: (2 + n0, n)}
-    return {ring_layout(K)[stage_id][0]: (0, n)}
-
-
-def param_group_keys(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, ...]]:
-    """id(parameter) -> the modules G_m holding it (two for the tied V on ring rank 0).
-
-    The optimizer's parameter groups are split by this key, so a module still in warm-up (no
-    gradient yet) is a group of its own that the update can leave out whole: DeepSpeed's bf16
-    optimizer steps one flat fp32 partition per group, with one Adam step counter per group.
-    """
-    keys: dict[int, list[int]] = {}
-    for m, (a, b) in sorted(module_ranges(net, cfg, stage_id).items()):
-        for p in _Layers(net.forward_funcs[a:b]).parameters():
-            keys.setdefault(id(p), []).append(m)
-    return {k: tuple(v) for k, v in keys.items()}
+from ds_mp.tensor_parallel.random import rng_state
 
 
 class OuroborosState:
@@ -143,7 +66,7 @@ class OuroborosState:
         self.owner = module_owner(self.K)
         funcs = engine.module.forward_funcs
         self.ranges = module_ranges(engine.module, cfg, engine.stage_id)
-        self.layers = {m: _Layers(funcs[a:b]) for m, (a, b) in self.ranges.items()}
+        self.layers = {m: ModuleLayers(funcs[a:b]) for m, (a, b) in self.ranges.items()}
         # G_m's parameters (each once; the tied wte under its first name) and their names in layers[m]
         self.names = {m: [n for n, _ in mod.named_parameters()] for m, mod in self.layers.items()}
         self.params = {m: list(mod.parameters()) for m, mod in self.layers.items()}
@@ -187,10 +110,10 @@ class OuroborosState:
             return
         rng = rng_state()  # a replay reuses its forward's masks
         if self.keep_graph:  # the graph of G_m(x; w^s) against the snapshot w^s = kept, used at t = s + d_m
-            leaf = _leaf(x)
+            x_leaf = leaf(x)
             with torch.enable_grad():
-                out = self.run(m, leaf, dict(zip(self.names[m], entry[2])))
-            entry[1].append((x, rng, (leaf, out)))
+                out = self.run(m, x_leaf, dict(zip(self.names[m], entry[2])))
+            entry[1].append((x, rng, (x_leaf, out)))
             self.acts[(m + 1, s, j)] = out.detach()
         else:
             entry[1].append((x, rng, None))
@@ -214,8 +137,8 @@ class OuroborosState:
         with torch.enable_grad():
             for j, ((x_saved, rng, graph), delta) in enumerate(zip(chunks, deltas)):
                 if graph is None:
-                    x = _leaf(x_saved)
-                    with _replayed(rng if self.repeat_dropout else None):
+                    x = leaf(x_saved)
+                    with replayed(rng if self.repeat_dropout else None):
                         out = self.run(m, x, replay_with)
                 else:
                     x, out = graph
@@ -226,7 +149,7 @@ class OuroborosState:
                     for i, part in enumerate(parts):
                         self.deltas[(m - 1, s, j + i)] = part
                     grads = grads[1:]
-                total = _accumulate(total, grads)
+                total = accumulate(total, grads)
         self.grads[m] = total
 
     def _head_backward(self, s: int, j: int) -> None:
@@ -238,15 +161,15 @@ class OuroborosState:
         if j == self.engine.micro_batches - 1:
             self.stash[m].popleft()
         with torch.enable_grad():  # on the ambient streams, as its forward is this very call
-            x = _leaf(x_saved)
+            x = leaf(x_saved)
             wrt = ([x] if x.requires_grad else []) + self.params[m]
             out = self.engine.module.loss_fn(self.run(m, x), self.labels[j])
             if len(self.labels) > 1:  # every micro-batch of x_s was read by G_0's forwards
-                out = out * (_valid_targets(self.labels[j]) / max(sum(map(_valid_targets, self.labels)), 1))
+                out = out * (valid_targets(self.labels[j]) / max(sum(map(valid_targets, self.labels)), 1))
             grads = torch.autograd.grad(out, wrt, materialize_grads=True)
         if x.requires_grad:
             self.deltas[(m - 1, s, j)], grads = grads[0], grads[1:]
-        self.grads[m] = _accumulate(self.grads.get(m) if j > 0 else None, grads)
+        self.grads[m] = accumulate(self.grads.get(m) if j > 0 else None, grads)
         self.loss = out.detach() if j == 0 else self.loss + out.detach()
 
     def update(self) -> None:

@@ -1,0 +1,92 @@
+"""The module maths of Ouroboros on ds_mp's pipeline layers: which layers form each module G_m on
+a ring rank, the optimizer groups that follow them, replaying a forward under its captured RNG
+state, and the small tensor helpers of the delayed backward (used by ``engine/ouroboros.py``)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from torch import Tensor, nn
+
+from ds_mp.schedules.ouroboros.timetable import config_split, ring_layout
+from ds_mp.tensor_parallel.random import rng_state, set_rng_state
+
+
+@contextlib.contextmanager
+def replayed(state: dict | None) -> Iterator[None]:
+    """Run the body on the captured RNG ``state`` (every stream ds_mp draws dropout from); the
+    ambient streams are left as they were."""
+    if state is None:
+        yield
+        return
+    ambient = rng_state()
+    set_rng_state(state)
+    try:
+        yield
+    finally:
+        set_rng_state(ambient)
+
+
+def leaf(x: Tensor) -> Tensor:
+    return x.detach().requires_grad_(x.is_floating_point())
+
+
+def accumulate(total: list[Tensor] | None, grads: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
+    """total + grads elementwise (in place into total); ``grads`` as a list when total is None."""
+    if total is None:
+        return list(grads)
+    for acc, g in zip(total, grads):
+        acc.add_(g)
+    return total
+
+
+class ModuleLayers(nn.Module):
+    """The pipeline layers of one module G_m as one ``nn.Module`` (a tied layer is a partial over
+    the tied module), so ``torch.func.functional_call`` can run them on other weights."""
+
+    def __init__(self, funcs: list) -> None:
+        super().__init__()
+        owners: dict[int, nn.Module] = {}
+        for f in funcs:
+            module = f if isinstance(f, nn.Module) else f.args[0]
+            owners.setdefault(id(module), module)
+        self.owners = nn.ModuleList(owners.values())
+        self.funcs = list(funcs)
+
+    def forward(self, x: Any) -> Tensor:
+        for f in self.funcs:
+            x = f(x)
+        return x
+
+
+def valid_targets(labels: Tensor) -> int:
+    """Targets the loss counts: HF's shift (labels[:, 1:]) without the ignored -100."""
+    return int((labels[:, 1:] != -100).sum())
+
+
+def module_ranges(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, int]]:
+    """Module index m -> the range [a, b) of ``net.forward_funcs`` (ring rank ``stage_id``'s
+    pipeline layers) that forms G_m: ring rank 0 holds [wte, wpe, G_0 blocks, G_{K-1} blocks,
+    ln_f, head], rank r the blocks of G_r."""
+    K, n = cfg.pipeline.stages + 1, len(net.forward_funcs)
+    if stage_id == 0:
+        n0 = len(config_split(cfg)[0])
+        return {0: (0, 2 + n0), K - 1: (2 + n0, n)}
+    return {ring_layout(K)[stage_id][0]: (0, n)}
+
+
+def param_group_keys(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, ...]]:
+    """id(parameter) -> the modules G_m holding it (two for the tied V on ring rank 0).
+
+    The optimizer's parameter groups are split by this key, so a module still in warm-up (no
+    gradient yet) is a group of its own that the update can leave out whole: DeepSpeed's bf16
+    optimizer steps one flat fp32 partition per group, with one Adam step counter per group.
+    """
+    keys: dict[int, list[int]] = {}
+    for m, (a, b) in sorted(module_ranges(net, cfg, stage_id).items()):
+        for p in ModuleLayers(net.forward_funcs[a:b]).parameters():
+            keys.setdefault(id(p), []).append(m)
+    return {k: tuple(v) for k, v in keys.items()}
+
+
+__all__ = ["replayed", "leaf", "accumulate", "ModuleLayers", "valid_targets", "module_ranges", "param_group_keys"]

@@ -101,3 +101,25 @@ def test_train_resume_at_another_layout_then_generate(tmp_path) -> None:
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
     kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(exported.generate(prompt, **kw), trained.generate(prompt, **kw))
+
+
+def test_finetune_through_the_launcher(tmp_path) -> None:
+    """``deepspeed --num_gpus 2 launch/finetune.py --model <Qwen2 dir>`` at TP=2 (bf16): trains, checkpoints,
+    and writes <output_dir>/hf, a Qwen2ForCausalLM directory that from_pretrained loads."""
+    from transformers import AutoModelForCausalLM
+
+    from launcher_utils import explain, launch, read_log, tiny_dataset, train_config
+
+    data = tiny_dataset(str(tmp_path))
+    model_dir = str(tmp_path / "qwen2")
+    tiny_llama("qwen2", kv=2, tied=True).save_pretrained(model_dir)
+    cfg = train_config(str(tmp_path), data, tp=2, pp=1, steps=2, ds={"bf16": {"enabled": True}})
+    cfg["ds_mp"].pop("model")
+    proc = launch(str(tmp_path), cfg, n=2, script="launch/finetune.py", args=("--model", model_dir, "--data", data),
+                  timeout=600)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_log(str(tmp_path / "run"))
+    assert [int(r["step"]) for r in rows] == [1, 2]
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "hf"))
+    assert type(exported).__name__ == "Qwen2ForCausalLM"
+    assert os.path.isdir(tmp_path / "run" / "checkpoints" / "step2")

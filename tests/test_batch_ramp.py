@@ -103,6 +103,35 @@ def test_lr_scaling_keeps_the_scheduled_lr_apart():
     assert resumed.apply([dict(g) for g in groups], 1.0) == scale.apply(groups, 1.0) == [0.05, 0.1]
 
 
+def test_benchmark_analysis_interpolates_to_the_target_and_bounds_unreached_baselines():
+    """benchmarks/batch_ramp.py's headline numbers: the target is the best fixed run's loss at the
+    budget; tokens/steps to it interpolate between validation passes; a baseline that never got
+    there makes the ratio an upper bound (its whole run)."""
+    import sys
+
+    from launcher_utils import REPO
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from benchmarks.batch_ramp import analyse, reach
+
+    def rows(points: list[tuple[int, int, float]]) -> list[dict]:  # (samples, step, val_loss)
+        return [{"samples": n, "step": t, "val_loss": v, "batch": 4} for n, t, v in points]
+
+    small = rows([(0, 0, 9.0), (100, 25, 6.0), (200, 50, 5.0)])
+    large = rows([(0, 0, 9.0), (200, 2, 7.0), (400, 4, 6.0)])            # never reaches 5.0
+    noise = rows([(0, 0, 9.0), (100, 25, 6.0), (200, 40, 5.5), (300, 50, 4.5)])
+    assert reach(noise, 5.0) == (250.0, 45.0)                               # halfway from 5.5 to 4.5
+    runs = [{"name": n, "seed": 0, "rows": r} for n, r in
+            (("fixed small", small), ("fixed large", large), ("noise-scale ramp", noise))]
+    out = analyse(runs, {"budget": 200, "seq_len": 10})
+    assert out["targets"] == {0: 5.0} and out["best_fixed"] == {0: "fixed small"}
+    tokens = out["checks"]["noise_tokens_vs_fixed_large"]
+    assert tokens["values"] == [2500 / 4000] and tokens["upper_bound"] == [True] and tokens["met"]
+    steps = out["checks"]["noise_steps_vs_fixed_small"]
+    assert steps["values"] == [45 / 50] and steps["upper_bound"] == [False] and steps["met"] is False
+
+
 # ----------------------------------------------------------------------------- config
 def _ramp_cfg(world: int = 2, micro: int = 2, **ramp):
     block = {"policy": "linear", "start": 4, "max": 16, "ramp_samples": 64, **ramp}

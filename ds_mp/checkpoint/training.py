@@ -40,9 +40,10 @@ import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import commit_dir, fresh_dir, write_text_atomic
-from ds_mp.checkpoint.integrity import Manifest, file_entries, load_torch, write_manifest
+from ds_mp.checkpoint.integrity import file_entries, load_torch, write_manifest
 from ds_mp.checkpoint.sharded import (META, CheckpointError, ShardedReader, expected_shapes, lora_shapes,
                                       make_meta, shard_file, write_meta)
+from ds_mp.checkpoint.schedule_state import layout_of, load_schedule_state, schedule_file, schedule_state
 from ds_mp.models.pipeline import hf_param_name
 
 TRAINER_STATE = "trainer_state.pt"
@@ -66,11 +67,6 @@ def _base_optimizer(engine: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer doing the update (the one a bf16/ZeRO wrapper holds)."""
     opt = engine.optimizer
     return opt.optimizer if _is_native(engine) else opt
-
-
-def _layout(engine: Any) -> dict:
-    t = engine.topology
-    return {"tp": t.tp, "pp": t.pp, "dp": t.dp}
 
 
 def _params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
@@ -211,10 +207,10 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
     def write() -> dict:
         """This rank's files; returns their manifest entries (read back while still cached)."""
         written = _write_rank_files(tmp, topo, tensors, opt is not None) if topo.dp_rank == 0 else []
-        extra = _schedule_state(engine)
+        extra = schedule_state(engine)
         if extra is not None:  # work a schedule keeps in flight across steps (Ouroboros), per rank
-            torch.save({"layout": _layout(engine), "state": extra}, _extra_file(tmp, topo))
-            written.append(_extra_file(tmp, topo))
+            torch.save({"layout": layout_of(engine), "state": extra}, schedule_file(tmp, topo))
+            written.append(schedule_file(tmp, topo))
         if topo.rank == 0:
             meta = make_meta(engine.hf_config, topo.tp, list(engine.module.parts),
                              engine.module.ds_mp_ctx.padded_vocab, has_optimizer=opt is not None,
@@ -237,56 +233,6 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
     return final
 
 
-def _schedule_state(engine: Any) -> dict | None:
-    hook = getattr(engine, "schedule_state_dict", None)
-    return hook() if hook is not None else None
-
-
-def _extra_file(path: str, topo: Any, tp_rank: int | None = None) -> str:
-    tp = topo.tp_rank if tp_rank is None else tp_rank
-    return os.path.join(path, f"schedule-pp{topo.pp_rank:02d}-tp{tp:02d}-dp{topo.dp_rank:02d}.pt")
-
-
-def _extra_source(engine: Any, path: str, saved_layout: dict | None) -> str | None:
-    """The schedule-state file this rank resumes from, None if its schedule keeps none.
-
-    In-flight work (Ouroboros: stashed module inputs, deltas in flight) is tied to the ring (PP)
-    and to each replica's samples (DP).  Across a TP change it moves when the schedule says its
-    state is replicated over TP (``engine.schedule_state_tp_free()``: activations are whole on
-    every TP rank, no TP-sharded weight snapshots, no dropout masks to redraw): every new TP rank
-    then takes TP rank 0's file."""
-    if not getattr(engine, "keeps_schedule_state", lambda: False)():
-        return None
-    layout, topo = _layout(engine), engine.topology
-    if saved_layout is None or saved_layout == layout:
-        return _extra_file(path, topo)
-    way_out = "or start from the weights with ds_mp.training.init_from"
-    if (saved_layout["pp"], saved_layout["dp"]) != (layout["pp"], layout["dp"]):
-        raise CheckpointError(f"{path}: in-flight {engine.schedule_name} work was saved at {saved_layout}, the engine "
-                              f"has {layout}: it is tied to the ring (PP) and to each replica's samples (DP); resume "
-                              f"at pp={saved_layout['pp']}, dp={saved_layout['dp']} (any TP), {way_out}")
-    if not engine.schedule_state_tp_free():
-        raise CheckpointError(f"{path}: in-flight {engine.schedule_name} work was saved at tp={saved_layout['tp']}, the "
-                              f"engine has tp={layout['tp']}; it moves across TP only with recompute 'current' and "
-                              f"dropout 0 (no TP-sharded weight snapshots, no masks to redraw): resume at "
-                              f"tp={saved_layout['tp']}, {way_out}")
-    return _extra_file(path, topo, tp_rank=0)
-
-
-def _load_extra(engine: Any, path: str, manifest: Manifest | None, saved_layout: dict | None) -> None:
-    """The schedule's in-flight state of this rank (saved only by schedules that keep one; see
-    :func:`_extra_source` for the layouts it resumes at)."""
-    file = _extra_source(engine, path, saved_layout)
-    if file is None:
-        return
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{path}: no {os.path.basename(file)}; schedule {engine.schedule_name!r} keeps work "
-                              "in flight across steps and resumes only at the layout it was saved with (or start "
-                              "from the weights with ds_mp.training.init_from)")
-    saved = load_torch(file, manifest)
-    engine.load_schedule_state_dict(saved["state"])
-
-
 def _verify_reads(engine: Any, reader: ShardedReader, path: str) -> None:
     """Check, before the engine is touched, the whole of every file this rank will read: the
     saved shards overlapping its own (weights, and optimizer state of trainable parameters),
@@ -302,7 +248,7 @@ def _verify_reads(engine: Any, reader: ShardedReader, path: str) -> None:
         meta = {"n_head": family.heads(name, engine.hf_config), "padded_vocab": padded}
         files |= reader.files_of_shard(name, family.tp_kind(name), topo.tp_rank, topo.tp, **meta,
                                        state=trains and p.requires_grad)
-    for extra in (_extra_file(path, topo), _extra_file(path, topo, tp_rank=0)):  # its own, or TP rank 0's
+    for extra in (schedule_file(path, topo), schedule_file(path, topo, tp_rank=0)):  # its own, or TP rank 0's
         if os.path.isfile(extra):
             files.add(extra)
     reader.verify_files(files)
@@ -433,5 +379,5 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
         engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
     engine.global_steps, engine.global_samples = trainer["global_steps"], trainer["global_samples"]
     engine.skipped_steps = trainer["skipped_steps"]
-    _load_extra(engine, path, reader.manifest, trainer.get("layout"))
+    load_schedule_state(engine, path, reader.manifest, trainer.get("layout"))
     return trainer["client_state"]

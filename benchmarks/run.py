@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "ouroboros": "benchmarks.ouroboros",
     "timelines": "benchmarks.timelines",
     "scale": "benchmarks.scale",
+    "schedules": "benchmarks.schedules",
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

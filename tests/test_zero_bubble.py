@@ -153,7 +153,7 @@ def _steps(n: int, per_step: int, seed: int) -> list[list]:
     return out
 
 
-def _case(name: str, *, tp: int = 1, pp: int = 2, dp: int = 1, gas: int = 4, clip: float = 1.0, lr: float = 0.1,
+def _case(name: str, *, tp: int = 1, pp: int = 2, dp: int = 1, gas: int = 4, clip: float = 0.5, lr: float = 0.1,
           schedule: str = "zb-h1", bf16: bool = False, zero: int = 0, **ds_mp) -> dict:
     cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=lr, clip=clip, schedule=schedule, seq=SEQ, **ds_mp)
     if bf16:
@@ -234,3 +234,69 @@ def test_refused_combinations(extra: dict, match: str, monkeypatch) -> None:
     with pytest.raises(ConfigError, match=match) as e:
         load_config({**ds_config(pp=2, schedule="zb-h1"), **extra}, 2)
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ LoRA against PEFT
+
+def _lora_rank(rank: int) -> dict:
+    import ds_mp
+    from test_lora import LR, lora_block, peft_model, steps_data
+
+    cfg = ds_config(pp=2, gas=2, lr=LR, seq=SEQ, schedule="zb-h1", lora=lora_block())
+    engine, *_ = ds_mp.initialize(model=peft_model(), config=cfg)
+    losses = [float(engine.train_batch(iter(mbs))) for mbs in steps_data()]
+    frozen_grads = [n for n, p in engine.module.named_parameters() if not p.requires_grad and p.grad is not None]
+    return {"losses": losses, "frozen_grads": frozen_grads}
+
+
+def test_zb_h1_lora_equals_peft() -> None:
+    """LoRA: W computes only the trainable factors' gradients (the frozen base gets none); the
+    losses equal PEFT's LoRA on the single-process HF model."""
+    from helpers import hf_reference
+    from test_lora import LR, peft_model, steps_data
+
+    want, _ = hf_reference(peft_model(), steps_data(), lr=LR)
+    for r in run_ranks(_lora_rank, 2, timeout=300):
+        assert r["frozen_grads"] == []
+        assert r["losses"] == pytest.approx(want, abs=2e-5), (r["losses"], want)
+
+
+def test_timeline_labels_b_and_w_apart() -> None:
+    from ds_mp.training.trace import chrome_trace, event_label
+
+    assert event_label("BackwardInput", 2) == "B2" and event_label("BackwardWeight", 2) == "W2"
+    events = chrome_trace({0: [("BackwardInput", 1, 0.0, 1.0), ("BackwardWeight", 1, 1.0, 2.0)]})["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "X"] == ["B1", "W1"]
+
+
+# ------------------------------------------------------------------ resume across schedules and layouts
+
+def _resume_rank(rank: int, root: str) -> dict:
+    import ds_mp
+
+    def engine(schedule: str, tp: int, pp: int):
+        cfg = ds_config(tp=tp, pp=pp, gas=2, lr=0.01, clip=1.0, optimizer="Adam", schedule=schedule, seq=SEQ)
+        return ds_mp.initialize(model=tiny_gpt2(), config=cfg)[0]
+
+    data = _steps(4, 2, seed=40)
+    out = {}
+    for first, second in ((("zb-h1", 1, 2), ("1f1b", 2, 1)), (("1f1b", 1, 2), ("zb-h1", 1, 2))):
+        a = engine(*first)
+        losses = [float(a.train_batch(iter(s))) for s in data[:2]]
+        ds_mp.save_checkpoint(a, f"{root}/{first[0]}", "step2")
+        b = engine(*second)
+        ds_mp.load_checkpoint(b, f"{root}/{first[0]}")
+        losses += [float(b.train_batch(iter(s))) for s in data[2:]]
+        out[f"{first[0]}->{second[0]}"] = losses
+    whole = engine("zb-h1", 1, 2)
+    out["zb-h1 uninterrupted"] = [float(whole.train_batch(iter(s))) for s in data]
+    return out
+
+
+def test_zb_h1_resumes_across_schedules_and_layouts(tmp_path) -> None:
+    """ZB-H1 keeps no work across steps: a zb-h1 run at PP=2 saved after 2 Adam steps resumes as
+    1F1B at TP=2, and a 1F1B run resumes as zb-h1, each continuing the uninterrupted run's losses."""
+    r = run_ranks(_resume_rank, 2, str(tmp_path), timeout=400)[0]
+    want = r["zb-h1 uninterrupted"]
+    for name in ("zb-h1->1f1b", "1f1b->zb-h1"):
+        assert r[name] == pytest.approx(want, rel=1e-5), (name, r[name], want)

@@ -28,6 +28,13 @@ checkpointed forward.
 
 With TP > 1 the column-parallel linear's fused backward (one autograd node computing dX and
 dW) runs in both B and W: exact, but that layer's backward work is done twice.
+
+Two DeepSpeed behaviours the split must not trip over (each has a test that fails without its
+guard, ``tests/test_zero_bubble.py``): every ``RecvGrad`` writes into the same gradient buffer,
+and autograd hands a gradient on uncopied through residual adds, so B copies the received
+gradient before recording anything (PP = 3); and DeepSpeed's forward hooks the stage outputs to
+scale their gradient by 1/GAS outside its own backward, so B removes them once they ran, before
+W can re-enter an output node (TP × PP = 2 × 2: the LM head's node returns the logits).
 """
 from __future__ import annotations
 
@@ -131,20 +138,38 @@ def _backward_is_input_only(engine: Any, buffer_id: int, weights: list[torch.Ten
     and run together with the last one.  Yields a dict that receives ``"groups"``."""
     original, calls, out = torch.Tensor.backward, [], {}
 
-    def backward(tensor: torch.Tensor, gradient: torch.Tensor | None = None, retain_graph: bool | None = None,
+    def backward(tensor: torch.Tensor, gradient: Any = None, retain_graph: bool | None = None,
                  create_graph: bool = False, inputs: Any = None) -> None:
-        calls.append((tensor, gradient))
+        if isinstance(gradient, (tuple, list)):  # DeepSpeed hands a one-tensor output its gradient as a tuple
+            (gradient,) = gradient
+        # A copy: DeepSpeed receives every gradient into the same buffer, and autograd passes it on
+        # uncopied (residual adds), so the gradients recorded for W could alias it.
+        calls.append((tensor, None if gradient is None else gradient.clone()))
         if retain_graph:
             return
         outs, grads = [t for t, _ in calls], [g for _, g in calls]
         calls.clear()
         out["groups"] = input_backward(outs, grads, _stage_inputs(engine, buffer_id), weights)
+        drop_output_hooks(outs)
 
     torch.Tensor.backward = backward
     try:
         yield out
     finally:
         torch.Tensor.backward = original
+
+
+def drop_output_hooks(outputs: Any) -> None:
+    """Remove the backward hooks DeepSpeed's forward put on a stage's outputs (its
+    ``OutputBackwardHookManager``s, kept in the tensor's ``_backward_hook_managers``; DeepSpeed
+    0.19).  They scale an output's gradient by 1/gradient-accumulation unless the running graph
+    task is the engine's own backward; B ran them once.  W re-enters the graph at recorded
+    gradients, and where a weight's consumer is the output node itself (the TP LM head: a single
+    custom autograd node returns the logits) the hook would fire again in W's graph task and halve
+    (1/GAS) that weight's gradient."""
+    for t in outputs if isinstance(outputs, (tuple, list)) else [outputs]:
+        for manager in getattr(t, "_backward_hook_managers", []):
+            manager.remove_hooks()
 
 
 def _weights(engine: Any) -> list[torch.Tensor]:
@@ -154,12 +179,18 @@ def _weights(engine: Any) -> list[torch.Tensor]:
 def _exec_backward_input(self: Any, buffer_id: int) -> None:
     st = self.zero_bubble
     if self.is_first_stage():  # nothing to send back: the whole backward runs as W
-        st.pending[buffer_id] = self.grad_layer
+        # a copy: the next RecvGrad overwrites DeepSpeed's gradient buffer in place
+        g = self.grad_layer
+        st.pending[buffer_id] = g.clone() if isinstance(g, torch.Tensor) else None if g is None else [t.clone() for t in g]
         return
     weights = _weights(self)
     with _backward_is_input_only(self, buffer_id, weights) as out:
         self.run_backward(buffer_id)
     st.pending[buffer_id] = out["groups"]
+    if self.is_last_stage():  # W starts at the recorded gradients: let the graph above them go now
+        drop_output_hooks(compat.pipe_buffers(self)["outputs"][buffer_id])
+        compat.pipe_buffers(self)["outputs"][buffer_id] = None  # the logits (DeepSpeed drops the others')
+        self.loss = self.loss.detach()
 
 
 def _exec_backward_weight(self: Any, buffer_id: int) -> None:

@@ -52,7 +52,9 @@ class SavedActivations:
             self.live += self._bytes[key]
             self.peak = max(self.peak, self.live)
         self._refs[key] += 1
-        return _Saved(t, key, self)
+        # detached: a node saving its own output would otherwise hold itself through the tensor's
+        # grad_fn (a reference cycle through this wrapper that is never collected)
+        return _Saved(t.detach(), key, self)
 
     @staticmethod
     def _unpack(obj: Any) -> torch.Tensor:

@@ -167,3 +167,18 @@ def test_pad_token_row_gets_no_gradient_as_in_hf() -> None:
     row = "model.embed_tokens.weight"
     assert torch.equal(want[row][pad], model.state_dict()[row][pad])  # the oracle keeps it
     assert max_diff(got, want) < TOL and torch.equal(got[row][pad], want[row][pad])
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2xpp2"])
+def test_zero_bubble_equals_hf(tp: int, pp: int) -> None:
+    """zb-h1 (backward split into input and weight gradients): Qwen2 with its KV heads replicated at TP=2
+    (3 over 2: the copy_to_tp on k/v weights runs in the deferred weight pass), clipping on."""
+    model, steps = tiny_llama("qwen2", 3, False), steps_for()
+    want_losses, _, want = hf_train(model, steps, lr=LR, clip=CLIP)
+    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, schedule="zb-h1")
+    results = run_ranks(_train, tp * pp, model, steps, cfg, timeout=600)
+    got: dict = {}
+    for losses, weights in results:
+        got.update(weights)
+        assert max(abs(a - b) for a, b in zip(losses, want_losses)) < TOL, (losses, want_losses)
+    assert max_diff(got, want) < TOL

@@ -1,4 +1,5 @@
-"""ds_mp: tensor parallelism, TeraPipe and Ouroboros for Hugging Face GPT-2 on DeepSpeed.
+"""ds_mp: tensor parallelism, TeraPipe and Ouroboros for Hugging Face GPT-2 (and Llama, Qwen2,
+Mistral: ``ds_mp.models``) on DeepSpeed.
 
 ``engine, optimizer, dataloader, lr_scheduler = ds_mp.initialize(model=..., config=...)``
 mirrors ``deepspeed.initialize``; everything ds_mp does is read from the ``"ds_mp"``
@@ -16,10 +17,10 @@ __all__ = ["initialize", "ConfigError", "DsMpConfig", "load_config", "SCHEDULES"
 
 
 def initialize(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None):
-    """Build the parallel GPT-2 and DeepSpeed's engine for it.
+    """Build the parallel model (GPT-2, Llama, Qwen2, Mistral) and DeepSpeed's engine for it.
 
     Args:
-        model: a ``GPT2LMHeadModel``, an HF checkpoint directory, or None (use
+        model: an HF ``…ForCausalLM`` of a family ds_mp knows, an HF checkpoint directory, or None (use
             ``ds_mp.model`` from the config: a directory or an inline shape).
         config: path or dict of the DeepSpeed JSON (default: ``args.deepspeed_config``).
         training_data, args, optimizer, lr_scheduler: as in ``deepspeed.initialize``.
@@ -35,7 +36,7 @@ def initialize(model=None, config=None, training_data=None, args=None, optimizer
 
 
 def save_hf(engine, out_dir: str, tokenizer_dir: str | None = None) -> None:
-    """Collective: every rank calls it; rank 0 writes a complete HF GPT-2 directory."""
+    """Collective: every rank calls it; rank 0 writes a complete HF model directory."""
     from ds_mp.checkpoint.hf import save_hf as _save_hf
 
     _save_hf(engine, out_dir, tokenizer_dir=tokenizer_dir)
@@ -44,7 +45,7 @@ def save_hf(engine, out_dir: str, tokenizer_dir: str | None = None) -> None:
 def save_lora(engine, out_dir: str, merge: bool = False, tokenizer_dir: str | None = None,
               base_model: str | None = None) -> None:
     """Collective: rank 0 writes the LoRA adapter in PEFT's format (``adapter_config.json`` +
-    ``adapter_model.safetensors``), or with ``merge`` the merged HF GPT-2 directory."""
+    ``adapter_model.safetensors``), or with ``merge`` the merged HF model directory."""
     from ds_mp.checkpoint.lora import save_lora as _save_lora
 
     _save_lora(engine, out_dir, merge=merge, tokenizer_dir=tokenizer_dir, base_model=base_model)

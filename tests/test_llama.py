@@ -20,7 +20,7 @@ from helpers import batches, ds_config
 from test_tensor_parallel import gather_weights, hf_train, max_diff
 
 VOCAB, SEQ, LR, TOL, CLIP = 1003, 16, 0.1, 2e-5, 1.0
-BF16_TOL = 0.02  # relative, bf16 losses against HF's fp32 ones (measured: see the test ids' bf16 case)
+BF16_TOL = 1e-3  # relative, bf16 losses against HF's fp32 ones (measured 2.6e-5 on the bf16 case, TP2 x PP2)
 
 
 def tiny_llama(kind: str = "llama", kv: int = 2, tied: bool = False, n_layer: int = 2, seed: int = 0,

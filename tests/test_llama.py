@@ -182,3 +182,23 @@ def test_zero_bubble_equals_hf(tp: int, pp: int) -> None:
         got.update(weights)
         assert max(abs(a - b) for a, b in zip(losses, want_losses)) < TOL, (losses, want_losses)
     assert max_diff(got, want) < TOL
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_cost_profile_measures_the_family_layers(tied: bool) -> None:
+    """``"partition": "cost"`` times the Llama table's own lead (embed_tokens), block and tail (norm, head,
+    loss) layers; the split puts the 1 lead layer on stage 0 and the 2 tail layers on the last stage."""
+    from ds_mp.models.cost_profile import measure_layer_costs
+    from ds_mp.models.family import family_of
+    from ds_mp.models.partition import stage_parts
+    from ds_mp.models.weights import WeightSource
+    from ds_mp.topology import Topology
+
+    model = tiny_llama("llama", 2, tied, n_layer=4)
+    costs = measure_layer_costs(WeightSource.from_model(model), Topology(tp=1, pp=1, dp=1, rank=0), rows=2,
+                                seq=SEQ, dtype=torch.float32, device=torch.device("cpu"), rounds=2, warmup=1)
+    assert min(vars(costs).values()) > 0, costs
+    fam = family_of(model.config)
+    parts = stage_parts(4, 2, [1, 3], 96, VOCAB, lead=fam.lead_layers, tail=fam.tail_layers)
+    table = fam.pipeline_layers(model.config)
+    assert parts == [0, 2, 7] and table[:2] == ["embed_tokens", "layers.0"] and table[2:7][-2:] == ["norm", "lm_head"]

@@ -199,7 +199,7 @@ def eval_cli(argv: Sequence[str] | None = None) -> int:
             print(f"ds-mp eval: no tokenizer in {tok_dir!r} ({e}); pass --tokenizer DIR", file=sys.stderr)
             return 2
     logits_fn = hf_logits_fn(model)
-    max_len = args.window or getattr(model.config, "n_positions", None) or 1024
+    max_len = args.window or getattr(model.config, "max_position_embeddings", None) or 1024  # GPT-2: n_positions
     out: dict[str, Any] = {"model": args.model}
 
     if args.data is not None:

@@ -188,6 +188,13 @@ def master_grad(param: Any) -> Any:
     return getattr(param, "_hp_grad", None)
 
 
+def output_hook_managers(tensor: Any) -> list:
+    """The ``OutputBackwardHookManager``s DeepSpeed 0.19's engine forward attaches to an output
+    tensor (``_backward_hook_managers``: hooks that scale its gradient by 1/gradient accumulation
+    unless the running graph task is the engine's own backward); [] when it has none."""
+    return list(getattr(tensor, "_backward_hook_managers", []))
+
+
 def reserve_pipe_buffers(engine: Any, n: int) -> None:
     engine._reserve_pipe_buffers(n)
 

@@ -168,7 +168,7 @@ def drop_output_hooks(outputs: Any) -> None:
     custom autograd node returns the logits) the hook would fire again in W's graph task and halve
     (1/GAS) that weight's gradient."""
     for t in outputs if isinstance(outputs, (tuple, list)) else [outputs]:
-        for manager in getattr(t, "_backward_hook_managers", []):
+        for manager in compat.output_hook_managers(t):
             manager.remove_hooks()
 
 

@@ -36,6 +36,8 @@ BENCHMARKS: dict[str, str] = {
     "timelines": "benchmarks.timelines",
     "scale": "benchmarks.scale",
     "schedules": "benchmarks.schedules",
+    "llama_tp": "benchmarks.llama_tp",
+    "llama_scale": "benchmarks.llama_scale",
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -59,3 +59,14 @@ def hf_reference(model, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], lr
         opt.step()
         losses.append(total)
     return losses, model
+
+
+def randomise_lora_b(model: Any, seed: int, scale: float = 0.05) -> Any:
+    """Draw every LoRA B factor from N(0, scale²) (PEFT initialises B = 0, which would leave A's
+    gradient zero in the first step); returns ``model``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from helpers import batches, ds_config, hf_reference
+from helpers import batches, ds_config, hf_reference, randomise_lora_b
 from test_llama import tiny_llama
 
 VOCAB, SEQ, R, ALPHA, LR = 1003, 16, 4, 8.0, 0.05
@@ -26,12 +26,7 @@ def peft_model(seed: int = 0):
 
     cfg = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
     model = get_peft_model(tiny_llama("qwen2", kv=2, tied=True, seed=seed), cfg)
-    g = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
+    return randomise_lora_b(model, seed + 7)
 
 
 def steps_data(n: int = 2) -> list[list]:

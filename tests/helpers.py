@@ -46,19 +46,27 @@ def hf_reference(model, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], lr
     model = copy.deepcopy(model).train()
     opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "SGD"
            else torch.optim.Adam(model.parameters(), lr=lr))
-    losses = []
+    losses, _ = train_one_process(model, steps, opt, clip)
+    return losses, model
+
+
+def train_one_process(model: Any, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], opt: Any,
+                      clip: float = 0.0) -> tuple[list[float], list[float]]:
+    """Train ``model`` in place on one process: per step, the mean loss over its micro-batches
+    (gradient accumulation) and the pre-clip global norm from torch's ``clip_grad_norm_`` (0 when
+    ``clip`` is off), then ``opt.step()``."""
+    losses, norms = [], []
     for micro_batches in steps:
         opt.zero_grad()
         total = 0.0
         for ids, labels in micro_batches:
             loss = model(input_ids=ids, labels=labels).loss / len(micro_batches)
             loss.backward()
-            total += float(loss)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            total += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip > 0 else 0.0)
         opt.step()
         losses.append(total)
-    return losses, model
+    return losses, norms
 
 
 def randomise_lora_b(model: Any, seed: int, scale: float = 0.05) -> Any:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from helpers import batches, ds_config, tiny_gpt2
+from helpers import batches, ds_config, tiny_gpt2, train_one_process
 from test_zero2 import weights_digest
 
 VOCAB, SEQ, LR, WD, CLIP, STEPS = 203, 16, 0.01, 0.1, 0.5, 3
@@ -42,18 +42,7 @@ def one_rank_lamb(steps: list[list]) -> tuple[list[float], list[float]]:
 
     model = tiny_gpt2().train()
     opt = single_process_optimizer(LAMB, model)
-    losses, norms = [], []
-    for mbs in steps:
-        opt.zero_grad()
-        total = 0.0
-        for ids, labels in mbs:
-            loss = model(input_ids=ids, labels=labels).loss / len(mbs)
-            loss.backward()
-            total += float(loss.detach())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        losses.append(total)
-    return losses, norms
+    return train_one_process(model, steps, opt, CLIP)
 
 
 def _rank(rank: int) -> dict:

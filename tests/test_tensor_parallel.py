@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from dist_utils import run_ranks
 from ds_mp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    padded_vocab_size, shard, unshard, vocab_parallel_cross_entropy)
-from helpers import batches, ds_config, tiny_gpt2
+from helpers import batches, ds_config, tiny_gpt2, train_one_process
 
 VOCAB, EMBD, SEQ, TOL = 1003, 48, 16, 1e-5
 
@@ -40,18 +40,7 @@ def hf_train(model, steps: list[list], lr: float, clip: float = 0.0) -> tuple[li
     """Single-process SGD: per step the mean loss over its micro-batches, the pre-clip
     gradient norm (``clip_grad_norm_``, 0 when off) and the final weights by HF name."""
     model = copy.deepcopy(model).train()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses, norms = [], []
-    for micro_batches in steps:
-        opt.zero_grad()
-        total = 0.0
-        for ids, labels in micro_batches:
-            loss = model(input_ids=ids, labels=labels).loss / len(micro_batches)
-            loss.backward()
-            total += float(loss.detach())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip > 0 else 0.0)
-        opt.step()
-        losses.append(total)
+    losses, norms = train_one_process(model, steps, torch.optim.SGD(model.parameters(), lr=lr), clip)
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

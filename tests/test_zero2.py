@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from helpers import batches, ds_config, tiny_gpt2
+from helpers import batches, ds_config, tiny_gpt2, train_one_process
 
 VOCAB, SEQ, LR, CLIP, STEPS = 203, 16, 0.01, 0.5, 3
 FP32_TOL = 1e-5
@@ -68,18 +68,7 @@ def hf_adamw(model: torch.nn.Module, steps: list[list]) -> tuple[list[float], li
     torch's clipping; per step the mean loss and the pre-clip global norm."""
     model = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses, norms = [], []
-    for mbs in steps:
-        opt.zero_grad()
-        total = 0.0
-        for ids, labels in mbs:
-            loss = model(input_ids=ids, labels=labels).loss / len(mbs)
-            loss.backward()
-            total += float(loss.detach())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        losses.append(total)
-    return losses, norms
+    return train_one_process(model, steps, opt, CLIP)
 
 
 def weights_digest(engine) -> str:

@@ -27,7 +27,6 @@ largest rise of the training loss above its running minimum; divergence).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics

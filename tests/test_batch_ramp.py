@@ -12,7 +12,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from dist_utils import run_ranks
 from helpers import batches, ds_config, hf_reference, tiny_gpt2

@@ -13,7 +13,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from helpers import batches, ds_config, hf_reference, tiny_gpt2
-from test_lora import ALPHA, LR, R, SEQ, TARGETS, VOCAB, peft_model, steps_data
+from test_lora import ALPHA, LR, R, SEQ, TARGETS, peft_model, steps_data
 
 BF16_RTOL = 0.01  # bf16 activations/weights vs PEFT's fp32 losses (measured below 2e-3 over 3 steps)
 

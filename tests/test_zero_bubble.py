@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from dist_utils import run_ranks

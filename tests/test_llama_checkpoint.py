@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from helpers import batches, ds_config
+from helpers import batches, ds_config, train_one_process
 from test_llama import SEQ, VOCAB, tiny_llama
 
 LR, MOMENTUM = 0.1, 0.9
@@ -67,17 +67,7 @@ def _train_rank(rank: int, model_dir: str, tp: int, pp: int, steps: list, root: 
 
 def hf_sgd(model, steps: list[list]) -> tuple[list[float], torch.nn.Module]:
     model = copy.deepcopy(model).train()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    losses = []
-    for mbs in steps:
-        opt.zero_grad()
-        total = 0.0
-        for ids, labels in mbs:
-            loss = model(input_ids=ids, labels=labels).loss / len(mbs)
-            loss.backward()
-            total += float(loss.detach())
-        opt.step()
-        losses.append(total)
+    losses, _ = train_one_process(model, steps, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM))
     return losses, model.eval()
 
 

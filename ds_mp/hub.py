@@ -7,7 +7,7 @@ path is returned unchanged; anything else that reads as a Hub id (``gpt2``,
 (:data:`HUB_PATTERNS`: ``config.json``, ``*.safetensors`` + index, tokenizer files), in
 huggingface_hub's own cache (``HF_HUB_CACHE`` / ``HF_HOME``, read when called) and obeying
 ``HF_HUB_OFFLINE``.  A name that resolves nowhere raises :class:`HubError` with one line
-saying what to do.  Called from the ``ds_mp.model`` check (``config.py``), ``initialize``,
+saying what to do.  Called from the ``ds_mp.model`` check (``ds_mp.config.checks``), ``initialize``,
 the training loop (``training.init_from``), ``ds-mp convert`` and ``ds-mp eval/generate``.
 
 This module imports nothing from ds_mp (floor 0) and huggingface_hub only when a Hub id is

@@ -247,7 +247,7 @@ def test_config_reference_reads_comments_and_refuses_an_undocumented_key() -> No
 
     assert field_comments(_Inner) == {"documented": "a trailing comment", "above": "a comment block above on two lines",
                                       "bare": ""}
-    with pytest.raises(UndocumentedKey, match=r"config keys without a '# comment' in ds_mp/config.py: inner\.bare;"):
+    with pytest.raises(UndocumentedKey, match=r"config keys without a '# comment' in ds_mp/config/schema.py: inner\.bare;"):
         reference(_Outer)  # inner.documented, inner.above and items are documented; hidden is not a key
 
 

@@ -1,0 +1,209 @@
+"""The ``"ds_mp"`` block's schema: one dataclass per section, each field with its default and a
+``# comment`` (docs/config.md is generated from them), and the type-checking parser
+:func:`parse_config`.  The checks that need the world size or the model live in
+:mod:`ds_mp.config.checks`."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+class ConfigError(ValueError):
+    """A ds_mp configuration problem; the message is one line naming the key and the fix."""
+
+
+@dataclass
+class InlineModel:
+    """A GPT-2 shape for training from scratch (fields as in ``transformers.GPT2Config``)."""
+
+    n_layer: int = 4  # transformer blocks
+    n_embd: int = 128  # hidden size
+    n_head: int = 4  # attention heads
+    vocab_size: int = 8192  # true vocabulary size (padding is added for TP, never exported)
+    n_positions: int = 1024  # maximum sequence length
+    dropout: float = 0.0  # resid/embd/attn dropout probability
+
+
+@dataclass
+class TensorParallelConfig:
+    size: int = 1  # TP degree; must divide n_head
+    sequence_parallel: bool = False  # shard LayerNorm/dropout regions along the sequence
+    vocab_pad_multiple: int = 128  # vocab is padded to a multiple of this × size
+    overlap_comm: bool = True  # backward: all-reduce dX of column-parallel layers while computing dW
+
+
+@dataclass
+class PipelineConfig:
+    stages: int = 1  # PP degree (number of pipeline stages)
+    schedule: str = "1f1b"  # a name registered in ds_mp.SCHEDULES
+    partition: Union[str, list] = "uniform"  # "uniform" | "parameters" | "cost" (measured) | [blocks per stage]
+    activation_checkpoint_interval: int = 0  # checkpoint every N pipeline layers (0 = off)
+
+
+@dataclass
+class TeraPipeConfig:
+    slices: Union[str, list] = "auto"  # "auto" (planner) or token lengths summing to seq_len
+    batch_slices: Union[int, str] = 1  # equal batch-slices per micro-batch, or "auto" (knapsack over sizes)
+    granularity: int = 8  # planner slice lengths are multiples of this
+    profile: str = ""  # cost-model JSON to reuse ("" = <output_dir>/terapipe_profile.json)
+    order: str = "gpipe"  # "gpipe" (all slice forwards, then all backwards) or "1f1b" (activations bounded by stages)
+
+
+@dataclass
+class OuroborosConfig:
+    modules: int = 0  # K modules on K-1 ranks (0 = pipeline.stages + 1)
+    delay: bool = True  # False reduces to synchronous backprop (for testing)
+    split: Union[str, list] = "balanced"  # "balanced" (rank costs, head included), "equal" (paper), [blocks per module]
+    # replay delayed modules with the "current" weights or the "stashed" ones, or "none": keep the forward's
+    # graph (activations) until its delayed backward, the maths of "stashed" without the replay's forward
+    recompute: str = "current"
+    repeat_dropout: bool = True  # the replay applies its forward's dropout masks (False: fresh masks, an ablation)
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # prepared dataset dir (ds-mp prepare-data); "" = embedded stdlib corpus
+    seq_len: int = 128  # tokens per sample
+    vocab_size: int = 8192  # tokenizer vocab for the embedded default corpus
+    seed: int = 1234  # shuffle seed
+    cache_dir: str = ""  # where the default corpus is built ("" = ~/.cache/ds_mp)
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100  # optimizer steps
+    log_interval: int = 10  # steps between log lines / CSV rows
+    eval_interval: int = 50  # steps between validation passes (0 = off)
+    eval_batches: int = 4  # micro-batches per validation pass
+    checkpoint_interval: int = 50  # steps between checkpoints (0 = only at the end)
+    output_dir: str = "runs/ds_mp"  # checkpoints, logs, exported model
+    seed: int = 1234  # model init / dropout seed
+    on_nan: str = "stop"  # "stop" (save diagnostics, exit) or "skip" the step
+    init_from: str = ""  # HF dir or ds_mp checkpoint to initialise weights from
+    export_hf: bool = True  # write an HF directory at the end of training
+    noise_scale_interval: int = 0  # steps between gradient-noise-scale measurements (0 = off; needs DP > 1)
+    trace_steps: list = field(default_factory=list)  # [first, last]: record a timeline of these steps ([] = off)
+
+
+LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")  # PEFT-style names of GPT-2's Conv1Ds
+LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # its nn.Linears
+_LLAMA_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
+LLAMA_SCHEDULES = ("1f1b", "gpipe", "terapipe", "zb-h1")  # the schedules tested against HF for the Llama family
+#: HF model_type -> (config.json keys of n_layer, n_embd, n_head, vocab_size, n_positions; LoRA target names).
+#: The families themselves live in ds_mp.models (this module imports no model).
+MODEL_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "gpt2": (("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"), LORA_TARGETS),
+    **dict.fromkeys(("llama", "qwen2", "mistral"), (_LLAMA_KEYS, LLAMA_LORA_TARGETS)),
+}
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0  # rank of the low-rank update (0 = LoRA off: full fine-tuning)
+    alpha: float = 16.0  # scaling = alpha / r (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the LoRA branch's input (PEFT's lora_dropout)
+    # layers to adapt, PEFT-style names: c_attn, c_fc, c_proj (= attn.c_proj + mlp.c_proj), attn.c_proj, mlp.c_proj
+    target_modules: list = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"])
+
+
+@dataclass
+class BatchRampConfig:
+    policy: str = ""  # "" (off: the JSON's fixed batch), "linear" (start -> max over ramp_samples) or "noise_scale"
+    start: int = 0  # first global batch in samples (a multiple of micro-batch × DP)
+    max: int = 0  # largest global batch in samples (a multiple of micro-batch × DP)
+    ramp_samples: int = 0  # "linear": samples consumed while the batch grows from start to max
+    interval: int = 10  # optimizer steps between batch decisions (noise_scale: from the smoothed B_simple)
+    lr_scaling: str = "none"  # LR × (batch / start)^p as the batch grows: "none" (p=0), "sqrt" (1/2), "linear" (1)
+
+
+@dataclass
+class DsMpConfig:
+    model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir, Hub id, or inline shape
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    terapipe: TeraPipeConfig = field(default_factory=TeraPipeConfig)
+    ouroboros: OuroborosConfig = field(default_factory=OuroborosConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
+    # Filled by validate(): the degrees and the model shape actually used.
+    world_size: int = field(default=1, repr=False)
+    dp: int = field(default=1, repr=False)
+    shape: InlineModel | None = field(default=None, repr=False)
+    hf_config: dict = field(default_factory=dict, repr=False)  # the model's HF config.json ({} for an inline shape)
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel.size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline.stages
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _check_type(value: Any, tp: Any, key: str) -> Any:
+    """Return ``value`` coerced to ``tp`` or raise ConfigError naming ``key``."""
+    origin = get_origin(tp)
+    if origin is Union:
+        for option in get_args(tp):
+            if option is type(None) and value is None:
+                return value
+            try:
+                return _check_type(value, option, key)
+            except ConfigError:
+                continue
+        names = " or ".join(_type_name(a) for a in get_args(tp))
+        raise ConfigError(f"ds_mp.{key}: expected {names}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"ds_mp.{key}: expected an object {{...}}, got {value!r}")
+        return _parse(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"ds_mp.{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"ds_mp.{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"ds_mp.{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"ds_mp.{key}: expected a string, got {value!r}")
+        return value
+    if tp is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"ds_mp.{key}: expected a list, got {value!r}")
+        return value
+    return value
+
+
+def _parse(cls: type, raw: dict, prefix: str) -> Any:
+    hints = get_type_hints(cls)
+    public = [f.name for f in dataclasses.fields(cls) if f.repr]
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}.{key}" if prefix else key
+        if key not in public:
+            close = difflib.get_close_matches(key, public, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(public)}"
+            raise ConfigError(f"ds_mp.{path}: unknown key; {hint}")
+        kwargs[key] = _check_type(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def parse_config(raw: dict) -> DsMpConfig:
+    """Parse the ``"ds_mp"`` block (types and key names only; see :func:`validate`)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"ds_mp: expected an object {{...}}, got {raw!r}")
+    return _parse(DsMpConfig, raw, "")
+

@@ -131,8 +131,9 @@ def test_deepspeed_private_names_exist() -> None:
 
 def test_missing_private_name_fails_naming_the_assumption() -> None:
     from ds_mp import deepspeed_compat as compat
+    from ds_mp.deepspeed_compat.pipeline import _owners
 
-    owners = compat._owners()
+    owners = _owners()
 
     fake = type("OldPipelineEngine", (), {k: getattr(owners["engine"], k) for k in dir(owners["engine"])
                                           if k != "_next_batch" and not k.startswith("__")})

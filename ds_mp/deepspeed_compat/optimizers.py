@@ -1,259 +1,12 @@
-"""Every use of a private DeepSpeed name, each with the DeepSpeed behaviour it relies on.
-
-ds_mp subclasses DeepSpeed's ``PipelineEngine`` and ``PipelineModule``.  Every private
-attribute it *reads, writes or calls* goes through an accessor below.  The subclass hooks it
-*overrides* must keep DeepSpeed's names (``_exec_*``, ``_train_schedule``,
-``_aggregate_total_loss`` in ``engine/pipeline_engine.py``; ``_build``,
-``_partition_layers``, ``_synchronize_tied_weights`` in ``models/gpt2.py``); they are listed
-in :data:`ASSUMPTIONS` too, so a DeepSpeed without them fails :func:`check`.  :func:`check` verifies every assumption
-against the installed DeepSpeed and fails with a message that names the broken one; it
-runs when an engine is built, so an incompatible DeepSpeed fails there, not mid-step.
-
-Measured against DeepSpeed 0.19.x (``pyproject.toml`` pins ``<0.20``).
-"""
+"""Private state of DeepSpeed's optimizer wrappers: the flat fp32 partitions of BF16_Optimizer and
+ZeRO 1/2, ZeRO-2's gradient partitions driven from the pipeline, fp16's fp32 copies and loss
+scaler, and the fragments layer-wise optimizers read."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Iterator
 
-
-class DeepSpeedIncompatible(RuntimeError):
-    """The installed DeepSpeed lacks a private name ds_mp relies on."""
-
-
-@dataclass(frozen=True)
-class Assumption:
-    owner: str  # "engine" (PipelineEngine), "module" (PipelineModule) or "ops" (deepspeed.ops)
-    name: str
-    behaviour: str  # what ds_mp relies on
-
-
-ASSUMPTIONS: tuple[Assumption, ...] = (
-    Assumption("engine", "_INSTRUCTION_MAP", "dict instruction type -> handler; _exec_schedule dispatches on "
-               "type(cmd) exactly, so new instruction types are added to a copy in the subclass"),
-    Assumption("engine", "_exec_schedule", "runs one schedule: reserves buffers, resets the list fwd_outputs "
-               "that _exec_forward_pass appends to, then runs every step's instructions"),
-    Assumption("engine", "_train_schedule", "train_batch builds its PipeSchedule through this hook"),
-    Assumption("engine", "_reserve_pipe_buffers", "grows pipe_buffers to num_pipe_buffers() slots"),
-    Assumption("engine", "_exec_load_micro_batch", "loads the next micro-batch into inputs/labels[buffer_id]"),
-    Assumption("engine", "_exec_recv_activations", "receives the previous stage's activations into a buffer"),
-    Assumption("engine", "_exec_forward_pass", "forwards a buffer; on the last stage sets self.loss when "
-               "self._compute_loss (set by train_batch/eval_batch)"),
-    Assumption("engine", "_exec_backward_pass", "backpropagates self.loss (last stage) or self.grad_layer"),
-    Assumption("engine", "_exec_reduce_grads", "DP gradient all-reduce (bf16/ZeRO aware)"),
-    Assumption("engine", "_exec_optimizer_step", "DeepSpeed's step: clipping, optimizer, LR scheduler, counters"),
-    Assumption("engine", "_aggregate_total_loss", "train_batch's mean loss of the batch, broadcast from the loss "
-               "stage to every stage (Ouroboros computes its loss on stage 0 and overrides it)"),
-    Assumption("engine", "_next_batch", "next (inputs, labels) pair from the engine's data iterator"),
-    Assumption("engine", "reset_activation_shape", "forces the next p2p send to re-announce tensor metadata"),
-    Assumption("engine", "clip_fp32_gradients", "fp32 path of _take_model_step clips through this method"),
-    Assumption("module", "_build", "PipelineModule builds its local layers here (after creating _grid)"),
-    Assumption("module", "_partition_layers", "sets self.parts and the local layer bounds"),
-    Assumption("module", "_synchronize_tied_weights", "called once when the module is built to make tied "
-               "copies equal; ds_mp replaces it (checksum, broadcast only on a mismatch)"),
-    Assumption("module", "_recursive_getattr", "resolves a dotted attribute path on a module"),
-    Assumption("module", "_set_bounds", "_set_bounds(start, stop) makes layers [start, stop) local"),
-    Assumption("ops", "__compatible_ops__", "dict op name -> bool; False skips the op's JIT build"),
-)
-
-# Instance attributes, set in PipelineEngine.__init__ (checked on a live engine).
-ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
-    Assumption("engine", "_global_grad_norm", "the value get_global_grad_norm() returns"),
-    Assumption("engine", "pipe_buffers", "dict 'inputs'/'labels'/'outputs' -> list of per-buffer slots"),
-    Assumption("engine", "is_pipe_partitioned", "p2p sends 1/TP of an activation and all-gathers it"),
-    Assumption("engine", "using_bf16_optimizer", "True when the optimizer is DeepSpeed's BF16_Optimizer, whose "
-               "update_hp_grads() copies bf16 .grad into its fp32 gradient buffers"),
-    Assumption("engine", "is_grad_partitioned", "p2p sends 1/TP of a gradient and all-gathers it"),
-    Assumption("engine", "pipe_partition_input_meta_cache", "shape cache of partitioned activations"),
-    Assumption("engine", "pipe_partition_output_meta_cache", "shape cache of partitioned outputs"),
-    Assumption("engine", "pipe_partition_grad_meta_cache", "shape cache of partitioned gradients"),
-    Assumption("engine", "grad_partition_grad_layer_meta_cache", "shape cache of partitioned grad layers"),
-    Assumption("engine", "torch_autocast_z0_gradscaler", "torch autocast's grad scaler or None; with it, "
-               "DeepSpeedEngine.backward scales the loss itself (read by unapplied_loss_scale)"),
-    Assumption("module", "tied_comms", "key -> {'module', 'weight_attr', 'group', 'ranks'} of each tied weight"),
-    Assumption("module", "_grid", "the PipelineParallelGrid the module created (process groups)"),
-    Assumption("module", "_topo", "the ProcessTopology the module was built with"),
-)
-
-
-def _owners() -> dict[str, Any]:
-    import deepspeed.ops
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-    from deepspeed.runtime.pipe.module import PipelineModule
-
-    return {"engine": PipelineEngine, "module": PipelineModule, "ops": deepspeed.ops}
-
-
-def _fail(a: Assumption, where: str) -> DeepSpeedIncompatible:
-    import deepspeed
-
-    return DeepSpeedIncompatible(f"DeepSpeed {deepspeed.__version__}: {where} has no '{a.name}'; ds_mp relies on it "
-                                 f"({a.behaviour}); install deepspeed>=0.19,<0.20")
-
-
-def check(owners: dict[str, Any] | None = None) -> None:
-    """Raise :class:`DeepSpeedIncompatible` naming the first missing class-level assumption."""
-    owners = owners or _owners()
-    for a in ASSUMPTIONS:
-        if not hasattr(owners[a.owner], a.name):
-            raise _fail(a, getattr(owners[a.owner], "__name__", a.owner))
-
-
-def check_engine(engine: Any) -> None:
-    """Raise :class:`DeepSpeedIncompatible` naming the first missing instance attribute."""
-    for a in ENGINE_ATTRIBUTES:
-        target = engine if a.owner == "engine" else engine.module
-        if not hasattr(target, a.name):
-            raise _fail(a, type(target).__name__)
-
-
-# --- the accessors ds_mp uses ---------------------------------------------------------------
-def skip_op_build(name: str) -> None:
-    """Mark a DeepSpeed op incompatible so DeepSpeed never JIT-builds it (``__compatible_ops__``)."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__[name] = False
-
-
-def uses_bf16_optimizer(engine: Any) -> bool:
-    """DeepSpeed's ``BF16_Optimizer`` (bf16 with ZeRO 0) keeps fp32 master weights and gradients;
-    gradients set on the bf16 parameters reach them only through ``update_hp_grads``."""
-    return bool(getattr(engine, "using_bf16_optimizer", False))
-
-
-def unapplied_loss_scale(engine: Any) -> float | None:
-    """The fp16 loss scale that ``DeepSpeedEngine.backward`` leaves out, or None.
-
-    DeepSpeed 0.19's ``backward`` scales the loss only for a ``ZeROOptimizer`` (or torch
-    autocast's scaler), yet its non-ZeRO fp16 optimizers (``FP16_Optimizer``,
-    ``FP16_UnfusedOptimizer``) divide the gradients by ``loss_scale_config.cur_scale`` in
-    ``step``: without ZeRO, fp16 gradients reach the update divided by the scale (2^16 by
-    default) and the overflow check never sees a scaled gradient.  Measured on a CPU with
-    fp16 (oneDNN): a plain ``deepspeed.initialize`` model's fp16 gradients equal the
-    unscaled fp32 ones after ``engine.backward``.  The caller multiplies the loss by this."""
-    if not engine.fp16_enabled() or engine.torch_autocast_z0_gradscaler is not None:
-        return None
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
-
-    opt = engine.optimizer
-    if isinstance(opt, ZeROOptimizer) or not hasattr(opt, "loss_scale_config"):
-        return None
-    return float(opt.loss_scale_config.cur_scale)
-
-
-def set_global_grad_norm(engine: Any, norm: float) -> None:
-    """What DeepSpeed's public ``get_global_grad_norm()`` returns (its fp32 path leaves it None
-    when ds_mp computes the norm)."""
-    engine._global_grad_norm = norm
-
-
-def copy_bf16_grads_to_master(engine: Any) -> None:
-    """BF16_Optimizer: add the bf16 ``.grad`` of every parameter into its fp32 master gradient."""
-    engine.optimizer.update_hp_grads(clear_lp_grads=False)
-
-
-def flat_group_params(optimizer: Any) -> list[list[Any]]:
-    """BF16_Optimizer: the model parameters of each parameter group, in the order of its flat
-    fp32 partitions (``bf16_groups``: the groups passed to DeepSpeed, trainable ones only)."""
-    return [list(g) for g in optimizer.bf16_groups]
-
-
-@contextlib.contextmanager
-def skipping_flat_groups(optimizer: Any, indices: list[int]) -> Iterator[None]:
-    """Within the body, the wrapped torch optimizer's ``step`` skips the flat partitions of the
-    groups ``indices``: BF16_Optimizer.step sets each partition's ``.grad`` just before calling
-    it, and a torch optimizer leaves a parameter whose ``.grad`` is None untouched (no update,
-    no weight decay, no state or step count created)."""
-    if not indices:
-        yield
-        return
-    flats = flat_partitions(optimizer)
-
-    def drop_grads(*_: Any) -> None:
-        for i in indices:
-            flats[i].grad = None
-
-    handle = optimizer.optimizer.register_step_pre_hook(drop_grads)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def master_grad(param: Any) -> Any:
-    """BF16_Optimizer: ``param``'s fp32 gradient buffer (``_hp_grad``, its shape), which the bf16
-    gradients are accumulated into and DeepSpeed's reductions act on (None for a parameter it
-    keeps no master for: a frozen one)."""
-    return getattr(param, "_hp_grad", None)
-
-
-def output_hook_managers(tensor: Any) -> list:
-    """The ``OutputBackwardHookManager``s DeepSpeed 0.19's engine forward attaches to an output
-    tensor (``_backward_hook_managers``: hooks that scale its gradient by 1/gradient accumulation
-    unless the running graph task is the engine's own backward); [] when it has none."""
-    return list(getattr(tensor, "_backward_hook_managers", []))
-
-
-def reserve_pipe_buffers(engine: Any, n: int) -> None:
-    engine._reserve_pipe_buffers(n)
-
-
-def reset_forward_outputs(engine: Any) -> None:
-    """The list ``_exec_forward_pass`` appends each forward's output to, emptied per schedule."""
-    engine.fwd_outputs = []
-
-
-def computing_loss(engine: Any) -> bool:
-    """True inside train_batch / eval_batch(compute_loss=True): the last stage computes a loss."""
-    return bool(engine._compute_loss)
-
-
-def tied_weights(module: Any) -> list[tuple[str, Any, Any, list[int]]]:
-    """``(key, weight, group, ranks)`` of every tied weight a PipelineModule holds on this stage."""
-    return [(key, module._recursive_getattr(module.tied_modules[key], attr), comm["group"], comm["ranks"])
-            for key, comm in module.tied_comms.items() for attr in comm["weight_attr"]]
-
-
-def set_local_layers(module: Any, start: int, stop: int) -> None:
-    """Make layers ``[start, stop)`` of the PipelineModule's spec list the ones this stage builds."""
-    module._set_bounds(start=start, stop=stop)
-
-
-def next_batch(engine: Any) -> Any:
-    return engine._next_batch()
-
-
-def pipe_buffers(engine: Any) -> dict:
-    return engine.pipe_buffers
-
-
-def forget_partitioned_shapes(engine: Any) -> None:
-    """With TP > 1 DeepSpeed sends activations/gradients partitioned over TP and caches each
-    partition's shape once; uneven token slices change shape, so forget the caches."""
-    engine.pipe_partition_input_meta_cache = engine.pipe_partition_output_meta_cache = None
-    engine.pipe_partition_grad_meta_cache = engine.grad_partition_grad_layer_meta_cache = None
-
-
-def send_whole_activations(engine: Any) -> None:
-    """Turn off DeepSpeed's TP-partitioned p2p (it assumes activations equal on all TP ranks;
-    sequence-parallel shards differ)."""
-    engine.is_pipe_partitioned = engine.is_grad_partitioned = False
-
-
-def module_grid(module: Any) -> Any:
-    return module._grid
-
-
-def module_topology(module: Any) -> Any:
-    return module._topo
-
-
-__all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine",
-           "skip_op_build", "set_global_grad_norm", "uses_bf16_optimizer", "copy_bf16_grads_to_master",
-           "flat_group_params", "skipping_flat_groups",
-           "reserve_pipe_buffers", "reset_forward_outputs", "computing_loss", "tied_weights", "set_local_layers", "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations",
-           "module_grid", "module_topology"]
+from ds_mp.deepspeed_compat.pipeline import Assumption, DeepSpeedIncompatible, _fail
 
 
 # --- fp32 master weights and optimizer state of DeepSpeed's flat-buffer optimizers -----------
@@ -353,6 +106,42 @@ def set_flat_state_extras(param: Any, optimizer: Any, extras: dict) -> None:
     state = optimizer.optimizer.state[flat]
     for k, v in extras.items():
         state[k] = v.clone() if hasattr(v, "clone") else v
+
+
+# --- BF16_Optimizer's groups and master gradients ----------------------------------------
+def flat_group_params(optimizer: Any) -> list[list[Any]]:
+    """BF16_Optimizer: the model parameters of each parameter group, in the order of its flat
+    fp32 partitions (``bf16_groups``: the groups passed to DeepSpeed, trainable ones only)."""
+    return [list(g) for g in optimizer.bf16_groups]
+
+
+@contextlib.contextmanager
+def skipping_flat_groups(optimizer: Any, indices: list[int]) -> Iterator[None]:
+    """Within the body, the wrapped torch optimizer's ``step`` skips the flat partitions of the
+    groups ``indices``: BF16_Optimizer.step sets each partition's ``.grad`` just before calling
+    it, and a torch optimizer leaves a parameter whose ``.grad`` is None untouched (no update,
+    no weight decay, no state or step count created)."""
+    if not indices:
+        yield
+        return
+    flats = flat_partitions(optimizer)
+
+    def drop_grads(*_: Any) -> None:
+        for i in indices:
+            flats[i].grad = None
+
+    handle = optimizer.optimizer.register_step_pre_hook(drop_grads)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def master_grad(param: Any) -> Any:
+    """BF16_Optimizer: ``param``'s fp32 gradient buffer (``_hp_grad``, its shape), which the bf16
+    gradients are accumulated into and DeepSpeed's reductions act on (None for a parameter it
+    keeps no master for: a frozen one)."""
+    return getattr(param, "_hp_grad", None)
 
 
 # --- ZeRO-2 (gradient partitioning) in the pipeline engine: see ds_mp/engine/zero2.py ---------

@@ -71,10 +71,14 @@ def test_lora_equals_peft(tp: int, pp: int, tmp_path) -> None:
         assert (merged(input_ids=ids).logits - ref).abs().max() < 1e-4
 
 
-def test_refusals_at_config_time() -> None:
-    """LoRA on k_proj/v_proj where TP does not divide the KV heads, an untested schedule, an MLP
-    that TP does not split evenly, GPT-2 LoRA names: one line naming the key, before any collective."""
+def test_refusals_at_config_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoRA on k_proj/v_proj where TP does not divide the KV heads, a schedule not tested with the
+    family (a user's registered one), an MLP that TP does not split evenly, GPT-2 LoRA names: one
+    line naming the key, before any collective."""
+    from deepspeed.runtime.pipe.schedule import TrainSchedule
+
     from ds_mp.config import ConfigError, load_config
+    from ds_mp.schedules.registry import SCHEDULES
 
     hf = tiny_llama("qwen2", kv=2, inner=204).config.to_dict()  # 204: TP=3 splits the MLP
     cfg = ds_config(tp=3, lr=LR, seq=SEQ, lora=lora_block())
@@ -82,8 +86,9 @@ def test_refusals_at_config_time() -> None:
         load_config(cfg, 3, hf)
     load_config(ds_config(tp=3, lr=LR, seq=SEQ, lora={**lora_block(), "target_modules": ["q_proj", "down_proj"]}),
                 3, hf)
-    with pytest.raises(ConfigError, match=r"'ouroboros' is not tested with qwen2.*1f1b, gpipe, terapipe"):
-        load_config(ds_config(tp=1, pp=1, seq=SEQ, schedule="ouroboros"), 1, hf)
+    monkeypatch.setitem(SCHEDULES, "mine", TrainSchedule)
+    with pytest.raises(ConfigError, match=r"'mine' is not tested with qwen2.*1f1b, gpipe, terapipe, zb-h1, ouroboros"):
+        load_config(ds_config(tp=1, pp=1, seq=SEQ, schedule="mine"), 1, hf)
     with pytest.raises(ConfigError, match=r"does not divide intermediate_size=200"):
         load_config(ds_config(tp=3, seq=SEQ), 3, tiny_llama("qwen2", kv=2).config.to_dict())
     with pytest.raises(ConfigError, match=r"target_modules.*c_attn.*q_proj"):

@@ -118,7 +118,7 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     seed_everything(cfg.training.seed, topology.tp_rank, pp_rank=topology.pp_rank)
     src = agreed_weight_source(model, cfg)
     schedule = resolve(cfg.pipeline.schedule)
-    layout = schedule.pipeline_layout(cfg) if hasattr(schedule, "pipeline_layout") else None
+    layout = schedule.pipeline_layout(cfg, src.config) if hasattr(schedule, "pipeline_layout") else None
     ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
     ds_dict.setdefault("train_micro_batch_size_per_gpu", 1)
     ds_dict.setdefault("gradient_accumulation_steps", 1)

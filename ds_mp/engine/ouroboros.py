@@ -1,9 +1,9 @@
 """Engine side of Ouroboros: the ring's state and the handlers of its instructions.
 
-Ouroboros runs on ds_mp's pipeline engine like every schedule: the model is ds_mp's GPT-2
-pipeline (TP ``Block``s, vocab-parallel tied embedding and loss) built in the ring order of
-``ring_pipeline_layout`` (ring rank 0 holds G_0 and G_{K-1}, which share ``wte``; rank r holds
-G_r), and ``OuroborosSchedule`` yields ``rank_steps(K, t, rank)`` each ``train_batch``.  The
+Ouroboros runs on ds_mp's pipeline engine like every schedule: the model is ds_mp's pipeline of
+any family (TP blocks, vocab-parallel embedding, head and loss) built in the ring order of
+``ring_pipeline_layout`` over the family's layer table (ring rank 0 holds G_0 and G_{K-1}, which
+share a tied embedding; rank r holds G_r), and ``OuroborosSchedule`` yields ``rank_steps(K, t, rank)`` each ``train_batch``.  The
 update is exactly ``OuroborosReference.step`` (``ds_mp.schedules.ouroboros.algorithm``):
 
     forward with w^t, send h; replay G_m on the stashed input of sample t - d_m with the CURRENT

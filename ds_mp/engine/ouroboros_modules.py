@@ -66,12 +66,12 @@ def valid_targets(labels: Tensor) -> int:
 
 def module_ranges(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, int]]:
     """Module index m -> the range [a, b) of ``net.forward_funcs`` (ring rank ``stage_id``'s
-    pipeline layers) that forms G_m: ring rank 0 holds [wte, wpe, G_0 blocks, G_{K-1} blocks,
-    ln_f, head], rank r the blocks of G_r."""
+    pipeline layers) that forms G_m: ring rank 0 holds [the family's lead layers (GPT-2: wte, wpe),
+    G_0 blocks, G_{K-1} blocks, its tail layers (norm, head)], rank r the blocks of G_r."""
     K, n = cfg.pipeline.stages + 1, len(net.forward_funcs)
     if stage_id == 0:
-        n0 = len(config_split(cfg)[0])
-        return {0: (0, 2 + n0), K - 1: (2 + n0, n)}
+        n0 = net.family.lead_layers + len(config_split(cfg, net.ds_mp_ctx.hf)[0])
+        return {0: (0, n0), K - 1: (n0, n)}
     return {ring_layout(K)[stage_id][0]: (0, n)}
 
 

@@ -1,4 +1,5 @@
-"""Ouroboros: delayed-gradient model parallelism for a tied-embedding GPT-2 (Algorithm 1).
+"""Ouroboros: delayed-gradient model parallelism for a tied-embedding GPT-2 (Algorithm 1), and
+for the Llama family (tied or untied head) through the same algebra.
 
 Yang, Huo, Wang, Huang, Carin, "Ouroboros: On Accelerating Training of Transformer-Based
 Language Models" (NeurIPS 2019), built on decoupled backprop / features replay (Huo et al. 2018).
@@ -10,6 +11,10 @@ Split and layout
     G_{K-1} = last blocks + ln_f + output projection V_o = V_i = V (tied: logits = h V^T)
     K modules on K-1 ranks, a ring: rank 0 holds G_0 and G_{K-1} (so V lives on one rank and
     needs no tied-gradient all-reduce), rank r holds G_r for r = 1..K-2.
+    Any family: G_0 holds the layers its table puts before the first block, G_{K-1} those after
+    the last (Llama: embed_tokens; norm + lm_head, tied to embed_tokens or an own weight, which
+    then takes only df_t/dV_o undelayed and no 1/2).  The reference cuts HF's unmodified model
+    (``hf_modules``).
 
 Contract (what OuroborosReference.step computes). Notation: w^t = all weights at the start of
 iteration t (after t updates); x_t, y_t = batch of iteration t; h_m^s = input of G_m for sample s
@@ -60,9 +65,9 @@ from typing import Callable, Iterable, Iterator, Literal, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import GPT2LMHeadModel
-from transformers.masking_utils import create_causal_mask
 
+from ds_mp.models.family import family_of
+from ds_mp.schedules.ouroboros.hf_modules import OuroborosModule
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
                                                   SendHidden, Step, UpdateModules, format_timetable,
                                                   ouroboros_timetable, rank_steps, ring_layout, split_modules)
@@ -74,43 +79,11 @@ __all__ = ["split_modules", "ring_layout", "ModuleForward", "ModuleBackward", "S
 
 
 # ----------------------------------------------------------------------------- module maths
-class OuroborosModule(nn.Module):
-    """G_m: [wte + wpe + drop if m == 0] -> blocks -> [ln_f, logits = h V^T if m == K-1].
-
-    Shares its submodules with the GPT2Model it was cut from (G_0 and G_{K-1} share wte).
-    Input: token ids (B, T) for G_0, hidden (B, T, C) otherwise. Output: hidden (B, T, C), or
-    logits (B, T, vocab) for G_{K-1}. Reproduces GPT2LMHeadModel's forward exactly.
-    """
-
-    def __init__(self, index: int, num_modules: int, transformer: nn.Module, blocks: range) -> None:
-        super().__init__()
-        self.index, self.is_first, self.is_last = index, index == 0, index == num_modules - 1
-        self.config = transformer.config
-        if self.is_first:
-            self.wpe, self.drop = transformer.wpe, transformer.drop
-        if self.is_first or self.is_last:
-            self.wte = transformer.wte  # V, tied
-        self.blocks = nn.ModuleList(transformer.h[i] for i in blocks)
-        if self.is_last:
-            self.ln_f = transformer.ln_f
-
-    def forward(self, x: Tensor) -> Tensor:
-        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, T)
-        h = self.drop(self.wte(x) + self.wpe(pos)) if self.is_first else x  # (B, T, C)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
-                                  past_key_values=None, position_ids=pos)
-        for block in self.blocks:
-            h = block(h, attention_mask=mask, position_ids=pos)
-        if self.is_last:
-            return F.linear(self.ln_f(h), self.wte.weight)  # (B, T, vocab) = h V^T
-        return h
-
-
-def build_modules(model: GPT2LMHeadModel, K: int, split: list[range] | None = None) -> list[OuroborosModule]:
-    """Cut `model` into G_0..G_{K-1} (``split``, default ``split_modules(n_layer, K)``), sharing
-    its parameters."""
-    split = split or split_modules(model.config.n_layer, K)
-    return [OuroborosModule(m, K, model.transformer, blocks) for m, blocks in enumerate(split)]
+def build_modules(model: nn.Module, K: int, split: list[range] | None = None) -> list[OuroborosModule]:
+    """Cut the HF causal LM `model` (any family of ``ds_mp.models.family``) into G_0..G_{K-1}
+    (``split``, default ``split_modules(n_layer, K)``), sharing its parameters."""
+    split = split or split_modules(model.config.num_hidden_layers, K)
+    return [OuroborosModule(m, K, model, blocks) for m, blocks in enumerate(split)]
 
 
 @contextmanager
@@ -236,15 +209,14 @@ class OuroborosReference:
     warm-up), for checking against ouroboros_timetable.
     """
 
-    def __init__(self, model: GPT2LMHeadModel, K: int,
+    def __init__(self, model: nn.Module, K: int,
                  make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  delay: bool = True, tied_rule: Literal["mean", "sum"] | None = None,
                  replay_dropout: bool = False, split: list[range] | None = None,
                  recompute: Literal["current", "stashed"] = "current") -> None:
-        cfg = model.config
-        if max(cfg.embd_pdrop, cfg.resid_pdrop, cfg.attn_pdrop) > 0 and not replay_dropout:
-            raise ValueError("OuroborosReference needs embd_pdrop = resid_pdrop = attn_pdrop = 0 "
-                             "(the replay would draw a new dropout mask), or replay_dropout=True")
+        if max(family_of(model.config).dropouts(model.config)) > 0 and not replay_dropout:
+            raise ValueError("OuroborosReference needs every dropout probability 0 (GPT-2's *_pdrop, the Llama "
+                             "family's attention_dropout: the replay would draw a new mask), or replay_dropout=True")
         self.model = copy.deepcopy(model)
         self.K, self.delay, self.t = K, delay, 0
         self.tie_scale = 0.5 if (tied_rule or ("mean" if delay else "sum")) == "mean" else 1.0

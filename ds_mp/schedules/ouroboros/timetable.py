@@ -7,6 +7,8 @@ from typing import Any, Iterator, Union
 
 from deepspeed.runtime.pipe.schedule import PipeInstruction, PipeSchedule
 
+from ds_mp.models.family import family_of
+
 
 
 # ----------------------------------------------------------------------------- split and layout
@@ -56,16 +58,19 @@ def split_modules(n_layer: int, K: int, split: str | list[int] = "balanced", hea
     return [range(a, a + n) for a, n in zip(starts, sizes)]
 
 
-def config_split(cfg: Any) -> list[range]:
-    """The module split of a validated ds_mp config (``ouroboros.split``, K = pipeline.stages + 1)."""
+def config_split(cfg: Any, hf_config: Any) -> list[range]:
+    """The module split of a validated ds_mp config (``ouroboros.split``, K = pipeline.stages + 1)
+    for the model ``hf_config`` (its family's block cost weighs the head)."""
     shape = cfg.shape
     return split_modules(shape.n_layer, cfg.pp + 1, cfg.ouroboros.split,
-                         head_blocks=head_cost_in_blocks(shape.vocab_size, shape.n_embd))
+                         head_blocks=head_cost_in_blocks(shape.vocab_size, shape.n_embd,
+                                                         family_of(hf_config).block_parameters(hf_config)))
 
 
-def head_cost_in_blocks(vocab: int, n_embd: int) -> float:
-    """The LM head's matmul cost in blocks: V·C / (12·C²) MACs per token."""
-    return vocab / (12 * n_embd)
+def head_cost_in_blocks(vocab: int, n_embd: int, block_params: int | None = None) -> float:
+    """The LM head's matmul cost in blocks: V·C MACs per token over a block's ``block_params``
+    (``Family.block_parameters``; GPT-2's 12·C² by default)."""
+    return vocab * n_embd / (block_params or 12 * n_embd * n_embd)
 
 
 def ring_layout(K: int) -> list[list[int]]:
@@ -75,14 +80,15 @@ def ring_layout(K: int) -> list[list[int]]:
     return [[0, K - 1]] + [[m] for m in range(1, K - 1)]
 
 
-def ring_pipeline_layout(mods: list[range]) -> tuple[list[str], list[int]]:
-    """GPT-2's pipeline layers (``ds_mp.models.gpt2.pipeline_layers`` names) reordered so each ring
-    rank's modules are contiguous: rank 0 holds ``wte, wpe, G_0's blocks, G_{K-1}'s blocks, ln_f,
-    lm_head`` (the tied embedding used by both of its modules), rank r holds G_r's blocks.
+def ring_pipeline_layout(mods: list[range], layers: list[str], lead: int, tail: int) -> tuple[list[str], list[int]]:
+    """A family's pipeline layers (``layers`` = ``Family.pipeline_layers``: ``lead`` layers, the
+    blocks, ``tail`` layers) reordered so each ring rank's modules are contiguous: rank 0 holds
+    ``lead layers, G_0's blocks, G_{K-1}'s blocks, tail layers`` (GPT-2: ``wte, wpe, …, ln_f,
+    lm_head``; a tied embedding is used by both of its modules), rank r holds G_r's blocks.
     Returns ``(names, parts)``: rank r builds ``names[parts[r]:parts[r+1]]``."""
-    K = len(mods)
-    blocks = [[f"h.{i}" for i in mods[m]] for m in range(K)]
-    first = ["wte", "wpe", *blocks[0], *blocks[K - 1], "ln_f", "lm_head"]
+    K, body = len(mods), layers[lead:len(layers) - tail]
+    blocks = [[body[i] for i in mods[m]] for m in range(K)]
+    first = [*layers[:lead], *blocks[0], *blocks[K - 1], *layers[len(layers) - tail:]]
     names, parts = list(first), [0, len(first)]
     for m in range(1, K - 1):
         names += blocks[m]
@@ -266,9 +272,12 @@ class OuroborosSchedule(PipeSchedule):
                    start=state.next_iteration(), delay=state.delay, chunks=engine.micro_batches)
 
     @staticmethod
-    def pipeline_layout(cfg: Any) -> tuple[list[str], list[int]]:
-        """The layer order and stage bounds the engine builds the model with (K = stages + 1)."""
-        return ring_pipeline_layout(config_split(cfg))
+    def pipeline_layout(cfg: Any, hf_config: Any) -> tuple[list[str], list[int]]:
+        """The layer order and stage bounds the engine builds ``hf_config``'s model with (K = stages + 1),
+        from its family's layer table."""
+        family = family_of(hf_config)
+        return ring_pipeline_layout(config_split(cfg, hf_config), family.pipeline_layers(hf_config),
+                                    family.lead_layers, family.tail_layers)
 
     def steps(self) -> Iterator[list[Step]]:
         for t in range(self.start, self.start + self.micro_batches):

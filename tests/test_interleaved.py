@@ -1,18 +1,99 @@
-"""Interleaved 1F1B (Narayanan et al. 2021) in the simulator: the timetable and its dependencies.
+"""Interleaved 1F1B (``"pipeline": {"schedule": "interleaved", "virtual_stages": v}``).
 
-ds_mp does not run interleaved 1F1B yet (``"schedule": "interleaved"`` is not registered: a rank
-would hold v non-contiguous chunks of blocks, see docs/schedules.md); the simulator knows the
-schedule so the benchmarks can project it.  Checked here: every chunk of every micro-batch is
-forwarded and backwarded once per stage, the order is legal under :func:`interleaved_deps`
-(no deadlock), and with unit costs the step is M(F+B) + (K−1)(F+B)/v — 1F1B's bubble divided by v
-— for the shapes of the issue and the paper.
+* pure Python: the layer layout (rank r holds chunks r, r + K, …), the compiled streams played
+  with rendezvous p2p round the ring (no deadlock, every chunk of every micro-batch forwarded and
+  backwarded once per stage, each received activation/gradient landing in the buffer of its own
+  micro-batch and chunk); the simulated timetable (Megatron's order; every chunk of every
+  micro-batch once per stage; with unit costs the step is M(F+B) + (K−1)(F+B)/v: 1F1B's bubble / v);
+* multi-rank against HF's unmodified GPT-2 trained with torch SGD and ``clip_grad_norm_`` (tied
+  embeddings, clipping active): fp32 losses, pre-clip norms and every weight within 1e-5 at PP=2
+  with v = 2 and 3 over 5 and 6 blocks (one split leaving chunk 0 the embedding alone), v = 1,
+  ZeRO-1, and evaluation; bf16 within a stated tolerance of HF's fp32 run and of bf16 1F1B;
+  PP=2 × DP=2 with each replica on its own batches;
+* layout-free checkpoints: interleaved v=2 -> 1F1B and PP=1, 1F1B -> interleaved, each equal to
+  the uninterrupted run; config refusals in one line.
 """
 from __future__ import annotations
 
 import pytest
+from deepspeed.runtime.pipe import schedule as ds
 
-from ds_mp.schedules.simulate import (Op, interleaved_deps, interleaved_timetable, one_f_one_b_timetable,
-                                      simulate)
+from dist_utils import run_ranks
+from ds_mp.models.partition import interleaved_layout
+from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B
+from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable, one_f_one_b_timetable, simulate
+from helpers import batches, ds_config, tiny_gpt2
+from test_tensor_parallel import gather_weights, hf_train, max_diff
+
+VOCAB, SEQ, TOL = 203, 16, 1e-5
+BF16_VS_HF = 0.01  # bf16 losses against HF's fp32 (relative)
+BF16_VS_1F1B = 0.01  # bf16 losses and norms against the same bf16 config under 1F1B
+
+
+# ------------------------------------------------------------------ pure Python
+
+def test_layout_puts_chunk_c_on_rank_c_mod_k() -> None:
+    names = ["wte", "wpe", "h.0", "h.1", "h.2", "h.3", "h.4", "ln_f", "lm_head"]
+    # 4 chunks: [wte wpe] [h.0 h.1] [h.2 h.3] [h.4 ln_f lm_head]
+    out, parts = interleaved_layout(names, [0, 2, 4, 6, 9], 2)
+    assert out[:parts[1]] == ["wte", "wpe", "h.2", "h.3"]
+    assert out[parts[1]:] == ["h.0", "h.1", "h.4", "ln_f", "lm_head"]
+
+
+def play(K: int, M: int, v: int, forward_only: bool = False) -> None:
+    """Every rank's steps with rendezvous p2p round the ring."""
+    scheds = [Interleaved1F1B(M, K, s, v, forward_only=forward_only) for s in range(K)]
+    streams = [list(x.steps()) for x in scheds]
+    assert len({len(x) for x in streams}) == 1
+    held: list[dict] = [{} for _ in range(K)]  # buffer -> (micro, chunk) it holds
+    grad: list = [None] * K  # the shared received-gradient slot: (micro, chunk) of the sender
+    done: set = set()
+    for t in range(len(streams[0])):
+        queues = [list(x[t]) for x in streams]
+        while any(queues):
+            progressed = False
+            for s, q in enumerate(queues):
+                while q and not isinstance(q[0], (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad)):
+                    c, progressed = q.pop(0), True
+                    if isinstance(c, ChunkForward):
+                        if s == 0 and c.chunk == 0:
+                            held[s][c.buffer_id] = (c.micro, 0)
+                        assert held[s][c.buffer_id] == (c.micro, c.chunk), (t, s, c, held[s])
+                        done.add(("F", s, c.micro, c.chunk))
+                    elif isinstance(c, ChunkBackward):
+                        m, ch = held[s][c.buffer_id]
+                        assert ch == c.chunk and ("F", s, m, ch) in done
+                        if not (s == K - 1 and ch == v - 1):  # the last virtual stage starts from its loss
+                            want = (m, ch + 1) if s == K - 1 else (m, ch)
+                            assert grad[s] == want, f"rank {s}: B of {(m, ch)} with the gradient of {grad[s]}"
+                            grad[s] = None
+                        done.add(("B", s, m, ch))
+                if not q:
+                    continue
+                c = q[0]
+                nxt = isinstance(c, (ds.SendActivation, ds.RecvGrad))
+                peer = (s + 1) % K if nxt else (s - 1) % K
+                other = queues[peer][0] if queues[peer] else None
+                if isinstance(c, ds.SendActivation) and isinstance(other, ds.RecvActivation):
+                    m, ch = held[s][c.buffer_id]
+                    held[peer][other.buffer_id] = (m, ch + 1 if peer == 0 else ch)
+                elif isinstance(c, ds.SendGrad) and isinstance(other, ds.RecvGrad):
+                    assert grad[peer] is None, f"rank {peer}: gradient slot overwritten before its B"
+                    grad[peer] = held[s][c.buffer_id]
+                else:
+                    continue
+                q.pop(0), queues[peer].pop(0)
+                progressed = True
+            assert progressed, f"step {t}: deadlock {[[repr(c) for c in q] for q in queues]}"
+    for kind in "FB"[:1 if forward_only else 2]:
+        assert {(s, m, c) for k, s, m, c in done if k == kind} == \
+            {(s, m, c) for s in range(K) for m in range(M) for c in range(v)}, kind
+
+
+@pytest.mark.parametrize("K, M, v", [(2, 2, 2), (2, 4, 2), (2, 6, 3), (3, 6, 2), (4, 8, 3), (2, 4, 1)])
+def test_compiled_streams_play_round_the_ring(K: int, M: int, v: int) -> None:
+    play(K, M, v)
+    play(K, M, v, forward_only=True)
 
 
 @pytest.mark.parametrize("K, M, v", [(2, 4, 2), (2, 8, 2), (4, 8, 2), (4, 8, 4), (8, 32, 2)])
@@ -33,3 +114,107 @@ def test_interleaved_dependencies_cross_the_ring() -> None:
     assert deps(0, Op("F", 0, 0), 4) == [] and deps(3, Op("B", 0, 1), 4) == [(3, Op("F", 0, 1))]
     with pytest.raises(ValueError, match="divisible"):
         interleaved_timetable(4, 6, 2)
+
+
+# ------------------------------------------------------------------ multi-rank against HF
+
+def _steps(n: int, per_step: int, seed: int) -> list[list]:
+    out = []
+    for i in range(n):
+        mbs = batches(per_step, 2, SEQ, VOCAB, seed=seed + i)
+        mbs[0][1][0, :2] = -100
+        out.append(mbs)
+    return out
+
+
+def _case(name: str, *, layers: int = 5, v: int = 2, dp: int = 1, gas: int = 4, clip: float = 0.5, lr: float = 0.1,
+          schedule: str = "interleaved", bf16: bool = False, zero: int = 0, partition: object = "uniform") -> dict:
+    pipeline = {"virtual_stages": v, "partition": partition} if schedule == "interleaved" else {}
+    cfg = ds_config(pp=2, micro=2, gas=gas, lr=lr, clip=clip, schedule=schedule, seq=SEQ, pipeline=pipeline)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if zero:
+        cfg["zero_optimization"] = {"stage": zero}
+        cfg["zero_allow_untested_optimizer"] = True
+    return {"name": name, "cfg": cfg, "layers": layers, "dp": dp, "gas": gas, "lr": lr, "clip": clip, "bf16": bf16,
+            "steps": _steps(2, dp * gas, seed=len(name.removesuffix("_1f1b")))}  # a twin sees the same data
+
+
+def cases(world: int) -> list[dict]:
+    if world == 2:
+        return [_case("v2"), _case("v3_l6", layers=6, v=3, gas=2, partition=[1, 1, 1, 1, 1, 1]),
+                _case("v2_embed_chunk", partition=[0, 2, 2, 1], zero=1), _case("v1", v=1, gas=2),
+                _case("v2_bf16", bf16=True), _case("v2_bf16_1f1b", bf16=True, schedule="1f1b")]
+    return [_case("v2_dp2", dp=2, gas=2)]
+
+
+def _rank(rank: int, world: int) -> dict:
+    import ds_mp
+
+    out = {}
+    for case in cases(world):
+        d, gas = rank % case["dp"], case["gas"]
+        engine, *_ = ds_mp.initialize(model=tiny_gpt2(n_layer=case["layers"]), config=case["cfg"])
+        losses, norms = [], []
+        for step in case["steps"]:
+            losses.append(float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))))
+            norms.append(float(engine.get_global_grad_norm()))
+        evaluated = float(engine.eval_batch(iter(case["steps"][0][d * gas:(d + 1) * gas]))) \
+            if case["name"] == "v2" else None
+        chunks = len(engine.interleaved.ranges) if hasattr(engine, "interleaved") else 1
+        assert chunks == case["cfg"]["ds_mp"]["pipeline"].get("virtual_stages", 1)
+        out[case["name"]] = (losses, norms, gather_weights(engine)[0], evaluated)
+    return out
+
+
+def _check(world: int, results: list[dict]) -> None:
+    import torch
+
+    for case in cases(world):
+        model = tiny_gpt2(n_layer=case["layers"])
+        hf_losses, hf_norms, hf_w = hf_train(model, case["steps"], case["lr"], case["clip"])
+        assert min(hf_norms) > case["clip"], "clipping must be active to be tested"
+        seen: set = set()
+        for rank, res in enumerate(results):
+            losses, norms, w, evaluated = res[case["name"]]
+            where = f"{case['name']} rank {rank}: {losses} {norms} vs HF {hf_losses} {hf_norms}"
+            seen |= set(w)
+            if not case["bf16"]:
+                assert max(abs(a - b) for a, b in zip(losses, hf_losses)) <= TOL, where
+                assert all(abs(a - b) <= TOL * b for a, b in zip(norms, hf_norms)), where
+                assert max_diff(w, hf_w) <= TOL, f"{where}: weights {max_diff(w, hf_w)}"
+            elif case["cfg"]["ds_mp"]["pipeline"]["schedule"] == "interleaved":
+                one = res[case["name"] + "_1f1b"]
+                assert all(abs(a - b) <= BF16_VS_HF * b for a, b in zip(losses, hf_losses)), where
+                assert all(abs(a - b) <= BF16_VS_1F1B * abs(b) for a, b in zip(losses + norms, one[0] + one[1])), \
+                    f"{where}; 1f1b {one[:2]}"
+            if evaluated is not None:  # the trained HF model on the first step's micro-batches
+                hf = model.__class__(model.config)
+                hf.load_state_dict({**hf_w, "lm_head.weight": hf_w["transformer.wte.weight"]})
+                with torch.no_grad():
+                    want = sum(float(hf(input_ids=i, labels=y).loss) for i, y in case["steps"][0]) / case["gas"]
+                assert abs(evaluated - want) <= TOL, (evaluated, want)
+        assert seen == set(hf_w), f"{case['name']}: {set(hf_w) ^ seen} not covered"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_interleaved_equals_hf(world: int) -> None:
+    _check(world, run_ranks(_rank, world, world, timeout=600))
+
+
+@pytest.mark.parametrize("pipeline, extra, match", [
+    ({"virtual_stages": 0}, {}, "ds_mp.pipeline.virtual_stages: must be"),
+    ({"virtual_stages": 3}, {}, "ds_mp.pipeline.virtual_stages: 2 stages × 3 chunks exceed n_layer=4"),
+    ({"virtual_stages": 2}, {"gradient_accumulation_steps": 3}, "gradient_accumulation_steps: 3 micro-batches"),
+    ({"virtual_stages": 2, "partition": [1, 1, 2]}, {}, "ds_mp.pipeline.partition: expected 4"),
+    ({"virtual_stages": 2}, {"zero_optimization": {"stage": 2}}, "zero_optimization.stage: the interleaved"),
+    ({"virtual_stages": 2, "activation_checkpoint_interval": 1}, {}, "ds_mp.pipeline.activation_checkpoint_interval"),
+    ({"virtual_stages": 2, "schedule": "1f1b"}, {}, "ds_mp.pipeline.virtual_stages: 2 chunks per stage need")])
+def test_refused_combinations(pipeline: dict, extra: dict, match: str) -> None:
+    from ds_mp.config import ConfigError, load_config
+
+    cfg = ds_config(pp=2, schedule="interleaved", model={"n_layer": 4, "n_embd": 48, "n_head": 4, "vocab_size": 203})
+    cfg["ds_mp"]["pipeline"].update(pipeline)
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config({**cfg, **extra}, 2)
+    assert "\n" not in str(e.value)

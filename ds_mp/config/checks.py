@@ -170,16 +170,17 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
         raise ConfigError(f"ds_mp.pipeline.stages: {pp.stages} stages but the model has "
                           f"{shape.n_layer} blocks; use at most {shape.n_layer} stages")
 
+    chunks = pp.stages * pp.virtual_stages  # interleaved: the partition cuts stages × virtual_stages chunks
     if isinstance(pp.partition, list):
-        if len(pp.partition) != pp.stages or any(
+        if len(pp.partition) != chunks or any(
                 isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in pp.partition):
-            raise ConfigError(f"ds_mp.pipeline.partition: expected {pp.stages} non-negative "
-                              f"integers (blocks per stage), got {pp.partition}")
+            raise ConfigError(f"ds_mp.pipeline.partition: expected {chunks} non-negative "
+                              f"integers (blocks per stage{' chunk' if chunks > pp.stages else ''}), got {pp.partition}")
         if sum(pp.partition) != shape.n_layer:
             raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition} sums to "
                               f"{sum(pp.partition)} but the model has {shape.n_layer} blocks; "
                               f"make them sum to {shape.n_layer}")
-        empty = [s for s, n in enumerate(pp.partition) if n == 0 and 0 < s < pp.stages - 1]
+        empty = [s for s, n in enumerate(pp.partition) if n == 0 and 0 < s < chunks - 1]
         if empty:  # first/last stages hold the embedding/head; a middle one would hold nothing
             raise ConfigError(f"ds_mp.pipeline.partition: middle stage {empty[0]} of {pp.partition} "
                               "has no blocks and no parameters; give every middle stage at least 1 block")
@@ -220,6 +221,7 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
         raise ConfigError(f"ds_mp.terapipe.order: {cfg.terapipe.order!r} is not 'gpipe' (all slice forwards, then "
                           "all backwards) or '1f1b' (each sequence's slices backwarded as soon as possible)")
 
+    _validate_interleaved(cfg, shape.n_layer)
     _validate_lora(cfg)
     check_model_family(cfg)
     model_ranks = tp.size * pp.stages
@@ -229,6 +231,28 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
                           f"multiple of {model_ranks} ranks or change the degrees")
     cfg.world_size, cfg.dp, cfg.shape = world_size, world_size // model_ranks, shape
     return cfg
+
+
+def _validate_interleaved(cfg: DsMpConfig, n_layer: int) -> None:
+    """``pipeline.virtual_stages`` belongs to the interleaved schedule, which is tested against HF in
+    fp32/bf16 with ZeRO 0/1 and DP, without TP, LoRA or activation checkpointing."""
+    pp, v = cfg.pipeline, cfg.pipeline.virtual_stages
+    _positive(v, "pipeline.virtual_stages")
+    if pp.schedule != "interleaved":
+        if v != 1:
+            raise ConfigError(f"ds_mp.pipeline.virtual_stages: {v} chunks per stage need schedule 'interleaved', "
+                              f"not {pp.schedule!r}; set it to 1 or pick the interleaved schedule")
+        return
+    refusals = [(pp.stages < 2, "pipeline.stages", f"{pp.stages}: interleaving needs a ring of at least 2 stages"),
+                (pp.stages * v > n_layer, "pipeline.virtual_stages",
+                 f"{pp.stages} stages × {v} chunks exceed n_layer={n_layer} blocks; lower it"),
+                (cfg.tp > 1, "tensor_parallel.size", "the interleaved schedule is not tested with TP > 1; use 1"),
+                (cfg.lora.r > 0, "lora.r", "the interleaved schedule is not tested with LoRA; use 1f1b or zb-h1"),
+                (pp.activation_checkpoint_interval > 0, "pipeline.activation_checkpoint_interval",
+                 "the interleaved schedule does not checkpoint activations yet; set it to 0")]
+    for refused, key, why in refusals:
+        if refused:
+            raise ConfigError(f"ds_mp.{key}: {why}")
 
 
 def _validate_lora(cfg: DsMpConfig) -> None:
@@ -322,6 +346,15 @@ def load_config(config: str | dict, world_size: int, hf_config: dict | None = No
                               "pass that ZeRO-2's per-parameter reduction hooks do not see; set it to 0 or 1")
         if (raw.get("fp16") or {}).get("enabled"):
             raise ConfigError("fp16.enabled: the zb-h1 schedule is tested in fp32 and bf16 only; use the bf16 block")
+    if cfg.pipeline.schedule == "interleaved":
+        gas, zero = raw.get("gradient_accumulation_steps", 1), (raw.get("zero_optimization") or {}).get("stage", 0)
+        if gas % cfg.pp:
+            raise ConfigError(f"gradient_accumulation_steps: {gas} micro-batches; the interleaved schedule runs them "
+                              f"in groups of pipeline.stages={cfg.pp} (as Megatron does): use a multiple of {cfg.pp}")
+        if (zero or 0) >= 2:
+            raise ConfigError("zero_optimization.stage: the interleaved schedule is tested with ZeRO 0 and 1; use one")
+        if (raw.get("fp16") or {}).get("enabled"):
+            raise ConfigError("fp16.enabled: the interleaved schedule is tested in fp32 and bf16; use the bf16 block")
     if cfg.training.noise_scale_interval:  # measured on fp32/bf16 gradients around DeepSpeed's DP reduction
         _check_noise_scale(raw, cfg, "ds_mp.training.noise_scale_interval", "set it to 0")
     _check_batch_ramp(raw, cfg)

@@ -39,6 +39,7 @@ class PipelineConfig:
     schedule: str = "1f1b"  # a name registered in ds_mp.SCHEDULES
     partition: Union[str, list] = "uniform"  # "uniform" | "parameters" | "cost" (measured) | [blocks per stage]
     activation_checkpoint_interval: int = 0  # checkpoint every N pipeline layers (0 = off)
+    virtual_stages: int = 1  # "interleaved": chunks of blocks per stage (stage s holds chunks s, s+stages, …)
 
 
 @dataclass

@@ -126,14 +126,15 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     partition, costs = cfg.pipeline.partition, None
     if partition == "cost" and layout is None:  # (a ring layout has its own split)
         costs = measured_costs(src, cfg, ds_dict, topology) if cfg.pp > 1 else None
-        partition = costs.blocks(cfg.shape.n_layer, cfg.pp) if costs else [cfg.shape.n_layer]
+        chunks = cfg.pp * cfg.pipeline.virtual_stages  # interleaved: balanced per chunk
+        partition = costs.blocks(cfg.shape.n_layer, chunks) if costs else [cfg.shape.n_layer]
     net = build_pipeline(src, topology, partition=partition,
                          sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                          overlap_comm=cfg.tensor_parallel.overlap_comm,
                          vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,
                          activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
                          dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout,
-                         lora=cfg.lora, seed=cfg.training.seed)
+                         lora=cfg.lora, seed=cfg.training.seed, virtual_stages=cfg.pipeline.virtual_stages)
     mpu = net.mpu()
     keys = None
     if cfg.pipeline.schedule == "ouroboros":  # one group per module, so warm-up leaves a module out whole

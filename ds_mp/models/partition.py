@@ -69,6 +69,22 @@ def stage_parts(n_layer: int, stages: int, partition: str | list, n_embd: int, v
     return parts
 
 
+def interleaved_layout(names: list[str], chunk_parts: list[int], stages: int) -> tuple[list[str], list[int]]:
+    """Interleaved pipelines: ``names`` cut at ``chunk_parts`` into K·v chunks, rank r holding chunks
+    r, r + K, r + 2K, … (K = ``stages``).  Returns ``(names, parts)`` reordered so each rank's chunks
+    are consecutive, each chunk's layers in the model's order: rank r builds
+    ``names[parts[r]:parts[r+1]]``."""
+    chunks = len(chunk_parts) - 1
+    if chunks % stages:
+        raise ValueError(f"{chunks} chunks do not go evenly over {stages} stages")
+    out, parts = [], [0]
+    for r in range(stages):
+        for c in range(r, chunks, stages):
+            out += names[chunk_parts[c]:chunk_parts[c + 1]]
+        parts.append(len(out))
+    return out, parts
+
+
 def balanced_blocks(n_layer: int, stages: int, block: float, first: float, last: float,
                     min_end_blocks: int = 1) -> list[int]:
     """Contiguous blocks per stage minimising the costliest stage (linear partition, exact).
@@ -115,4 +131,4 @@ def balanced_blocks(n_layer: int, stages: int, block: float, first: float, last:
     return blocks + [left]
 
 
-__all__ = ["LayerCosts", "stage_parts", "balanced_blocks"]
+__all__ = ["LayerCosts", "stage_parts", "interleaved_layout", "balanced_blocks"]

@@ -19,7 +19,7 @@ from deepspeed.pipe import PipelineModule
 
 from ds_mp.deepspeed_compat import module_grid, module_topology, set_local_layers, tied_weights
 from ds_mp.models.family import Family, family_of
-from ds_mp.models.partition import stage_parts
+from ds_mp.models.partition import interleaved_layout, stage_parts
 from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel import padded_vocab_size, vocab_parallel_cross_entropy
 from ds_mp.tensor_parallel.random import parallel_region_rng
@@ -165,7 +165,7 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
                    sequence_parallel: bool = False, overlap_comm: bool = True, vocab_pad_multiple: int = 128,
                    activation_checkpoint_interval: int = 0, dynamic_shape: bool = False,
                    layout: tuple[list[str], list[int]] | None = None, lora: Any = None,
-                   seed: int = 0) -> DsMpPipeline:
+                   seed: int = 0, virtual_stages: int = 1) -> DsMpPipeline:
     """Build this rank's stage of ``src.config``'s family (reading only its weights from ``src``).
 
     ``layout = (layer names, parts)`` replaces the default order (``Family.pipeline_layers``) and
@@ -178,6 +178,10 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
     ``lora`` (a ``ds_mp.config.LoraConfig`` with ``r > 0``): the targeted linears get LoRA factors
     (from ``src`` if it holds them, else PEFT's init seeded by ``seed``) and every other parameter is
     frozen (``requires_grad=False``: no gradient, no optimizer state).
+
+    ``virtual_stages`` = v > 1 (interleaved 1F1B): ``partition`` cuts the layers into K·v chunks and
+    rank r builds chunks r, r + K, … (:func:`~ds_mp.models.partition.interleaved_layout`), one after
+    the other; ``net.virtual_parts`` keeps the chunk boundaries over the family's table (None at v = 1).
     """
     cfg = src.config
     family = family_of(cfg)
@@ -186,9 +190,12 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
     ctx.overlap_comm = overlap_comm
     ctx.lora, ctx.seed = (lora if lora is not None and lora.r > 0 else None), seed
     L, table = cfg.num_hidden_layers, family.pipeline_layers(cfg)
-    names, parts = layout or (table, stage_parts(L, topology.pp, partition, cfg.hidden_size, cfg.vocab_size,
-                                                 lead=family.lead_layers, tail=family.tail_layers,
+    names, parts = layout or (table, stage_parts(L, topology.pp * virtual_stages, partition, cfg.hidden_size,
+                                                 cfg.vocab_size, lead=family.lead_layers, tail=family.tail_layers,
                                                  block_params=family.block_parameters(cfg)))
+    virtual_parts = parts if layout is None and virtual_stages > 1 else None
+    if virtual_parts is not None:
+        names, parts = interleaved_layout(names, virtual_parts, topology.pp)
     if sorted(names) != sorted(table) or len(parts) != topology.pp + 1:
         raise ValueError(f"layout {names} / {parts} is not a reordering of {family.name}'s {len(table)} layers "
                          f"over {topology.pp} stages")
@@ -196,6 +203,7 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
     net = DsMpPipeline(layers, names, parts, topology, ctx, activation_checkpoint_interval=activation_checkpoint_interval,
                        dynamic_shape=dynamic_shape,
                        checkpointable_layers=list(family.checkpointable) if family.checkpointable else None)
+    net.virtual_parts = virtual_parts
     if ctx.lora is not None:
         for name, param in net.named_parameters():
             param.requires_grad = ".lora_" in name

@@ -24,6 +24,7 @@ SCHEDULES: dict[str, Union[str, type]] = {
     "terapipe": "ds_mp.schedules.terapipe.schedule:TeraPipeSchedule",
     "ouroboros": "ds_mp.schedules.ouroboros.timetable:OuroborosSchedule",
     "zb-h1": "ds_mp.schedules.zero_bubble:ZeroBubbleH1",
+    "interleaved": "ds_mp.schedules.interleaved:Interleaved1F1B",
 }
 
 # schedule name -> module whose import registers its instruction handlers on the engine
@@ -31,6 +32,7 @@ ENGINE_SUPPORT: dict[str, str] = {
     "terapipe": "ds_mp.engine.terapipe",
     "ouroboros": "ds_mp.engine.ouroboros",
     "zb-h1": "ds_mp.engine.zero_bubble",
+    "interleaved": "ds_mp.engine.interleaved",
 }
 
 

@@ -125,6 +125,15 @@ class TimetableSchedule(ds.PipeSchedule):
     def cost(self, stage: int, op: Op) -> float:
         return 2.0 if op.kind == "B" else 1.0
 
+    def peer(self) -> Callable[[int, Op], int | None]:
+        """The stage that sends each op's input (:func:`transfers`); a linear pipeline here."""
+        return linear_peer(self.stages)
+
+    def sent_unit(self, move: Transfer) -> tuple[int, int]:
+        """The sender's unit ``(micro, slice)`` whose value ``move`` carries: the consumer's own unit
+        in a linear pipeline."""
+        return move.op.micro, move.op.slice
+
     def compute(self, op: Op, buffer_id: int) -> list:
         """Instructions of compute ``op`` on this stage with its unit in ``buffer_id``."""
         first, last = self.stage_id == 0, self.stage_id == self.stages - 1
@@ -137,9 +146,12 @@ class TimetableSchedule(ds.PipeSchedule):
 
     def _compiled(self) -> tuple[list[list[Item]], dict[tuple[int, int], int], int]:
         if getattr(self, "_cache", None) is None:
-            mine = rounds(self.table(), self.cost, self.deps, linear_peer(self.stages))[self.stage_id]
+            mine = rounds(self.table(), self.cost, self.deps, self.peer())[self.stage_id]
             flat = [(r, item) for r, items in enumerate(mine) for item in items]
-            unit = lambda item: (item[1].micro, item[1].slice) if item[0] == "compute" else (item[1].op.micro, item[1].op.slice)  # noqa: E731
+            def unit(item: Item) -> tuple[int, int]:
+                kind, x = item
+                return (x.micro, x.slice) if kind == "compute" else self.sent_unit(x) if kind == "send" else \
+                    (x.op.micro, x.op.slice)
             last = {unit(item): i for i, (_, item) in enumerate(flat)}
             free: list[int] = []
             buffers: dict[tuple[int, int], int] = {}

@@ -1,0 +1,98 @@
+"""Engine side of interleaved 1F1B: run one local chunk of the pipeline module at a time.
+
+Imported by the engine when the ``interleaved`` schedule is selected (``ENGINE_SUPPORT``).  The
+module (``build_pipeline(virtual_stages=v)``) holds this rank's v chunks as consecutive runs of
+its ``forward_funcs`` (chunk c = virtual stage c·K + s, its layers in the order of the model);
+``module.virtual_parts`` are the chunk boundaries over the whole layer table.
+
+A chunk's instruction runs DeepSpeed's own handlers (forward with the loss on the last virtual
+stage, backward of the loss or of the received gradient, bf16/fp16 bookkeeping) with two things
+switched for its duration (:meth:`InterleavedState.chunk`):
+
+* the module's ``forward_funcs`` are the chunk's layers only (as DeepSpeed's DualPipeV module
+  exposes one phase at a time);
+* ``is_first_stage()`` / ``is_last_stage()`` answer for the *virtual* stage: the first is chunk
+  0 of rank 0 (token ids in, no input gradient), the last is chunk v − 1 of rank K − 1 (labels,
+  loss); every other chunk receives an activation and sends a gradient back.
+
+The p2p neighbours are the ring's, ``(s ± 1) mod K``: DeepSpeed's p2p allows the wrap between
+the last and the first stage.  Every chunk boundary carries the hidden state ``(B, T, H)``, so
+DeepSpeed's one cached receive buffer and its once-announced shapes stay valid.  Outside a chunk
+instruction (gradient reduction, tied-weight all-reduce, the loss aggregation) the engine sees
+its physical stage: the tied embedding lives on chunk 0 of rank 0 and the LM head on chunk v − 1
+of rank K − 1, so the tied group is DeepSpeed's first/last-stage pair as in 1F1B.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
+from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B
+
+
+class InterleavedState:
+    """One rank's chunks: forward-function ranges and virtual stage ids; the chunk switch."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.K, self.s = engine.num_stages, engine.stage_id
+        self.v = engine.ds_mp_config.pipeline.virtual_stages
+        vparts = engine.module.virtual_parts or engine.module.parts  # chunk bounds over the table, K·v + 1
+        sizes = [vparts[c * self.K + self.s + 1] - vparts[c * self.K + self.s] for c in range(self.v)]
+        self.funcs = engine.module.forward_funcs
+        if sum(sizes) != len(self.funcs):
+            raise RuntimeError(f"interleaved: rank {self.s} holds {len(self.funcs)} layers, its chunks {sizes}")
+        starts = [sum(sizes[:c]) for c in range(self.v)]
+        self.ranges = [(a, a + n) for a, n in zip(starts, sizes)]
+        engine.prev_stage, engine.next_stage = (self.s - 1) % self.K, (self.s + 1) % self.K  # the ring
+
+    @contextlib.contextmanager
+    def chunk(self, c: int) -> Iterator[None]:
+        """Inside: the module runs local chunk ``c`` only and the engine is virtual stage c·K + s."""
+        e, mod = self.engine, self.engine.module
+        vs, last = c * self.K + self.s, self.K * self.v - 1
+        a, b = self.ranges[c]
+        mod.forward_funcs = self.funcs[a:b]
+        e.is_first_stage = lambda: vs == 0  # instance attributes shadow PipelineEngine's methods
+        e.is_last_stage = lambda: vs == last
+        try:
+            yield
+        finally:
+            mod.forward_funcs = self.funcs
+            del e.is_first_stage, e.is_last_stage
+
+    def eval_batch(self, data_iter: Any, *args: Any, num_micro_batches: int | None = None, **kwargs: Any) -> Any:
+        """DeepSpeed's ``eval_batch`` with the forward-only interleaved timetable (every chunk of
+        every micro-batch, round the ring v times) in place of its linear inference schedule."""
+        e = self.engine
+        e._inference_schedule = lambda n: Interleaved1F1B(n, self.K, self.s, self.v, forward_only=True)
+        try:
+            return PipelineEngine.eval_batch(e, e._announce_shape(data_iter), *args,
+                                             num_micro_batches=num_micro_batches, **kwargs)
+        finally:
+            del e._inference_schedule
+
+
+def attach(engine: Any) -> InterleavedState:
+    engine.interleaved = InterleavedState(engine)
+    return engine.interleaved
+
+
+def _exec_chunk_forward(self: Any, buffer_id: int, chunk: int, micro: int) -> None:
+    with self.interleaved.chunk(chunk):
+        self._recv_micro[buffer_id] = micro  # the schedule's micro-batch: checked against the loaded labels
+        self.run_forward(buffer_id)
+
+
+def _exec_chunk_backward(self: Any, buffer_id: int, chunk: int) -> None:
+    with self.interleaved.chunk(chunk):
+        self.run_backward(buffer_id)
+
+
+DsMpPipelineEngine.register_instruction(ChunkForward, _exec_chunk_forward)
+DsMpPipelineEngine.register_instruction(ChunkBackward, _exec_chunk_backward)
+
+__all__ = ["InterleavedState", "attach"]

@@ -4,6 +4,12 @@
 of a ``deepspeed`` launch (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and returns
 the per-rank return values.  A rank that raises fails the test with its traceback; a
 hang fails after ``timeout`` seconds instead of blocking CI.
+
+Ranks are forked from one forkserver that has imported torch, DeepSpeed, transformers, PEFT and
+ds_mp once (:data:`PRELOAD`): a freshly spawned interpreter spends 3-10 s importing them, which
+was paid by every rank of every multi-rank test.  Each rank still starts from a clean state: no
+collective, engine or thread pool exists before the fork, and the caller's current environment
+is installed in the rank (the forkserver's own was captured when it started).
 """
 from __future__ import annotations
 
@@ -23,7 +29,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, n: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+#: Imported once by the forkserver, so forked ranks start with them loaded.
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.pipe.engine", "transformers",
+           "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama", "peft", "ds_mp",
+           "ds_mp.engine.initialize", "ds_mp.training.loop"]
+_context: Any = None
+
+
+def _spawn_context() -> Any:
+    """The forkserver context (started on first use, preloading :data:`PRELOAD`)."""
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def _entry(rank: int, n: int, port: int, out_dir: str, fn: Callable, args: tuple, environ: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_SIZE=str(n),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       DS_MP_TIMEOUT=os.environ.get("DS_MP_TIMEOUT", "120"))
@@ -41,9 +65,10 @@ def _entry(rank: int, n: int, port: int, out_dir: str, fn: Callable, args: tuple
 def run_ranks(fn: Callable, n: int, *args: Any, timeout: float = 240) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``n`` ranks; return the results in rank order."""
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.get_context("spawn")
+        ctx = _spawn_context()
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, n, port, out, fn, args), daemon=True) for r in range(n)]
+        environ = dict(os.environ)
+        procs = [ctx.Process(target=_entry, args=(r, n, port, out, fn, args, environ), daemon=True) for r in range(n)]
         for p in procs:
             p.start()
         for p in procs:

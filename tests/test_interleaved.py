@@ -22,6 +22,7 @@ from dist_utils import run_ranks
 from ds_mp.models.partition import interleaved_layout
 from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B
 from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable, one_f_one_b_timetable, simulate
+from ds_mp.training.trace import event_label
 from helpers import batches, ds_config, tiny_gpt2
 from test_tensor_parallel import gather_weights, hf_train, max_diff
 
@@ -115,6 +116,15 @@ def test_interleaved_dependencies_cross_the_ring() -> None:
         interleaved_timetable(4, 6, 2)
 
 
+def test_timeline_labels_micro_batch_and_chunk(tmp_path) -> None:
+    from ds_mp.tools.viz import timeline_png
+
+    assert event_label("ChunkForward@3.1", 0) == "F3.1" and event_label("ChunkBackward@0.2", 4) == "B0.2"
+    trace = {0: [("ChunkForward@0.0", 0, 0.0, 1.0), ("ChunkForward@0.1", 1, 1.0, 2.0)],
+             1: [("ChunkBackward@0.1", 0, 2.0, 4.0)]}
+    assert timeline_png(trace, str(tmp_path / "t.png"))["makespan_s"] == 4.0
+
+
 # ------------------------------------------------------------------ multi-rank against HF
 
 def _steps(n: int, per_step: int, seed: int) -> list[list]:
@@ -154,6 +164,7 @@ def _rank(rank: int, world: int, root: str) -> dict:
         d, gas = rank % case["dp"], case["gas"]
         engine, *_ = ds_mp.initialize(model=tiny_gpt2(n_layer=case["layers"]), config=case["cfg"])
         losses, norms = [], []
+        engine.trace_enabled = case["name"] == "v3_l6"  # timelines tell the chunks apart
         for step in case["steps"]:
             losses.append(float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))))
             norms.append(float(engine.get_global_grad_norm()))
@@ -162,6 +173,8 @@ def _rank(rank: int, world: int, root: str) -> dict:
         chunks = len(engine.interleaved.ranges) if hasattr(engine, "interleaved") else 1
         assert chunks == case["cfg"]["ds_mp"]["pipeline"].get("virtual_stages", 1)
         out[case["name"]] = (losses, norms, gather_weights(engine)[0], evaluated)
+        if engine.trace_enabled:
+            out["labels"] = sorted(event_label(n, b) for n, b, _, _ in engine.trace if "Chunk" in n)
     return out
 
 
@@ -198,6 +211,9 @@ def test_interleaved_equals_hf(world: int, tmp_path) -> None:
     results = run_ranks(_rank, world, world, str(tmp_path), timeout=600)
     _check(world, results)
     if world == 2:
+        steps, v = 2, 3  # v3_l6: every rank forwards and backwards each (micro-batch, chunk) once per step
+        for res in results:
+            assert res["labels"] == sorted([f"{k}{m}.{c}" for k in "FB" for m in range(2) for c in range(v)] * steps)
         r = results[0]
         want = r["uninterrupted"]
         for name in ("interleaved v2 -> 1f1b tp2 pp1", "1f1b pp2 -> interleaved v2"):

@@ -87,7 +87,7 @@ def _exec_chunk_forward(self: Any, buffer_id: int, chunk: int, micro: int) -> No
         self.run_forward(buffer_id)
 
 
-def _exec_chunk_backward(self: Any, buffer_id: int, chunk: int) -> None:
+def _exec_chunk_backward(self: Any, buffer_id: int, chunk: int, micro: int) -> None:  # noqa: ARG001 - traced
     with self.interleaved.chunk(chunk):
         self.run_backward(buffer_id)
 

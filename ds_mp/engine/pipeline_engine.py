@@ -101,8 +101,10 @@ class DsMpPipelineEngine(PipelineEngine):
                 method(self, **cmd.kwargs)
                 if self.trace_enabled:
                     get_accelerator().synchronize()
-                    self.trace.append((type(cmd).__name__, cmd.kwargs.get("buffer_id", -1), start,
-                                       time.perf_counter()))
+                    name = type(cmd).__name__
+                    if "chunk" in cmd.kwargs:  # interleaved: "ChunkForward@3.1" = micro-batch 3, chunk 1
+                        name += f"@{cmd.kwargs['micro']}.{cmd.kwargs['chunk']}"
+                    self.trace.append((name, cmd.kwargs.get("buffer_id", -1), start, time.perf_counter()))
 
     # --- activation shapes: re-announced only when they change ------------------------
     def _announce_shape(self, data_iter: Any) -> Any:
@@ -361,6 +363,7 @@ class DsMpPipelineEngine(PipelineEngine):
         """Seconds spent per instruction type since the trace was last cleared."""
         out: dict[str, float] = {}
         for name, _, start, end in self.trace:
+            name = name.partition("@")[0]  # one total per instruction type, not per (micro-batch, chunk)
             out[name] = out.get(name, 0.0) + end - start
         return out
 

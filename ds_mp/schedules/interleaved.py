@@ -31,7 +31,8 @@ class ChunkForward(ds.BufferOpInstruction):
 
 
 class ChunkBackward(ds.BufferOpInstruction):
-    """Backward the unit in ``buffer_id`` through local chunk ``chunk``.  kwargs: ``buffer_id``, ``chunk``."""
+    """Backward the unit in ``buffer_id`` (micro-batch ``micro``) through local chunk ``chunk``.
+    kwargs: ``buffer_id``, ``chunk``, ``micro``."""
 
 
 def ring_peer(stages: int, chunks: int) -> Callable[[int, Op], int | None]:
@@ -89,7 +90,7 @@ class Interleaved1F1B(TimetableSchedule):
             return ([ds.LoadMicroBatch(buffer_id=buffer_id)] if first or last else []) + \
                 [ChunkForward(buffer_id=buffer_id, chunk=op.slice, micro=op.micro)]
         if op.kind == "B":
-            return [ChunkBackward(buffer_id=buffer_id, chunk=op.slice)]
+            return [ChunkBackward(buffer_id=buffer_id, chunk=op.slice, micro=op.micro)]
         raise ValueError(f"{type(self).__name__}: no instruction for op kind {op.kind!r}")
 
     def steps(self) -> Iterator[list]:

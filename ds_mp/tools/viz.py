@@ -92,8 +92,9 @@ def timeline_png(trace: str | dict, out_png: str, title: str = "pipeline timelin
         for name, buf, start, end in traces[rank]:
             kind = instruction_kind(name)
             x, w = (start - t0) * 1e3, (end - start) * 1e3
+            chunk = name.partition("@")[2].rpartition(".")[2]  # interleaved: odd local chunks lighter
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=KIND_COLOURS[kind], edgecolor="white",
-                           linewidth=0.3)
+                           linewidth=0.3, alpha=0.6 if chunk and int(chunk) % 2 else 1.0)
             if kind in COMPUTE_KINDS and w > 0.025 * stats["makespan_s"] * 1e3:
                 ax.text(x + w / 2, y, event_label(name, buf), ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(ranks)))

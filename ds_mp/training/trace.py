@@ -23,12 +23,14 @@ Trace = list[tuple[str, int, float, float]]  # (instruction, buffer_id, start_s,
 
 def event_label(name: str, buffer_id: int) -> str:
     """``F3`` / ``B3`` for forward / backward of buffer 3, ``W3`` for a weight-gradient pass split off
-    the backward (``zb-h1``'s ``BackwardWeight``; its ``BackwardInput`` is ``B3``); other
-    instructions keep their name."""
+    the backward (``zb-h1``'s ``BackwardWeight``; its ``BackwardInput`` is ``B3``); an interleaved
+    chunk's pass (recorded as ``ChunkForward@3.1``) is ``F3.1``: micro-batch 3, local chunk 1, as
+    the simulator writes it; other instructions keep their name."""
+    name, _, unit = name.partition("@")
     kind = instruction_kind(name)
-    if kind in COMPUTE_KINDS and buffer_id >= 0:
+    if kind in COMPUTE_KINDS and (unit or buffer_id >= 0):
         letter = "F" if kind == "forward" else "W" if "Weight" in name else "B"
-        return f"{letter}{buffer_id}"
+        return f"{letter}{unit or buffer_id}"
     return name
 
 

@@ -10,7 +10,8 @@
   fp32 losses, pre-clip norms and every weight within 1e-5 at PP=2 (clipping, activation
   checkpointing, ZeRO-1, LoRA-free tied embeddings), PP=3, TP=2×PP=2 and PP=2×DP=2 with ZeRO-1;
   bf16 (TP=2×PP=2 with ZeRO-1, PP=2) within a stated tolerance of HF's fp32 run and of the
-  same bf16 config under 1F1B;
+  same bf16 config under 1F1B; at TP=2×PP=2 the column-parallel fused backward computes dX and dW
+  as often as under 1F1B (B only dX, W only dW: no work done twice);
 * config refusals (ZeRO-2, fp16) in one line.
 """
 from __future__ import annotations
@@ -178,17 +179,30 @@ def cases(world: int) -> list[dict]:
 
 def _rank(rank: int, world: int) -> dict:
     import ds_mp
+    from ds_mp.tensor_parallel import mappings
 
-    out = {}
-    for case in cases(world):
-        d, gas = (rank // case["tp"]) % case["dp"], case["gas"]
-        engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=case["cfg"])
-        losses, norms = [], []
-        for step in case["steps"]:
-            losses.append(float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))))
-            norms.append(float(engine.get_global_grad_norm()))
-        out[case["name"]] = (losses, norms, gather_weights(engine)[0], len(engine.zero_bubble.pending)
-                             if hasattr(engine, "zero_bubble") else 0)
+    out, fused = {}, {}
+    needed = mappings.needed_grads
+
+    def counted(ctx):  # the column-parallel backward's work: (dX computed, dW computed) per call
+        needs = needed(ctx)
+        fused[needs[:2]] = fused.get(needs[:2], 0) + 1
+        return needs
+
+    mappings.needed_grads = counted
+    try:
+        for case in cases(world):
+            d, gas = (rank // case["tp"]) % case["dp"], case["gas"]
+            engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=case["cfg"])
+            losses, norms = [], []
+            fused.clear()
+            for step in case["steps"]:
+                losses.append(float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))))
+                norms.append(float(engine.get_global_grad_norm()))
+            out[case["name"]] = (losses, norms, gather_weights(engine)[0], len(engine.zero_bubble.pending)
+                                 if hasattr(engine, "zero_bubble") else 0, dict(fused))
+    finally:
+        mappings.needed_grads = needed
     return out
 
 
@@ -199,7 +213,7 @@ def _check(world: int, results: list[dict]) -> None:
         assert min(hf_norms) > case["clip"], "clipping must be active to be tested"
         seen: set = set()
         for rank, res in enumerate(results):
-            losses, norms, w, pending = res[case["name"]]
+            losses, norms, w, pending, fused = res[case["name"]]
             where = f"{case['name']} rank {rank}: {losses} {norms} vs HF {hf_losses} {hf_norms}"
             assert pending == 0, where
             seen |= set(w)
@@ -213,6 +227,10 @@ def _check(world: int, results: list[dict]) -> None:
                 assert abs(norms[0] - hf_norms[0]) <= BF16_NORM_VS_HF * hf_norms[0], where
                 assert all(abs(a - b) <= BF16_VS_1F1B * abs(b) for a, b in zip(losses + norms, one[0] + one[1])), \
                     f"{where}; 1f1b {one[:2]}"
+                if case["tp"] > 1:  # B computes (and all-reduces) only dX, W only dW: 1F1B's work, once
+                    dx, dw = (sum(n for (x, w), n in fused.items() if (x, w)[i]) for i in (0, 1))
+                    want = one[4].get((True, True), 0)
+                    assert want > 0 and dx == dw == want, f"{where}: fused backward calls {fused}, 1f1b {one[4]}"
         assert seen == set(hf_w), f"{case['name']}: {set(hf_w) ^ seen} not covered"
 
 

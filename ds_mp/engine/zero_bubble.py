@@ -26,8 +26,10 @@ so the module switches to torch's non-reentrant checkpoint with DeepSpeed's mode
 tracker restored for the recomputation (:func:`checkpoint`); B and W each recompute the
 checkpointed forward.
 
-With TP > 1 the column-parallel linear's fused backward (one autograd node computing dX and
-dW) runs in both B and W: exact, but that layer's backward work is done twice.
+With TP > 1 the column-parallel linear's backward is one custom autograd node computing dX (and
+starting its all-reduce) and dW; B marks every such node with the gradients each pass needs
+(:func:`_split_fused_nodes`), so B computes and all-reduces only dX, W only dW and db: the fused
+backward's work is done once, as in 1F1B.
 
 Two DeepSpeed behaviours the split must not trip over (each has a test that fails without its
 guard, ``tests/test_zero_bubble.py``): every ``RecvGrad`` writes into the same gradient buffer,
@@ -44,7 +46,7 @@ from typing import Any, Iterator
 
 import torch
 from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
-                                                     get_param_groups, stage_backward_weight)
+                                                     get_param_groups, reverse_closure, stage_backward_weight)
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
@@ -106,9 +108,11 @@ def input_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor | None]
     pairs = [(o, torch.ones_like(o) if g is None else g) for o, g in zip(outputs, grads)
              if o.grad_fn is not None or o.requires_grad]
     roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
-    reverse = construct_reverse_graph([_get_grad_fn_or_grad_acc(o) for o in roots])
-    groups = get_param_groups([_get_grad_fn_or_grad_acc(x) for x in inputs],
-                              [_get_grad_fn_or_grad_acc(w) for w in weights], reverse)
+    root_nodes = [_get_grad_fn_or_grad_acc(o) for o in roots]
+    reverse = construct_reverse_graph(root_nodes)
+    input_nodes = [_get_grad_fn_or_grad_acc(x) for x in inputs]
+    groups = get_param_groups(input_nodes, [_get_grad_fn_or_grad_acc(w) for w in weights], reverse)
+    fused = _split_fused_nodes({*reverse, *root_nodes}, reverse_closure(input_nodes, set(), reverse)[0])
     handles = []
     for group in groups:
         group["intermediates"] = list(group["intermediates"])
@@ -128,7 +132,27 @@ def input_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor | None]
     for group in groups:  # intermediates no gradient reached (an unused branch) have no W work
         kept = [(n, g) for n, g in zip(group["intermediates"], group["grads"]) if g is not None]
         group["intermediates"], group["grads"] = [n for n, _ in kept], [g for _, g in kept]
+    for node in fused:  # W: the other side
+        node.split_grads = tuple(not x for x in node.split_grads)
     return groups
+
+
+def _split_fused_nodes(nodes: set, input_closure: set) -> list[Any]:
+    """Split the fused dX/dW backwards between B and W (``ds_mp.tensor_parallel.mappings.needed_grads``).
+
+    Every custom-Function node of the graph that declares its edges (``ctx.edge_args``) gets
+    ``split_grads``: for each edge, whether its gradient flows into the input closure (the nodes
+    between the stage input and the outputs) — what B needs; after B it is flipped to W's side,
+    the complement: W starts at the intermediates, and a gradient it would send back into the
+    closure is never used (it reaches no weight of the group, or an intermediate whose recorded
+    gradient replaces it).  Native nodes need none of this: autograd computes only the outputs a
+    pass uses, a custom Function whatever its backward returns.  Returns the marked nodes."""
+    marked = []
+    for node in nodes:
+        if node is not None and hasattr(node, "edge_args"):
+            node.split_grads = tuple(fn is not None and fn in input_closure for fn, _ in node.next_functions)
+            marked.append(node)
+    return marked
 
 
 @contextlib.contextmanager

@@ -150,6 +150,19 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tr
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def needed_grads(ctx: Any) -> tuple[bool, ...]:
+    """The input gradients a fused backward computes: ``ctx.needs_input_grad``, narrowed by
+    ``ctx.split_grads`` (one flag per graph edge, i.e. per tensor argument, whose argument index
+    ``ctx.edge_args`` gives) where a split backward set it on the node: ZB-H1's B wants only the
+    gradient flowing towards the stage input, its W only the weights' (``ds_mp.engine.zero_bubble``).
+    Autograd skips the unneeded outputs of its own nodes; a custom Function computes whatever its
+    backward returns, so without this the fused dX/dW backward would run whole in both passes."""
+    needs, split = list(ctx.needs_input_grad), getattr(ctx, "split_grads", None)
+    for arg, wanted in zip(ctx.edge_args, split or ()):
+        needs[arg] = needs[arg] and wanted
+    return tuple(needs)
+
+
 class _ParallelInputLinear(torch.autograd.Function):
     """``y = x Wᵀ`` (``W`` stored ``(out, in)``) or ``y = x W + b`` (``W`` stored ``(in, out)``,
     GPT-2's Conv1D layout) on an input replicated over ``group`` — f fused with the matmul.
@@ -169,23 +182,25 @@ class _ParallelInputLinear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, weight)
         ctx.group, ctx.sp, ctx.transposed, ctx.overlap, ctx.x_shape = group, sequence_parallel, transposed, overlap, x.shape
+        ctx.edge_args = (0, 1) if bias is None else (0, 1, 2)  # the tensor arguments: the node's graph edges
         return _linear(x, weight, bias, transposed)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x2, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
+        needs = needed_grads(ctx)
         pending = None
-        if ctx.needs_input_grad[0]:
+        if needs[0]:
             dx = (g2 @ weight if ctx.transposed else g2 @ weight.t()).view(ctx.x_shape)
             pending = (reduce_scatter_async(dx, 1, ctx.group) if ctx.sp else all_reduce_async(dx, ctx.group))
             if not ctx.overlap:  # the plain order: wait for the collective before computing dW
                 done = pending()
                 pending = lambda: done  # noqa: E731
         dw = None
-        if ctx.needs_input_grad[1]:
+        if needs[1]:
             dw = g2.t() @ x2 if ctx.transposed else x2.t() @ g2
-        db = g2.sum(0) if ctx.needs_input_grad[2] else None
+        db = g2.sum(0) if needs[2] else None
         return (pending() if pending else None), dw, db, None, None, None, None
 
 

@@ -1,7 +1,8 @@
-"""What combines with what: precision × optimizer wrapper × layout × schedule, with clipping.
+"""What combines with what: model family × precision × optimizer wrapper × layout × schedule, with clipping.
 
-The oracle is the unmodified single-process HF ``GPT2LMHeadModel`` trained with torch SGD and
-``torch.nn.utils.clip_grad_norm_`` (:func:`test_tensor_parallel.hf_train`):
+The oracle is the unmodified single-process HF model of the case (``GPT2LMHeadModel``, or the
+Llama family's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MistralForCausalLM``) trained with
+torch SGD and ``torch.nn.utils.clip_grad_norm_`` (:func:`test_tensor_parallel.hf_train`):
 
 * fp32: every step's loss within 2e-4 relative of HF, and DeepSpeed's public
   ``engine.get_global_grad_norm()`` within 1e-4 relative of torch's pre-clip norm.
@@ -11,8 +12,12 @@ The oracle is the unmodified single-process HF ``GPT2LMHeadModel`` trained with 
 Pairwise coverage (:data:`CASES`, asserted by :func:`test_cases_cover_every_pair`): layout ×
 schedule needs all 15 pairs, so there are 15 cases; the precision/wrapper pair of each case
 rotates so every schedule sees all four (precision, wrapper) pairs and every layout three of
-them (hence both precisions and both wrappers).  Awkward sizes: vocab 203, n_embd 48,
-4 heads, 4 layers, seq 16 (TeraPipe slices 6 + 10 with activation checkpointing, and sequence parallelism where TP > 1).
+them (hence both precisions and both wrappers).  Six cases train a Llama-family model instead
+of GPT-2 (:data:`MODELS`), chosen so the family meets every layout, schedule, precision and
+wrapper and GPT-2 still does too.  Awkward sizes: GPT-2 vocab 203, n_embd 48, 4 heads, 4
+layers; the Llama family hidden 96, 6 heads with 2 or 3 key/value heads (split or replicated
+at TP = 2), intermediate 200, vocab 1003 (``test_llama.tiny_llama``); seq 16 (TeraPipe slices
+6 + 10 with activation checkpointing, and sequence parallelism where TP > 1).
 
 The same spawns also check (cheaply, on the engines already built) that every tensor ds_mp
 hands to a collective was made on a device (:class:`CollectiveDeviceGuard`), and that
@@ -31,6 +36,7 @@ import torch
 
 from dist_utils import run_ranks
 from helpers import batches, ds_config, tiny_gpt2
+from test_llama import tiny_llama
 from test_tensor_parallel import hf_train
 
 VOCAB, SEQ, LR, CLIP, STEPS = 203, 16, 0.1, 1.0, 3
@@ -52,18 +58,31 @@ CASES: list[tuple[str, str, tuple[str, str]]] = [
     ("tp2dp2", "1f1b", D), ("tp2dp2", "gpipe", A), ("tp2dp2", "terapipe", B),
     ("pp2dp2", "1f1b", A), ("pp2dp2", "gpipe", C), ("pp2dp2", "terapipe", D),
 ]
-FACTORS = {"precision": ("fp32", "bf16"), "wrapper": ("none", "zero1"), "layout": tuple(LAYOUTS),
-           "schedule": ("1f1b", "gpipe", "terapipe")}
+# (layout, schedule) -> the Llama-family model a case trains (every other case: GPT-2).  Qwen2: 2 KV
+# heads (split at TP=2), q/k/v biases, untied head; Llama: 3 KV heads (replicated at TP=2, gradients
+# summed), tied head; Mistral: 2 KV heads, tied head.
+MODELS = {("tp2", "1f1b"): "qwen2", ("pp2", "terapipe"): "mistral", ("tp2pp2", "terapipe"): "qwen2",
+          ("tp2pp2", "1f1b"): "llama", ("tp2dp2", "gpipe"): "llama", ("pp2dp2", "1f1b"): "mistral"}
+FAMILY_MODELS = {"qwen2": (2, False), "llama": (3, True), "mistral": (2, True)}  # (KV heads, tied)
+FACTORS = {"family": ("gpt2", "llama"), "precision": ("fp32", "bf16"), "wrapper": ("none", "zero1"),
+           "layout": tuple(LAYOUTS), "schedule": ("1f1b", "gpipe", "terapipe")}
 
 
 def case_values(case: tuple) -> dict[str, str]:
     layout, schedule, (precision, wrapper) = case
-    return {"precision": precision, "wrapper": wrapper, "layout": layout, "schedule": schedule}
+    return {"model": MODELS.get((layout, schedule), "gpt2"), "precision": precision, "wrapper": wrapper,
+            "layout": layout, "schedule": schedule}
 
 
 def case_name(case: tuple) -> str:
     v = case_values(case)
-    return f"{v['precision']}_{v['wrapper']}_{v['layout']}_{v['schedule']}"
+    return f"{v['model']}_{v['precision']}_{v['wrapper']}_{v['layout']}_{v['schedule']}"
+
+
+def model_for(case: tuple):
+    """The case's HF model (fresh, seeded: the same weights on every rank and in the reference)."""
+    name = case_values(case)["model"]
+    return tiny_gpt2() if name == "gpt2" else tiny_llama(name, *FAMILY_MODELS[name])
 
 
 def config(case: tuple, one_rank: bool = False) -> dict:
@@ -186,7 +205,7 @@ def _combo_rank(rank: int, world: int) -> dict:
             tp, pp, dp = LAYOUTS[case[0]]
             if tp * pp * dp != world:
                 continue
-            engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=config(case))
+            engine, *_ = ds_mp.initialize(model=model_for(case), config=config(case))
             if case[0] == "tp2pp2" and "rng" not in out:  # right after initialize: the seeded streams
                 with parallel_region_rng():
                     tp_stream = _dropout_digest()
@@ -213,7 +232,7 @@ def _one_rank_bf16(rank: int) -> dict:
     for case in CASES:
         if case[2][0] != "bf16":
             continue
-        engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=config(case, one_rank=True))
+        engine, *_ = ds_mp.initialize(model=model_for(case), config=config(case, one_rank=True))
         losses, norms = [], []
         for step in steps_for(case):  # one rank trains on every replica's micro-batches
             losses.append(float(engine.train_batch(iter(step))))
@@ -225,7 +244,7 @@ def _one_rank_bf16(rank: int) -> dict:
 # --- tests ------------------------------------------------------------------------------------
 def test_cases_cover_every_pair() -> None:
     names = list(FACTORS)
-    rows = [case_values(c) for c in CASES]
+    rows = [{**case_values(c), "family": "gpt2" if case_values(c)["model"] == "gpt2" else "llama"} for c in CASES]
     for f1, f2 in itertools.combinations(names, 2):
         want = set(itertools.product(FACTORS[f1], FACTORS[f2]))
         have = {(r[f1], r[f2]) for r in rows}
@@ -236,8 +255,7 @@ def test_cases_cover_every_pair() -> None:
 @pytest.fixture(scope="module")
 def references() -> dict:
     """HF fp32 losses and pre-clip norms per case, and the one-rank bf16 runs."""
-    model = tiny_gpt2()
-    hf = {case_name(c): hf_train(model, steps_for(c), LR, CLIP)[:2] for c in CASES}
+    hf = {case_name(c): hf_train(model_for(c), steps_for(c), LR, CLIP)[:2] for c in CASES}
     return {"hf": hf, "bf16_one_rank": run_ranks(_one_rank_bf16, 1, timeout=300)[0]}
 
 

@@ -8,7 +8,7 @@
 * multi-rank against HF's unmodified GPT-2 trained with torch SGD and ``clip_grad_norm_`` (tied
   embeddings, clipping active): fp32 losses, pre-clip norms and every weight within 1e-5 at PP=2
   with v = 2 and 3 over 5 and 6 blocks (one split leaving chunk 0 the embedding alone), ZeRO-1,
-  and evaluation; bf16 within a stated tolerance of HF's fp32 run;
+  activation checkpointing and evaluation; bf16 within a stated tolerance of HF's fp32 run;
   PP=2 × DP=2 with each replica on its own batches;
 * layout-free checkpoints: interleaved v=2 -> 1F1B and PP=1, 1F1B -> interleaved, each equal to
   the uninterrupted run; config refusals in one line.
@@ -137,8 +137,9 @@ def _steps(n: int, per_step: int, seed: int) -> list[list]:
 
 
 def _case(name: str, *, layers: int = 5, v: int = 2, dp: int = 1, gas: int = 4, clip: float = 0.5, lr: float = 0.1,
-          schedule: str = "interleaved", bf16: bool = False, zero: int = 0, partition: object = "uniform") -> dict:
-    pipeline = {"virtual_stages": v, "partition": partition} if schedule == "interleaved" else {}
+          schedule: str = "interleaved", bf16: bool = False, zero: int = 0, partition: object = "uniform",
+          ckpt: int = 0) -> dict:
+    pipeline = {"virtual_stages": v, "partition": partition, "activation_checkpoint_interval": ckpt}
     cfg = ds_config(pp=2, micro=2, gas=gas, lr=lr, clip=clip, schedule=schedule, seq=SEQ, pipeline=pipeline)
     if bf16:
         cfg["bf16"] = {"enabled": True}
@@ -152,7 +153,7 @@ def _case(name: str, *, layers: int = 5, v: int = 2, dp: int = 1, gas: int = 4, 
 def cases(world: int) -> list[dict]:
     if world == 2:
         return [_case("v2"), _case("v3_l6", layers=6, v=3, gas=2, partition=[1, 1, 1, 1, 1, 1]),
-                _case("v2_embed_chunk", partition=[0, 2, 2, 1], zero=1), _case("v2_bf16", bf16=True)]
+                _case("v2_embed_chunk_ckpt", partition=[0, 2, 2, 1], zero=1, ckpt=1), _case("v2_bf16", bf16=True)]
     return [_case("v2_dp2", dp=2, gas=2)]
 
 
@@ -170,6 +171,8 @@ def _rank(rank: int, world: int, root: str) -> dict:
             norms.append(float(engine.get_global_grad_norm()))
         evaluated = float(engine.eval_batch(iter(case["steps"][0][d * gas:(d + 1) * gas]))) \
             if case["name"] == "v2" else None
+        if case["cfg"]["ds_mp"]["pipeline"]["activation_checkpoint_interval"]:  # a chunk's blocks are checkpointed
+            assert any(any(flags) for flags in engine.interleaved.checkpointable)
         chunks = len(engine.interleaved.ranges) if hasattr(engine, "interleaved") else 1
         assert chunks == case["cfg"]["ds_mp"]["pipeline"].get("virtual_stages", 1)
         out[case["name"]] = (losses, norms, gather_weights(engine)[0], evaluated)
@@ -255,10 +258,14 @@ def _resumes(root: str) -> dict:
     ({"virtual_stages": 2}, {"gradient_accumulation_steps": 3}, "gradient_accumulation_steps: 3 micro-batches"),
     ({"virtual_stages": 2, "partition": [1, 1, 2]}, {}, "ds_mp.pipeline.partition: expected 4"),
     ({"virtual_stages": 2}, {"zero_optimization": {"stage": 2}}, "zero_optimization.stage: the interleaved"),
-    ({"virtual_stages": 2, "activation_checkpoint_interval": 1}, {}, "ds_mp.pipeline.activation_checkpoint_interval"),
+    ({"virtual_stages": 2}, {"fp16": {"enabled": True}}, "fp16.enabled: the interleaved"),
     ({"virtual_stages": 2, "schedule": "1f1b"}, {}, "ds_mp.pipeline.virtual_stages: 2 chunks per stage need")])
-def test_refused_combinations(pipeline: dict, extra: dict, match: str) -> None:
+def test_refused_combinations(pipeline: dict, extra: dict, match: str, monkeypatch) -> None:
+    from deepspeed.accelerator import get_accelerator
+
     from ds_mp.config import ConfigError, load_config
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
 
     cfg = ds_config(pp=2, schedule="interleaved", model={"n_layer": 4, "n_embd": 48, "n_head": 4, "vocab_size": 203})
     cfg["ds_mp"]["pipeline"].update(pipeline)

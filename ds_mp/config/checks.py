@@ -14,7 +14,17 @@ from ds_mp.schedules.registry import SCHEDULES
 
 def _model_shape(cfg: DsMpConfig) -> InlineModel:
     if isinstance(cfg.model, InlineModel):
-        return cfg.model
+        m = cfg.model
+        if m.model_type not in MODEL_TYPES:
+            raise ConfigError(f"ds_mp.model.model_type: {m.model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+        if m.model_type == "gpt2" and (m.n_kv_head, m.intermediate_size, m.tie_word_embeddings) != (0, 0, True):
+            raise ConfigError("ds_mp.model.model_type: n_kv_head, intermediate_size and tie_word_embeddings shape "
+                              "Llama-family models; set model_type to llama, qwen2 or mistral, or remove them")
+        if m.model_type != "gpt2":
+            if m.n_kv_head < 0 or m.n_head % (m.n_kv_head or m.n_head):
+                raise ConfigError(f"ds_mp.model.n_kv_head: {m.n_kv_head} does not divide n_head={m.n_head}")
+            cfg.hf_config = m.hf_dict()  # for the family checks
+        return m
     from ds_mp.hub import HubError, resolve_model
 
     try:
@@ -235,7 +245,7 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
 
 def _validate_interleaved(cfg: DsMpConfig, n_layer: int) -> None:
     """``pipeline.virtual_stages`` belongs to the interleaved schedule, which is tested against HF in
-    fp32/bf16 with ZeRO 0/1 and DP, without TP, LoRA or activation checkpointing."""
+    fp32/bf16 with ZeRO 0/1, DP and activation checkpointing, without TP or LoRA."""
     pp, v = cfg.pipeline, cfg.pipeline.virtual_stages
     _positive(v, "pipeline.virtual_stages")
     if pp.schedule != "interleaved":
@@ -247,9 +257,7 @@ def _validate_interleaved(cfg: DsMpConfig, n_layer: int) -> None:
                 (pp.stages * v > n_layer, "pipeline.virtual_stages",
                  f"{pp.stages} stages × {v} chunks exceed n_layer={n_layer} blocks; lower it"),
                 (cfg.tp > 1, "tensor_parallel.size", "the interleaved schedule is not tested with TP > 1; use 1"),
-                (cfg.lora.r > 0, "lora.r", "the interleaved schedule is not tested with LoRA; use 1f1b or zb-h1"),
-                (pp.activation_checkpoint_interval > 0, "pipeline.activation_checkpoint_interval",
-                 "the interleaved schedule does not checkpoint activations yet; set it to 0")]
+                (cfg.lora.r > 0, "lora.r", "the interleaved schedule is not tested with LoRA; use 1f1b or zb-h1")]
     for refused, key, why in refusals:
         if refused:
             raise ConfigError(f"ds_mp.{key}: {why}")

@@ -42,6 +42,10 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
                "copies equal; ds_mp replaces it (checksum, broadcast only on a mismatch)"),
     Assumption("module", "_recursive_getattr", "resolves a dotted attribute path on a module"),
     Assumption("module", "_set_bounds", "_set_bounds(start, stop) makes layers [start, stop) local"),
+    Assumption("engine", "_inference_schedule", "eval_batch builds its PipeSchedule through this hook (interleaved "
+               "swaps in its forward-only ring order)"),
+    Assumption("module", "_precompute_checkpointable_values", "fills is_checkpointable_results (one flag per "
+               "activation-checkpoint segment of forward_funcs) unless is_checkpointable_results_interval is current"),
     Assumption("ops", "__compatible_ops__", "dict op name -> bool; False skips the op's JIT build"),
 )
 
@@ -62,6 +66,9 @@ ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
     Assumption("module", "tied_comms", "key -> {'module', 'weight_attr', 'group', 'ranks'} of each tied weight"),
     Assumption("module", "_grid", "the PipelineParallelGrid the module created (process groups)"),
     Assumption("module", "_topo", "the ProcessTopology the module was built with"),
+    Assumption("module", "forward_funcs", "the local layers forward() runs, in order (interleaved: one chunk's)"),
+    Assumption("module", "is_checkpointable_results", "forward() zips these flags with its checkpoint segments"),
+    Assumption("module", "is_checkpointable_results_interval", "the interval the flags were computed for"),
 )
 
 

@@ -9,8 +9,8 @@ A chunk's instruction runs DeepSpeed's own handlers (forward with the loss on th
 stage, backward of the loss or of the received gradient, bf16/fp16 bookkeeping) with two things
 switched for its duration (:meth:`InterleavedState.chunk`):
 
-* the module's ``forward_funcs`` are the chunk's layers only (as DeepSpeed's DualPipeV module
-  exposes one phase at a time);
+* the module's ``forward_funcs`` are the chunk's layers only, with their activation-checkpoint
+  segments (as DeepSpeed's DualPipeV module exposes one phase at a time);
 * ``is_first_stage()`` / ``is_last_stage()`` answer for the *virtual* stage: the first is chunk
   0 of rank 0 (token ids in, no input gradient), the last is chunk v − 1 of rank K − 1 (labels,
   loss); every other chunk receives an activation and sends a gradient back.
@@ -47,7 +47,22 @@ class InterleavedState:
             raise RuntimeError(f"interleaved: rank {self.s} holds {len(self.funcs)} layers, its chunks {sizes}")
         starts = [sum(sizes[:c]) for c in range(self.v)]
         self.ranges = [(a, a + n) for a, n in zip(starts, sizes)]
+        self.checkpointable = [self._checkpointable(a, b) for a, b in self.ranges]
         engine.prev_stage, engine.next_stage = (self.s - 1) % self.K, (self.s + 1) % self.K  # the ring
+
+    def _checkpointable(self, a: int, b: int) -> list[bool]:
+        """DeepSpeed's per-segment "is checkpointable" flags of layers ``[a, b)`` (its forward zips
+        them with the activation-checkpoint segments of ``forward_funcs``; cached per interval, so
+        the cache is dropped for each chunk as DeepSpeed's DualPipeV module does per phase)."""
+        mod = self.engine.module
+        whole, interval = mod.is_checkpointable_results, mod.is_checkpointable_results_interval
+        mod.forward_funcs, mod.is_checkpointable_results_interval = self.funcs[a:b], None
+        try:
+            mod._precompute_checkpointable_values()
+            return mod.is_checkpointable_results
+        finally:
+            mod.forward_funcs, mod.is_checkpointable_results = self.funcs, whole
+            mod.is_checkpointable_results_interval = interval
 
     @contextlib.contextmanager
     def chunk(self, c: int) -> Iterator[None]:
@@ -55,13 +70,14 @@ class InterleavedState:
         e, mod = self.engine, self.engine.module
         vs, last = c * self.K + self.s, self.K * self.v - 1
         a, b = self.ranges[c]
-        mod.forward_funcs = self.funcs[a:b]
+        whole = mod.is_checkpointable_results
+        mod.forward_funcs, mod.is_checkpointable_results = self.funcs[a:b], self.checkpointable[c]
         e.is_first_stage = lambda: vs == 0  # instance attributes shadow PipelineEngine's methods
         e.is_last_stage = lambda: vs == last
         try:
             yield
         finally:
-            mod.forward_funcs = self.funcs
+            mod.forward_funcs, mod.is_checkpointable_results = self.funcs, whole
             del e.is_first_stage, e.is_last_stage
 
     def eval_batch(self, data_iter: Any, *args: Any, num_micro_batches: int | None = None, **kwargs: Any) -> Any:

@@ -23,10 +23,11 @@ from ds_mp.models.partition import interleaved_layout
 from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B
 from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable, one_f_one_b_timetable, simulate
 from ds_mp.training.trace import event_label
-from helpers import batches, ds_config, tiny_gpt2
+from helpers import ds_config, tiny_gpt2
 from test_tensor_parallel import gather_weights, hf_train, max_diff
+from test_zero_bubble import _steps  # 2-row micro-batches of 16 tokens, vocab 203, some labels -100
 
-VOCAB, SEQ, TOL = 203, 16, 1e-5
+SEQ, TOL = 16, 1e-5  # SEQ: test_zero_bubble._steps' sequence length
 BF16_VS_HF = 0.01  # bf16 losses against HF's fp32 (relative)
 
 
@@ -126,15 +127,6 @@ def test_timeline_labels_micro_batch_and_chunk(tmp_path) -> None:
 
 
 # ------------------------------------------------------------------ multi-rank against HF
-
-def _steps(n: int, per_step: int, seed: int) -> list[list]:
-    out = []
-    for i in range(n):
-        mbs = batches(per_step, 2, SEQ, VOCAB, seed=seed + i)
-        mbs[0][1][0, :2] = -100
-        out.append(mbs)
-    return out
-
 
 def _case(name: str, *, layers: int = 5, v: int = 2, dp: int = 1, gas: int = 4, clip: float = 0.5, lr: float = 0.1,
           schedule: str = "interleaved", bf16: bool = False, zero: int = 0, partition: object = "uniform",

@@ -2,9 +2,10 @@
 
 ``registry`` maps names to classes (read by config validation without importing them);
 ``gpipe`` holds 1F1B and GPipe, ``zero_bubble`` ZB-H1 (backward split into B and W),
+``interleaved`` interleaved 1F1B (v chunks per stage round a ring),
 ``terapipe/`` the token-sliced schedule (GPipe and 1F1B orders), its key/value cache and its
 planner, ``ouroboros/`` the delayed-gradient ring; ``timetable`` compiles any per-stage op order
 into deadlock-free instruction steps, ``simulate`` turns a timetable and per-op costs into an
-iteration time (also interleaved 1F1B, not yet runnable), ``memory`` measures a schedule's saved
+iteration time, ``memory`` measures a schedule's saved
 activations.  Engine-side handlers live in ``ds_mp.engine``.
 """

@@ -202,3 +202,58 @@ def test_cost_profile_measures_the_family_layers(tied: bool) -> None:
     parts = stage_parts(4, 2, [1, 3], 96, VOCAB, lead=fam.lead_layers, tail=fam.tail_layers)
     table = fam.pipeline_layers(model.config)
     assert parts == [0, 2, 7] and table[:2] == ["embed_tokens", "layers.0"] and table[2:7][-2:] == ["norm", "lm_head"]
+
+
+INLINE = {"model_type": "qwen2", "n_layer": 2, "n_embd": 96, "n_head": 6, "n_kv_head": 2, "intermediate_size": 200,
+          "vocab_size": VOCAB, "n_positions": 64, "tie_word_embeddings": False}
+
+
+def _fresh_inline(rank: int, steps: list) -> tuple[dict, list[float]]:
+    """An inline Qwen2 shape at TP=2 x PP=2, no checkpoint: its full weights and one step's loss;
+    no rank builds the whole HF model."""
+    import transformers
+
+    import ds_mp
+    from ds_mp.checkpoint.hf import full_state_dict
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a fresh model must not be built whole (Qwen2ForCausalLM constructed)")
+
+    transformers.Qwen2ForCausalLM.__init__ = refuse
+    engine, *_ = ds_mp.initialize(config=ds_config(tp=2, pp=2, micro=2, gas=2, lr=LR, seq=SEQ, model=INLINE,
+                                                   training={"seed": 5}))
+    weights = full_state_dict(engine)
+    return weights, [float(engine.train_batch(iter(mbs))) for mbs in steps]
+
+
+def test_inline_shape_draws_the_family_init_layout_free() -> None:
+    """``"model": {"model_type": "qwen2", ...}`` without a checkpoint: the weights drawn shard by shard at
+    TP=2 x PP=2 equal the layout-free full draws (``fresh_source``) bit for bit, have exactly HF
+    ``Qwen2ForCausalLM``'s names and shapes and HF's init (N(0, initializer_range) weights, zero
+    biases, unit RMSNorm weights), and the first loss equals HF's model loaded with them."""
+    from transformers import Qwen2ForCausalLM
+
+    from ds_mp.config import InlineModel
+    from ds_mp.models.family import inline_config
+    from ds_mp.models.weights import fresh_source
+
+    steps = steps_for(n_steps=1)
+    got, losses = run_ranks(_fresh_inline, 4, steps, timeout=600)[0]
+    cfg = inline_config(InlineModel(**INLINE))
+    hf = Qwen2ForCausalLM(cfg)
+    assert {n: tuple(t.shape) for n, t in got.items()} == {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+    src = fresh_source(cfg, 5)
+    assert all(torch.equal(t, src.get(n)) for n, t in got.items())
+    std = cfg.initializer_range
+    for name, t in got.items():
+        if name.endswith(".bias"):
+            assert float(t.abs().max()) == 0.0, name
+        elif name.endswith("norm.weight"):
+            assert float(t.min()) == float(t.max()) == 1.0, name
+        elif t.numel() > 10000:  # HF draws these N(0, initializer_range) too
+            assert abs(float(t.std()) - std) < 0.05 * std and abs(float(t.mean())) < 0.1 * std, name
+    hf.load_state_dict(got)
+    hf.train()
+    with torch.no_grad():
+        want = sum(float(hf(input_ids=ids, labels=labels).loss) for ids, labels in steps[0]) / len(steps[0])
+    assert abs(losses[0] - want) < TOL, (losses, want)

@@ -73,8 +73,9 @@ def test_lora_equals_peft(tp: int, pp: int, tmp_path) -> None:
 
 def test_refusals_at_config_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """LoRA on k_proj/v_proj where TP does not divide the KV heads, a schedule not tested with the
-    family (a user's registered one), an MLP that TP does not split evenly, GPT-2 LoRA names: one
-    line naming the key, before any collective."""
+    family (a user's registered one), an MLP that TP does not split evenly (also of an inline shape),
+    inline shapes mixing the families' fields, GPT-2 LoRA names: one line naming the key, before any
+    collective."""
     from deepspeed.runtime.pipe.schedule import TrainSchedule
 
     from ds_mp.config import ConfigError, load_config
@@ -91,5 +92,14 @@ def test_refusals_at_config_time(monkeypatch: pytest.MonkeyPatch) -> None:
         load_config(ds_config(tp=1, pp=1, seq=SEQ, schedule="mine"), 1, hf)
     with pytest.raises(ConfigError, match=r"does not divide intermediate_size=200"):
         load_config(ds_config(tp=3, seq=SEQ), 3, tiny_llama("qwen2", kv=2).config.to_dict())
+    inline = {"model_type": "qwen2", "n_layer": 2, "n_embd": 96, "n_head": 6, "intermediate_size": 200}
+    with pytest.raises(ConfigError, match=r"does not divide intermediate_size=200"):  # an inline shape's family checks
+        load_config(ds_config(tp=3, seq=SEQ, model=inline), 3)
+    with pytest.raises(ConfigError, match=r"ds_mp.model.n_kv_head: 4 does not divide n_head=6"):
+        load_config(ds_config(tp=1, seq=SEQ, model={**inline, "n_kv_head": 4}), 1)
+    with pytest.raises(ConfigError, match=r"ds_mp.model.model_type: n_kv_head.*set model_type to llama"):
+        load_config(ds_config(tp=1, seq=SEQ, model={"n_layer": 2, "n_kv_head": 2}), 1)
+    with pytest.raises(ConfigError, match=r"ds_mp.model.model_type: 'bert' is not one of gpt2, llama"):
+        load_config(ds_config(tp=1, seq=SEQ, model={"model_type": "bert"}), 1)
     with pytest.raises(ConfigError, match=r"target_modules.*c_attn.*q_proj"):
         load_config(ds_config(tp=1, seq=SEQ, lora={**lora_block(), "target_modules": ["c_attn"]}), 1, hf)

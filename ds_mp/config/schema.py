@@ -15,14 +15,27 @@ class ConfigError(ValueError):
 
 @dataclass
 class InlineModel:
-    """A GPT-2 shape for training from scratch (fields as in ``transformers.GPT2Config``)."""
+    """A model shape for training from scratch: GPT-2's (fields as in ``transformers.GPT2Config``),
+    or with ``model_type`` a Llama-family decoder (its own fields below; HF's defaults for the rest)."""
 
     n_layer: int = 4  # transformer blocks
     n_embd: int = 128  # hidden size
     n_head: int = 4  # attention heads
     vocab_size: int = 8192  # true vocabulary size (padding is added for TP, never exported)
     n_positions: int = 1024  # maximum sequence length
-    dropout: float = 0.0  # resid/embd/attn dropout probability
+    dropout: float = 0.0  # resid/embd/attn dropout probability (Llama family: attention_dropout)
+    model_type: str = "gpt2"  # "gpt2", or a Llama-family decoder: "llama", "qwen2" (q/k/v biases) or "mistral"
+    n_kv_head: int = 0  # Llama family: key/value heads of grouped-query attention (0 = n_head)
+    intermediate_size: int = 0  # Llama family: SwiGLU MLP width (0 = 4 × n_embd)
+    tie_word_embeddings: bool = True  # Llama family: the LM head is the embedding (false: its own weight)
+
+    def hf_dict(self) -> dict:
+        """This Llama-family shape as HF ``config.json`` keys (the family's config class fills the rest)."""
+        return {"model_type": self.model_type, "num_hidden_layers": self.n_layer, "hidden_size": self.n_embd,
+                "num_attention_heads": self.n_head, "num_key_value_heads": self.n_kv_head or self.n_head,
+                "intermediate_size": self.intermediate_size or 4 * self.n_embd, "vocab_size": self.vocab_size,
+                "max_position_embeddings": self.n_positions, "attention_dropout": self.dropout,
+                "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": 0, "eos_token_id": 0}
 
 
 @dataclass

@@ -11,7 +11,7 @@ from ds_mp import deepspeed_compat as compat
 from ds_mp.config import ConfigError, DsMpConfig, load_config, read_json
 from ds_mp.engine.optimizer import optimizer_setup
 from ds_mp.models.cost_profile import PROFILE_NAME, agreed_layer_costs
-from ds_mp.models.gpt2 import hf_config_from
+from ds_mp.models.family import inline_config
 from ds_mp.models.partition import LayerCosts
 from ds_mp.models.pipeline import build_pipeline
 from ds_mp.models.weights import WeightSource, fresh_source
@@ -61,10 +61,11 @@ def weight_source(model: Any, cfg: DsMpConfig, seed: int) -> WeightSource:
         from ds_mp.hub import resolve_model
 
         return directory_source(resolve_model(path), verify_weights=True)  # a Hub id: its cached snapshot
-    # GPT-2's init (N(0, 0.02), residual output projections N(0, 0.02/sqrt(2 n_layer)), biases 0,
-    # LayerNorm 1/0), drawn per parameter name and row block: the same full weights at every
-    # layout, and each rank creates only the shards it keeps (no whole model anywhere).
-    return fresh_source(hf_config_from(cfg.shape), seed)
+    # The family's init (GPT-2: N(0, 0.02), residual output projections N(0, 0.02/sqrt(2 n_layer)),
+    # biases 0, LayerNorm 1/0; Llama: N(0, initializer_range), biases 0, RMSNorm 1), drawn per
+    # parameter name and row block: the same full weights at every layout, and each rank creates
+    # only the shards it keeps (no whole model anywhere).
+    return fresh_source(inline_config(cfg.shape), seed)
 
 
 def agreed_weight_source(model: Any, cfg: DsMpConfig) -> WeightSource:

@@ -13,7 +13,8 @@ the fresh-weight init) asks a :class:`Family` instead of naming a model:
   :meth:`~Family.heads` (the head count a ``qkv``/``kv`` kind is cut by);
 * the **LoRA plan** — ``lora_plan`` (factor suffix -> shard kind) and ``lora_modules`` (the block
   linears LoRA may wrap, by their HF names);
-* the **init rule** — :meth:`~Family.init_rule` (HF name -> ``("normal"|"zeros"|"ones", std)``);
+* the **init rule** — :meth:`~Family.init_rule` (HF name -> ``("normal"|"zeros"|"ones", std)``),
+  and the HF config of an inline shape to draw fresh weights for (:meth:`~Family.inline_config`);
 * the **layers** — :meth:`~Family.layer_spec` builds the DeepSpeed ``LayerSpec`` of one table row.
 
 A family registers its ``model_type`` values in :data:`FAMILIES` (name -> module path, imported on
@@ -62,6 +63,10 @@ class Family:
 
         raw = dict(raw)
         return AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+    def inline_config(self, shape: Any) -> Any:
+        """The HF config of an inline model shape (``ds_mp.config.InlineModel``) of this family."""
+        raise NotImplementedError
 
     def check(self, cfg: Any) -> None:
         """Raise ``ValueError`` (one line naming the option) for a config ds_mp would train wrongly."""
@@ -179,4 +184,9 @@ def family_of(hf_config: Any) -> Family:
     return family_named(hf_config.model_type)
 
 
-__all__ = ["FAMILIES", "Family", "family_named", "family_of", "lora_targeted"]
+def inline_config(shape: Any) -> Any:
+    """The HF config of an inline model shape (``ds_mp.config.InlineModel``), by its ``model_type``."""
+    return family_named(shape.model_type).inline_config(shape)
+
+
+__all__ = ["FAMILIES", "Family", "family_named", "family_of", "inline_config", "lora_targeted"]

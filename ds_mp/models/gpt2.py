@@ -314,6 +314,9 @@ class GPT2Family(Family):
     def dropouts(self, cfg: Any) -> tuple[float, float, float]:
         return cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop
 
+    def inline_config(self, shape: Any) -> Any:
+        return hf_config_from(shape)
+
     def pipeline_layers(self, cfg: Any) -> list[str]:
         return pipeline_layers(cfg.n_layer)
 

@@ -126,6 +126,9 @@ class LlamaFamily(Family):
         """The HF class of ``cfg`` (by ``model_type``): the one written to an exported ``config.json``."""
         return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[cfg.model_type]
 
+    def inline_config(self, shape: Any) -> Any:
+        return self.config_from_dict(shape.hf_dict())
+
     def check(self, cfg: Any) -> None:
         rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope not in _STATIC_ROPE:

@@ -17,7 +17,7 @@ def lr_find_cli(argv: list[str] | None = None) -> int:
     from ds_mp.config import load_config, read_json
     from ds_mp.data import datasets_for
     from ds_mp.engine.optimizer import single_process_optimizer
-    from ds_mp.models.gpt2 import hf_config_from
+    from ds_mp.models.family import inline_config
     from ds_mp.optim import lr_find
 
     p = argparse.ArgumentParser(prog="ds-mp lr-find", description=__doc__)
@@ -29,13 +29,13 @@ def lr_find_cli(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     raw = read_json(args.config)
     cfg, raw = load_config(raw, world_size=cfg_world(raw))
-    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     from ds_mp.data import ChunkSampler
 
     torch.manual_seed(cfg.training.seed)
     model = (AutoModelForCausalLM.from_pretrained(cfg.model) if isinstance(cfg.model, str)  # any family's directory
-             else GPT2LMHeadModel(hf_config_from(cfg.shape))).train()
+             else AutoModelForCausalLM.from_config(inline_config(cfg.shape))).train()
     _, train_ds, _ = datasets_for(cfg)
     micro = raw.get("train_micro_batch_size_per_gpu", 1) * raw.get("gradient_accumulation_steps", 1)
     sampler = ChunkSampler(train_ds, cfg.data.seq_len, micro, 1, 0, 1, cfg.data.seed)

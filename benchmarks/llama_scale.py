@@ -4,8 +4,8 @@
 
 A random checkpoint with Qwen2.5-0.5B's shapes (hidden 896, 14 heads, 2 key/value heads, 24
 layers, intermediate 4864, vocab 151936, tied embedding; 494M parameters, 1884 MiB in fp32) is
-written with ``save_pretrained`` (no download).  ``deepspeed --num_gpus 4`` then runs this file
-with ``--rank-run``: each rank imports what ``ds_mp.initialize`` needs, resets its peak resident
+written with ``save_pretrained`` (no download).  ``deepspeed --num_gpus 4 --module`` then runs this
+module with ``--rank-run``: each rank imports what ``ds_mp.initialize`` needs, resets its peak resident
 memory (``VmHWM``; Linux), builds its stage from the directory, and records the rise of its peak
 during ``initialize`` against the bytes of the parameters it holds (its shard).  A ratio near 1
 means the rank read and kept only its shard (safetensors ranges straight into the parameters); the
@@ -21,21 +21,12 @@ import sys
 import tempfile
 import time
 
+from benchmarks.scale import _peak_mib, _reset_peak  # VmHWM read and reset, as the GPT-2 sizes measure
+
 DESCRIPTION = "Qwen2.5-0.5B-shaped model: per-rank peak RSS rise while loading at TP×PP = 2×2 vs its shard"
 SHAPE = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
          "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
          "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
-
-
-def _peak_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-
-
-def _reset_peak() -> float:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _peak_mib()
 
 
 def make_checkpoint(path: str) -> None:
@@ -97,8 +88,8 @@ def run(quick: bool, out_dir: str) -> dict:
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        cmd = [launcher, "--num_gpus", "4", "--no_local_rank", "--master_port", "29533", os.path.abspath(__file__),
-               "--rank-run", cache, out]
+        cmd = [launcher, "--num_gpus", "4", "--no_local_rank", "--master_port", "29533", "--module",
+               "benchmarks.llama_scale", "--rank-run", cache, out]  # run from the repository root
         subprocess.run(cmd, check=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         ranks = [json.load(open(os.path.join(out, f"r{r}.json"))) for r in range(4)]
     rows = [[r["rank"], f"tp{r['tp']} pp{r['pp']}", f"{r['params_mib']:.0f}", f"{r['peak_rise_mib']:.0f}",

@@ -17,69 +17,30 @@ Reported: tokens/s ratios with 90% bootstrap intervals against hf_1x1 and hf_1x2
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import Any
 
-import torch
-
 from benchmarks.common import Config, fmt_ratio, load_span, run_side_by_side, summarize, table, tokens_ratio
-from benchmarks.workloads import LR, Bench
+from benchmarks.workloads import LR, Bench, Shape, batch, hf_model
 
 DESCRIPTION = "Llama-shaped model: ds_mp TP=2 and PP=2 vs one process (1 and 2 threads) and DeepSpeed AutoTP=2"
-ROWS, SEQ = 4, 256
-SHAPE = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
-         "num_key_value_heads": 2, "vocab_size": 8192, "max_position_embeddings": 1024, "tie_word_embeddings": False}
-QUICK = {**SHAPE, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4}
-
-
-def llama(shape: dict, seed: int = 0) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**shape, bos_token_id=0, eos_token_id=0)).train()
-
-
-def batch(shape: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, shape["vocab_size"], (rows, SEQ), generator=torch.Generator().manual_seed(1))
-    return ids, ids.clone()
-
-
-class HFBench(Bench):
-    def __init__(self, rank: int, world: int, shape: dict) -> None:
-        self.model = llama(shape)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
-        self.ids, self.labels = batch(shape, ROWS)
-
-    def step(self) -> float:
-        self.opt.zero_grad(set_to_none=False)
-        loss = self.model(input_ids=self.ids, labels=self.labels).loss
-        loss.backward()
-        self.opt.step()
-        return float(loss.detach())
-
-
-class DsMpBench(Bench):
-    def __init__(self, rank: int, world: int, shape: dict, tp: int, pp: int, micro: int) -> None:
-        import ds_mp
-
-        cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": ROWS // micro,
-               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "steps_per_print": 10**9,
-               "ds_mp": {"tensor_parallel": {"size": tp}, "pipeline": {"stages": pp}, "data": {"seq_len": SEQ}}}
-        self.engine, *_ = ds_mp.initialize(model=llama(shape), config=cfg)
-        ids, labels = batch(shape, ROWS)
-        self.micro = [(ids[i:i + micro], labels[i:i + micro]) for i in range(0, ROWS, micro)]
-
-    def step(self) -> float:
-        return float(self.engine.train_batch(iter(self.micro)))
+ROWS = 4
+SHAPE = Shape(n_layer=8, n_embd=512, n_head=8, vocab=8192, seq=256, n_positions=1024, model_type="llama",
+              n_kv_head=2, intermediate_size=1408, tie_word_embeddings=False)
+QUICK = Shape(**{**asdict(SHAPE), "n_layer": 4, "n_embd": 256, "intermediate_size": 704})
 
 
 class AutoTPBench(Bench):
+    """DeepSpeed's own engine with AutoTP=2 on the HF model (it knows Llama's linears); a step is
+    forward, ``engine.backward``, ``engine.step``."""
+
     def __init__(self, rank: int, world: int, shape: dict) -> None:
         import deepspeed
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a 1-min JIT build
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-        model = llama(shape)
+        model = hf_model(shape)
         cfg = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": 1,
                "optimizer": {"type": "SGD", "params": {"lr": LR}}, "steps_per_print": 10**9,
                "tensor_parallel": {"autotp_size": 2}}
@@ -93,22 +54,21 @@ class AutoTPBench(Bench):
         return float(loss.detach())
 
 
-def setup(rank: int, world: int, kind: str, **kw: Any) -> Bench:
-    return {"hf": HFBench, "ds_mp": DsMpBench, "autotp": AutoTPBench}[kind](rank, world, **kw)
+def setup_autotp(rank: int, world: int, **kw: Any) -> Bench:
+    return AutoTPBench(rank, world, **kw)
 
 
 def run(quick: bool, out_dir: str) -> dict:
-    shape = QUICK if quick else SHAPE
-    cfgs = [Config("hf_1x1", "benchmarks.llama_tp:setup", 1, 1, {"kind": "hf", "shape": shape}),
-            Config("hf_1x2", "benchmarks.llama_tp:setup", 1, 2, {"kind": "hf", "shape": shape}),
-            Config("ds_mp_tp2", "benchmarks.llama_tp:setup", 2, 1,
-                   {"kind": "ds_mp", "shape": shape, "tp": 2, "pp": 1, "micro": ROWS}),
-            Config("ds_mp_pp2", "benchmarks.llama_tp:setup", 2, 1,
-                   {"kind": "ds_mp", "shape": shape, "tp": 1, "pp": 2, "micro": 1}),
-            Config("autotp_tp2", "benchmarks.llama_tp:setup", 2, 1, {"kind": "autotp", "shape": shape})]
+    shape = asdict(QUICK if quick else SHAPE)
+    cfgs = [Config("hf_1x1", "benchmarks.workloads:setup_hf", 1, 1, {"shape": shape, "rows": ROWS}),
+            Config("hf_1x2", "benchmarks.workloads:setup_hf", 1, 2, {"shape": shape, "rows": ROWS}),
+            Config("ds_mp_tp2", "benchmarks.workloads:setup_ds_mp", 2, 1, {"shape": shape, "tp": 2, "micro": ROWS}),
+            Config("ds_mp_pp2", "benchmarks.workloads:setup_ds_mp", 2, 1,
+                   {"shape": shape, "pp": 2, "micro": 1, "gas": ROWS}),
+            Config("autotp_tp2", "benchmarks.llama_tp:setup_autotp", 2, 1, {"shape": shape})]
     repeats, steps = (2, 1) if quick else (6, 2)
     times, _ = run_side_by_side(cfgs, repeats, steps)
-    tokens = ROWS * SEQ
+    tokens = ROWS * shape["seq"]
     res = summarize(times, {c.name: tokens for c in cfgs})
     rows = [[c.name, f"{c.ranks} × {c.threads}", str(tokens_ratio(res, c.name, "hf_1x1")),
              str(tokens_ratio(res, c.name, "hf_1x2")), f"±{res[c.name]['iqr_rel']:.0%}",
@@ -119,7 +79,7 @@ def run(quick: bool, out_dir: str) -> dict:
     summary.append("intervals are 90% bootstrap intervals over the timed steps; 2-core machine shared with other jobs")
     for line in summary:
         print("  " + line)
-    return {"workload": f"LlamaForCausalLM {shape}, batch {ROWS} × {SEQ} per step", "configs": res,
+    return {"workload": f"{Shape(**shape).describe()}, batch {ROWS} per step", "configs": res,
             "ratios": {f"{n}_vs_1x1": res[n]["tokens_per_s"] / res["hf_1x1"]["tokens_per_s"] for n in res},
             "summary": summary, "repeats": repeats, "steps_per_repeat": steps,
             "tables": [table("tokens/s (Llama-shaped model)", ["config", "ranks × threads", "vs 1×1 [90%]",

@@ -1,5 +1,6 @@
-"""Workloads shared by the benchmarks: the GPT-2 shape, data, memory accounting, and the
-per-rank setups for plain HF and ds_mp (each returns an object with ``step()``).
+"""Workloads shared by the benchmarks: the model shape (GPT-2, or a Llama-family model with
+``model_type``), data, memory accounting, and the per-rank setups for plain HF and ds_mp (each
+returns an object with ``step()``).
 
 Everything runs inside a harness worker (:mod:`benchmarks.common`), one process per rank.
 """
@@ -20,10 +21,15 @@ class Shape:
     vocab: int = 8192
     seq: int = 256
     n_positions: int = 1024
+    model_type: str = "gpt2"  # or "llama" / "qwen2" / "mistral" with the three fields below
+    n_kv_head: int = 0  # key/value heads (0 = n_head)
+    intermediate_size: int = 0  # SwiGLU width (0 = 4 × n_embd)
+    tie_word_embeddings: bool = True
 
     def describe(self) -> str:
-        return (f"GPT-2 {self.n_layer} layers × {self.n_embd} hidden, {self.n_head} heads, vocab {self.vocab}, "
-                f"seq {self.seq}, fp32, SGD, dropout 0")
+        kv = f" ({self.n_kv_head} key/value), SwiGLU {self.intermediate_size}" if self.model_type != "gpt2" else ""
+        return (f"{'GPT-2' if self.model_type == 'gpt2' else self.model_type} {self.n_layer} layers × {self.n_embd} "
+                f"hidden, {self.n_head} heads{kv}, vocab {self.vocab}, seq {self.seq}, fp32, SGD, dropout 0")
 
 
 FULL = Shape()
@@ -32,11 +38,20 @@ LR = 1e-4  # small enough that a few hundred steps stay finite; timing does not 
 
 
 def hf_model(shape: dict, seed: int = 0) -> Any:
-    """A fresh ``GPT2LMHeadModel`` (identical on every rank for the same seed), dropout 0."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """A fresh ``GPT2LMHeadModel``, or the shape's Llama-family ``…ForCausalLM`` (HF config as ds_mp
+    builds an inline shape's), identical on every rank for the same seed, dropout 0."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from ds_mp.config import InlineModel
+    from ds_mp.models.family import inline_config
 
     s = Shape(**shape)
     torch.manual_seed(seed)
+    if s.model_type != "gpt2":
+        return AutoModelForCausalLM.from_config(inline_config(InlineModel(
+            n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head, vocab_size=s.vocab, n_positions=s.n_positions,
+            model_type=s.model_type, n_kv_head=s.n_kv_head, intermediate_size=s.intermediate_size,
+            tie_word_embeddings=s.tie_word_embeddings))).train()
     cfg = GPT2Config(n_layer=s.n_layer, n_embd=s.n_embd, n_head=s.n_head, vocab_size=s.vocab,
                      n_positions=s.n_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=0, eos_token_id=0)
@@ -86,7 +101,7 @@ class Bench:
 
 
 class HFBench(Bench):
-    """One process: ``GPT2LMHeadModel`` + ``torch.optim.SGD``, one full batch per step."""
+    """One process: the shape's HF model (:func:`hf_model`) + ``torch.optim.SGD``, one full batch per step."""
 
     def __init__(self, rank: int, world: int, shape: dict, rows: int) -> None:
         self.model = hf_model(shape)

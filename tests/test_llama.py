@@ -61,6 +61,16 @@ def _train(rank: int, model, steps: list[list], cfg: dict) -> tuple[list[float],
     return losses, weights
 
 
+def _assert_trains_as_hf(results: list, want_losses: list[float], want: dict) -> None:
+    """Every rank's losses and the weights gathered over the ranks equal HF's (fp32, :data:`TOL`)."""
+    got: dict = {}
+    for losses, weights in results:
+        got.update(weights)
+        assert max(abs(a - b) for a, b in zip(losses, want_losses)) < TOL, (losses, want_losses)
+    assert set(got) == set(want), set(got) ^ set(want)
+    assert max_diff(got, want) < TOL
+
+
 # (family, kv heads, tied, tp, pp, sequence parallel, wrapper): the KV cut, both head kinds, biases, SP,
 # DeepSpeed's ZeRO-1 and bf16 optimizers.  TP = 2 with the KV heads split and TP x PP = 2 x 2 with an
 # untied head (and with every schedule, DP and ZeRO-1) are rows of tests/test_combinations.py (MODELS).
@@ -89,16 +99,12 @@ def test_equals_hf(case: tuple) -> None:
     if wrapper == "bf16":
         cfg["bf16"] = {"enabled": True}
     results = run_ranks(_train, tp * pp, model, steps, cfg, timeout=600)
-    got: dict = {}
-    for losses, weights in results:
-        got.update(weights)
-        if wrapper == "bf16":
-            assert losses == pytest.approx(want_losses, rel=BF16_TOL) and losses[1] < losses[0], (losses, want_losses)
-        else:
-            assert max(abs(a - b) for a, b in zip(losses, want_losses)) < TOL, (losses, want_losses)
-    assert set(got) == set(want), set(got) ^ set(want)
     if wrapper != "bf16":
-        assert max_diff(got, want) < TOL
+        _assert_trains_as_hf(results, want_losses, want)
+        return
+    for losses, weights in results:
+        assert losses == pytest.approx(want_losses, rel=BF16_TOL) and losses[1] < losses[0], (losses, want_losses)
+    assert set().union(*(w for _, w in results)) == set(want)
 
 
 def test_tables_cover_hf_models() -> None:
@@ -148,12 +154,7 @@ def test_terapipe_equals_hf(case: tuple) -> None:
     if sp:
         extra["tensor_parallel"] = {"sequence_parallel": True}
     cfg = ds_config(tp=tp, pp=pp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, schedule="terapipe", **extra)
-    results = run_ranks(_train, tp * pp, model, steps, cfg, timeout=600)
-    got: dict = {}
-    for losses, weights in results:
-        got.update(weights)
-        assert max(abs(a - b) for a, b in zip(losses, want_losses)) < TOL, (losses, want_losses)
-    assert max_diff(got, want) < TOL
+    _assert_trains_as_hf(run_ranks(_train, tp * pp, model, steps, cfg, timeout=600), want_losses, want)
 
 
 def test_pad_token_row_gets_no_gradient_as_in_hf() -> None:
@@ -176,12 +177,7 @@ def test_zero_bubble_equals_hf(tp: int, pp: int) -> None:
     model, steps = tiny_llama("qwen2", 3, False), steps_for()
     want_losses, _, want = hf_train(model, steps, lr=LR, clip=CLIP)
     cfg = ds_config(tp=tp, pp=pp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, schedule="zb-h1")
-    results = run_ranks(_train, tp * pp, model, steps, cfg, timeout=600)
-    got: dict = {}
-    for losses, weights in results:
-        got.update(weights)
-        assert max(abs(a - b) for a, b in zip(losses, want_losses)) < TOL, (losses, want_losses)
-    assert max_diff(got, want) < TOL
+    _assert_trains_as_hf(run_ranks(_train, tp * pp, model, steps, cfg, timeout=600), want_losses, want)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

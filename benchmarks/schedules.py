@@ -5,6 +5,7 @@ Configurations (same GPT-2, 2 ranks × 1 thread each, uniform split, the same ro
     deepspeed_1f1b_M{4,8}  plain DeepSpeed PipelineModule + its TrainSchedule (the peer)
     ds_mp_1f1b_M{4,8}      ds_mp "1f1b" (DeepSpeed's TrainSchedule in ds_mp's engine)
     ds_mp_zb-h1_M{4,8}     ds_mp "zb-h1" (issue target: ≥ 1.10× deepspeed_1f1b at equal peak memory)
+    ds_mp_interleaved_M{4,8}  ds_mp "interleaved", virtual_stages = 2 (issue target: ≥ 1.05× deepspeed_1f1b)
     terapipe_gpipe         TeraPipe, M = 4 micro-batches × 4 equal token slices, today's order
     terapipe_1f1b          the same slices in the 1F1B order (target: time within 5% of
                            terapipe_gpipe at ≤ 0.6× its peak activation memory)
@@ -17,8 +18,8 @@ epilogue (tied-gradient all-reduce, reduce, optimizer step; slowest stage): that
 checked against the median makespan of the same traced steps (target |error| ≤ 10%; the untimed
 median step is shown beside it).  Projections (labelled so) use
 the validated simulator with the measured per-stage costs: interleaved 1F1B (v = 2, each chunk
-half a stage's cost; not runnable in ds_mp yet) at the measured shapes, and the paper-scale
-PP = 8, M = 32 with the measured F : B : W ratio.
+half a stage's cost) at the measured shapes, and the paper-scale PP = 8, M = 32 with the
+measured F : B : W ratio.
 """
 from __future__ import annotations
 
@@ -30,15 +31,15 @@ from benchmarks.common import Config, run_side_by_side, speedup, summarize, tabl
 from benchmarks.pipeline import DsMpPipeBench
 from benchmarks.workloads import Shape
 
-DESCRIPTION = ("PP=2: ZB-H1 and token-sliced 1F1B vs 1F1B (ds_mp and DeepSpeed's) and TeraPipe's GPipe order; "
-               "time, peak activations, simulator check; interleaved and PP=8 projected")
+DESCRIPTION = ("PP=2: ZB-H1, interleaved (v=2) and token-sliced 1F1B vs 1F1B (ds_mp and DeepSpeed's) and TeraPipe's "
+               "GPipe order; time, peak activations, simulator check; PP=8 projected")
 ZB_TARGET, INTERLEAVED_TARGET, SIM_TARGET = 1.10, 1.05, 0.10
 SLICED_TIME, SLICED_MEMORY = 0.05, 0.6  # token-sliced 1F1B: time within 5% of TeraPipe's, memory at most 0.6×
 FULL = Shape(n_layer=6, n_embd=256, n_head=8, vocab=4096, seq=256, n_positions=256)
 QUICK = Shape(n_layer=4, n_embd=128, n_head=4, vocab=2048, seq=128, n_positions=128)
-STAGES, ROWS, SLICES = 2, 2, 4
+STAGES, ROWS, SLICES, VIRTUAL = 2, 2, 4, 2
 COMPUTE = {"ForwardPass": "F", "ForwardSlice": "F", "BackwardPass": "B", "BackwardSlice": "B",
-           "BackwardInput": "B", "BackwardWeight": "W"}
+           "BackwardInput": "B", "BackwardWeight": "W", "ChunkForward": "F", "ChunkBackward": "B"}
 EPILOGUE = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
 
 
@@ -46,7 +47,7 @@ class SchedBench(DsMpPipeBench):
     """A ds_mp PP=2 configuration with peak-activation and traced-cost measurements."""
 
     def __init__(self, rank: int, world: int, shape: dict, micro: int, gas: int, schedule: str,
-                 terapipe: dict | None = None) -> None:
+                 terapipe: dict | None = None, pipeline: dict | None = None) -> None:
         import ds_mp
 
         from benchmarks.workloads import batch, ds_mp_config, hf_model
@@ -54,6 +55,7 @@ class SchedBench(DsMpPipeBench):
         cfg = ds_mp_config(shape, pp=STAGES, micro=micro, gas=gas, schedule=schedule)
         if terapipe:
             cfg["ds_mp"]["terapipe"] = terapipe
+        cfg["ds_mp"]["pipeline"].update(pipeline or {})  # interleaved: virtual_stages
         self.engine, self.opt, _, _ = ds_mp.initialize(model=hf_model(shape), config=cfg)
         ids, labels = batch(shape, micro * gas)
         self.micro = [(ids[i:i + micro], labels[i:i + micro]) for i in range(0, micro * gas, micro)]
@@ -105,7 +107,7 @@ def makespans(traces: list[list[list[tuple[str, float, float]]]]) -> list[float]
 def predict(table: list, traces: list[list[list[tuple[str, float, float]]]], kind: str) -> tuple[float, dict]:
     """Simulated step (s) from traced costs: the k-th F/B/W of a stage costs the mean over steps of
     that stage's k-th traced instruction of that kind; plus the slowest stage's traced epilogue."""
-    from ds_mp.schedules.simulate import pipeline_deps, simulate, zero_bubble_deps
+    from ds_mp.schedules.simulate import interleaved_deps, pipeline_deps, simulate, zero_bubble_deps
 
     costs: dict = {}
     epilogue = []
@@ -115,14 +117,14 @@ def predict(table: list, traces: list[list[list[tuple[str, float, float]]]], kin
         for step in per_step:
             seen = {"F": 0, "B": 0, "W": 0}
             for name, start, end in step:
-                k, dur = COMPUTE.get(name), end - start
+                k, dur = COMPUTE.get(name.partition("@")[0]), end - start  # ChunkForward@<micro>.<chunk>
                 if k is not None:
                     op = ops[k][seen[k]]
                     seen[k] += 1
                     sums.setdefault((s, op), []).append(dur)
         costs.update({key: statistics.mean(v) for key, v in sums.items()})
         epilogue.append(statistics.median(sum(e - b for n, b, e in step if n in EPILOGUE) for step in per_step))
-    deps = zero_bubble_deps if kind == "zb-h1" else pipeline_deps
+    deps = zero_bubble_deps if kind == "zb-h1" else interleaved_deps(VIRTUAL) if kind == "interleaved" else pipeline_deps
     result = simulate(table, lambda s, op: max(costs[(s, op)], 1e-9), deps=deps)
     per_kind = {k: statistics.mean(v for (s, op), v in costs.items() if op.kind == k) for k in "FBW"
                 if any(op.kind == k for _, op in costs)}
@@ -155,7 +157,10 @@ def run(quick: bool, out_dir: str) -> dict:
                     Config(f"ds_mp_1f1b_M{M}", "benchmarks.schedules:setup_sched", ranks=STAGES,
                            kwargs={"shape": shape, "micro": ROWS, "gas": M, "schedule": "1f1b"}),
                     Config(f"ds_mp_zb-h1_M{M}", "benchmarks.schedules:setup_sched", ranks=STAGES,
-                           kwargs={"shape": shape, "micro": ROWS, "gas": M, "schedule": "zb-h1"})]
+                           kwargs={"shape": shape, "micro": ROWS, "gas": M, "schedule": "zb-h1"}),
+                    Config(f"ds_mp_interleaved_M{M}", "benchmarks.schedules:setup_sched", ranks=STAGES,
+                           kwargs={"shape": shape, "micro": ROWS, "gas": M, "schedule": "interleaved",
+                                   "pipeline": {"virtual_stages": VIRTUAL}})]
     seq = shape["seq"]
     for order in ("gpipe", "1f1b"):
         configs.append(Config(f"terapipe_{order}", "benchmarks.schedules:setup_sched", ranks=STAGES,
@@ -181,7 +186,9 @@ def run(quick: bool, out_dir: str) -> dict:
     for M in (4, 8):
         for fast, base, target in ((f"ds_mp_zb-h1_M{M}", f"deepspeed_1f1b_M{M}", ZB_TARGET),
                                    (f"ds_mp_zb-h1_M{M}", f"ds_mp_1f1b_M{M}", None),
-                                   (f"ds_mp_1f1b_M{M}", f"deepspeed_1f1b_M{M}", None)):
+                                   (f"ds_mp_1f1b_M{M}", f"deepspeed_1f1b_M{M}", None),
+                                   (f"ds_mp_interleaved_M{M}", f"deepspeed_1f1b_M{M}", INTERLEAVED_TARGET),
+                                   (f"ds_mp_interleaved_M{M}", f"ds_mp_1f1b_M{M}", None)):
             r = ratio(base, fast)
             ratios[f"{fast}/{base}"] = r.as_dict()
             rows.append([fast, base, str(r), f"≥ {target}×: {r.verdict(target)}" if target else ""])
@@ -201,7 +208,7 @@ def run(quick: bool, out_dir: str) -> dict:
                        "of ds_mp 1f1b's (largest rank)")
     sim_rows, stage_costs = [], {}
     for name, m in measured.items():
-        kind = "zb-h1" if "zb-h1" in name else "other"
+        kind = "zb-h1" if "zb-h1" in name else "interleaved" if "interleaved" in name else "other"
         pred, info = predict(m["table"], m["traces"], kind)
         traced_step = statistics.median(makespans(m["traces"]))
         stage_costs[name] = {**info, "traced_makespan_s": traced_step}

@@ -28,7 +28,8 @@ from test_tensor_parallel import gather_weights, hf_train, max_diff
 from test_zero_bubble import _steps  # 2-row micro-batches of 16 tokens, vocab 203, some labels -100
 
 SEQ, TOL = 16, 1e-5  # SEQ: test_zero_bubble._steps' sequence length
-BF16_VS_HF = 0.01  # bf16 losses against HF's fp32 (relative)
+BF16_VS_HF = 1e-3  # bf16 losses against HF's fp32 (relative; measured 2.6e-5)
+BF16_NORM_VS_HF = 1e-2  # bf16 pre-clip norms against HF's fp32 (relative; measured 9.0e-4)
 
 
 # ------------------------------------------------------------------ pure Python
@@ -191,6 +192,7 @@ def _check(world: int, results: list[dict]) -> None:
                 assert max_diff(w, hf_w) <= TOL, f"{where}: weights {max_diff(w, hf_w)}"
             else:
                 assert all(abs(a - b) <= BF16_VS_HF * b for a, b in zip(losses, hf_losses)), where
+                assert all(abs(a - b) <= BF16_NORM_VS_HF * b for a, b in zip(norms, hf_norms)), where
             if evaluated is not None:  # the trained HF model on the first step's micro-batches
                 hf = model.__class__(model.config)
                 hf.load_state_dict({**hf_w, "lm_head.weight": hf_w["transformer.wte.weight"]})

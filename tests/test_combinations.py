@@ -14,10 +14,10 @@ schedule needs all 15 pairs, so there are 15 cases; the precision/wrapper pair o
 rotates so every schedule sees all four (precision, wrapper) pairs and every layout three of
 them (hence both precisions and both wrappers).  Six cases train a Llama-family model instead
 of GPT-2 (:data:`MODELS`), chosen so the family meets every layout, schedule, precision and
-wrapper and GPT-2 still does too.  Awkward sizes: GPT-2 vocab 203, n_embd 48, 4 heads, 4
-layers; the Llama family hidden 96, 6 heads with 2 or 3 key/value heads (split or replicated
-at TP = 2), intermediate 200, vocab 1003 (``test_llama.tiny_llama``); seq 16 (TeraPipe slices
-6 + 10 with activation checkpointing, and sequence parallelism where TP > 1).
+wrapper and GPT-2 still does too.  Awkward sizes: vocab 203; GPT-2 n_embd 48, 4 heads, 4
+layers; the Llama family hidden 72, 2 layers, 6 heads (head dim 12) with 2 or 3 key/value heads
+(split or replicated at TP = 2), intermediate 128 (``test_llama.tiny_llama``); seq 16 (TeraPipe
+slices 6 + 10 with activation checkpointing, and sequence parallelism where TP > 1).
 
 The same spawns also check (cheaply, on the engines already built) that every tensor ds_mp
 hands to a collective was made on a device (:class:`CollectiveDeviceGuard`), and that
@@ -82,7 +82,7 @@ def case_name(case: tuple) -> str:
 def model_for(case: tuple):
     """The case's HF model (fresh, seeded: the same weights on every rank and in the reference)."""
     name = case_values(case)["model"]
-    return tiny_gpt2() if name == "gpt2" else tiny_llama(name, *FAMILY_MODELS[name])
+    return tiny_gpt2() if name == "gpt2" else tiny_llama(name, *FAMILY_MODELS[name], inner=128, hidden=72, vocab=VOCAB)
 
 
 def config(case: tuple, one_rank: bool = False) -> dict:

@@ -25,15 +25,15 @@ BF16_TOL = 1e-3  # relative, bf16 losses against HF's fp32 ones (measured 2.6e-5
 
 
 def tiny_llama(kind: str = "llama", kv: int = 2, tied: bool = False, n_layer: int = 2, seed: int = 0,
-               pad: int | None = None, inner: int = 200):
-    """A tiny HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (q/k/v biases) / ``MistralForCausalLM``."""
+               pad: int | None = None, inner: int = 200, hidden: int = 96, vocab: int = VOCAB):
+    """A tiny HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (q/k/v biases) / ``MistralForCausalLM``, 6 heads."""
     import transformers
 
     torch.manual_seed(seed)
     names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[kind]
     cfg = getattr(transformers, names + "Config")(
-        hidden_size=96, intermediate_size=inner, num_hidden_layers=n_layer, num_attention_heads=6,
-        num_key_value_heads=kv, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=tied,
+        hidden_size=hidden, intermediate_size=inner, num_hidden_layers=n_layer, num_attention_heads=6,
+        num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=tied,
         bos_token_id=0, eos_token_id=0, pad_token_id=pad, rms_norm_eps=1e-5)
     model = getattr(transformers, names + "ForCausalLM")(cfg).eval()
     with torch.no_grad():  # RMSNorm weights and biases away from their init, so a wrong cut shows

@@ -9,7 +9,8 @@
   embeddings, clipping active): fp32 losses, pre-clip norms and every weight within 1e-5 at PP=2
   with v = 2 and 3 over 5 and 6 blocks (one split leaving chunk 0 the embedding alone), ZeRO-1,
   activation checkpointing and evaluation; bf16 within a stated tolerance of HF's fp32 run;
-  PP=2 × DP=2 with each replica on its own batches;
+  PP=2 × DP=2 with each replica on its own batches; TP=2 × PP=2 with and without sequence
+  parallelism;
 * layout-free checkpoints: interleaved v=2 -> 1F1B and PP=1, 1F1B -> interleaved, each equal to
   the uninterrupted run; config refusals in one line.
 """
@@ -129,17 +130,19 @@ def test_timeline_labels_micro_batch_and_chunk(tmp_path) -> None:
 
 # ------------------------------------------------------------------ multi-rank against HF
 
-def _case(name: str, *, layers: int = 5, v: int = 2, dp: int = 1, gas: int = 4, clip: float = 0.5, lr: float = 0.1,
+def _case(name: str, *, layers: int = 5, v: int = 2, tp: int = 1, dp: int = 1, gas: int = 4, clip: float = 0.5,
+          lr: float = 0.1,
           schedule: str = "interleaved", bf16: bool = False, zero: int = 0, partition: object = "uniform",
-          ckpt: int = 0) -> dict:
+          ckpt: int = 0, sp: bool = False) -> dict:
     pipeline = {"virtual_stages": v, "partition": partition, "activation_checkpoint_interval": ckpt}
-    cfg = ds_config(pp=2, micro=2, gas=gas, lr=lr, clip=clip, schedule=schedule, seq=SEQ, pipeline=pipeline)
+    cfg = ds_config(tp=tp, pp=2, micro=2, gas=gas, lr=lr, clip=clip, schedule=schedule, seq=SEQ, pipeline=pipeline,
+                    tensor_parallel={"sequence_parallel": sp})
     if bf16:
         cfg["bf16"] = {"enabled": True}
     if zero:
         cfg["zero_optimization"] = {"stage": zero}
         cfg["zero_allow_untested_optimizer"] = True
-    return {"name": name, "cfg": cfg, "layers": layers, "dp": dp, "gas": gas, "lr": lr, "clip": clip, "bf16": bf16,
+    return {"name": name, "cfg": cfg, "layers": layers, "tp": tp, "dp": dp, "gas": gas, "lr": lr, "clip": clip, "bf16": bf16,
             "steps": _steps(2, dp * gas, seed=len(name))}
 
 
@@ -147,7 +150,7 @@ def cases(world: int) -> list[dict]:
     if world == 2:
         return [_case("v2"), _case("v3_l6", layers=6, v=3, gas=2, partition=[1, 1, 1, 1, 1, 1]),
                 _case("v2_embed_chunk_ckpt", partition=[0, 2, 2, 1], zero=1, ckpt=1), _case("v2_bf16", bf16=True)]
-    return [_case("v2_dp2", dp=2, gas=2)]
+    return [_case("v2_dp2", dp=2, gas=2), _case("tp2_v2", tp=2, gas=2), _case("tp2_sp_v2", tp=2, gas=2, sp=True)]
 
 
 def _rank(rank: int, world: int, root: str) -> dict:
@@ -155,7 +158,7 @@ def _rank(rank: int, world: int, root: str) -> dict:
 
     out = _resumes(root) if world == 2 else {}
     for case in cases(world):
-        d, gas = rank % case["dp"], case["gas"]
+        d, gas = (rank // case["tp"]) % case["dp"], case["gas"]
         engine, *_ = ds_mp.initialize(model=tiny_gpt2(n_layer=case["layers"]), config=case["cfg"])
         losses, norms = [], []
         engine.trace_enabled = case["name"] == "v3_l6"  # timelines tell the chunks apart
@@ -166,6 +169,7 @@ def _rank(rank: int, world: int, root: str) -> dict:
             if case["name"] == "v2" else None
         if case["cfg"]["ds_mp"]["pipeline"]["activation_checkpoint_interval"]:  # a chunk's blocks are checkpointed
             assert any(any(flags) for flags in engine.interleaved.checkpointable)
+        assert engine.module.ds_mp_ctx.sp == case["cfg"]["ds_mp"]["tensor_parallel"]["sequence_parallel"]
         chunks = len(engine.interleaved.ranges) if hasattr(engine, "interleaved") else 1
         assert chunks == case["cfg"]["ds_mp"]["pipeline"].get("virtual_stages", 1)
         out[case["name"]] = (losses, norms, gather_weights(engine)[0], evaluated)

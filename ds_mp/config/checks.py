@@ -245,7 +245,7 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
 
 def _validate_interleaved(cfg: DsMpConfig, n_layer: int) -> None:
     """``pipeline.virtual_stages`` belongs to the interleaved schedule, which is tested against HF in
-    fp32/bf16 with ZeRO 0/1, DP and activation checkpointing, without TP or LoRA."""
+    fp32/bf16 with ZeRO 0/1, DP, TP (sequence parallelism too) and activation checkpointing, not with LoRA."""
     pp, v = cfg.pipeline, cfg.pipeline.virtual_stages
     _positive(v, "pipeline.virtual_stages")
     if pp.schedule != "interleaved":
@@ -256,7 +256,6 @@ def _validate_interleaved(cfg: DsMpConfig, n_layer: int) -> None:
     refusals = [(pp.stages < 2, "pipeline.stages", f"{pp.stages}: interleaving needs a ring of at least 2 stages"),
                 (pp.stages * v > n_layer, "pipeline.virtual_stages",
                  f"{pp.stages} stages × {v} chunks exceed n_layer={n_layer} blocks; lower it"),
-                (cfg.tp > 1, "tensor_parallel.size", "the interleaved schedule is not tested with TP > 1; use 1"),
                 (cfg.lora.r > 0, "lora.r", "the interleaved schedule is not tested with LoRA; use 1f1b or zb-h1")]
     for refused, key, why in refusals:
         if refused:

@@ -10,7 +10,7 @@
   with v = 2 and 3 over 5 and 6 blocks (one split leaving chunk 0 the embedding alone), ZeRO-1,
   activation checkpointing and evaluation; bf16 within a stated tolerance of HF's fp32 run;
   PP=2 × DP=2 with each replica on its own batches; TP=2 × PP=2 with and without sequence
-  parallelism;
+  parallelism; LoRA against PEFT;
 * layout-free checkpoints: interleaved v=2 -> 1F1B and PP=1, 1F1B -> interleaved, each equal to
   the uninterrupted run; config refusals in one line.
 """
@@ -156,7 +156,7 @@ def cases(world: int) -> list[dict]:
 def _rank(rank: int, world: int, root: str) -> dict:
     import ds_mp
 
-    out = _resumes(root) if world == 2 else {}
+    out = {**_resumes(root), "lora": _lora()} if world == 2 else {}
     for case in cases(world):
         d, gas = (rank // case["tp"]) % case["dp"], case["gas"]
         engine, *_ = ds_mp.initialize(model=tiny_gpt2(n_layer=case["layers"]), config=case["cfg"])
@@ -215,10 +215,29 @@ def test_interleaved_equals_hf(world: int, tmp_path) -> None:
         steps, v = 2, 3  # v3_l6: every rank forwards and backwards each (micro-batch, chunk) once per step
         for res in results:
             assert res["labels"] == sorted([f"{k}{m}.{c}" for k in "FB" for m in range(2) for c in range(v)] * steps)
+        from helpers import hf_reference
+        from test_lora import LR, peft_model, steps_data
+
+        peft, _ = hf_reference(peft_model(), steps_data(), lr=LR)
+        for res in results:
+            assert res["lora"] == pytest.approx(peft, abs=2e-5), (res["lora"], peft)
         r = results[0]
         want = r["uninterrupted"]
         for name in ("interleaved v2 -> 1f1b tp2 pp1", "1f1b pp2 -> interleaved v2"):
             assert r[name] == pytest.approx(want, rel=1e-5), (name, r[name], want)
+
+
+def _lora() -> list[float]:
+    """LoRA at PP=2, v=2 (the frozen tied embedding gets no gradient): its losses, for PEFT's."""
+    import ds_mp
+    from test_lora import LR, SEQ as LORA_SEQ, lora_block, peft_model, steps_data
+
+    cfg = ds_config(pp=2, gas=2, lr=LR, seq=LORA_SEQ, schedule="interleaved", lora=lora_block(),
+                    pipeline={"virtual_stages": 2})
+    engine, *_ = ds_mp.initialize(model=peft_model(), config=cfg)
+    losses = [float(engine.train_batch(iter(mbs))) for mbs in steps_data()]
+    assert not [n for n, p in engine.module.named_parameters() if not p.requires_grad and p.grad is not None]
+    return losses
 
 
 # ------------------------------------------------------------------ layout-free checkpoints
@@ -257,7 +276,8 @@ def _resumes(root: str) -> dict:
     ({"virtual_stages": 2, "partition": [1, 1, 2]}, {}, "ds_mp.pipeline.partition: expected 4"),
     ({"virtual_stages": 2}, {"zero_optimization": {"stage": 2}}, "zero_optimization.stage: the interleaved"),
     ({"virtual_stages": 2}, {"fp16": {"enabled": True}}, "fp16.enabled: the interleaved"),
-    ({"virtual_stages": 2, "schedule": "1f1b"}, {}, "ds_mp.pipeline.virtual_stages: 2 chunks per stage need")])
+    ({"virtual_stages": 2, "schedule": "1f1b"}, {}, "ds_mp.pipeline.virtual_stages: 2 chunks per stage need"),
+    ({"virtual_stages": 2, "stages": 1}, {}, "ds_mp.pipeline.stages: 1; the interleaved schedule needs a ring")])
 def test_refused_combinations(pipeline: dict, extra: dict, match: str, monkeypatch) -> None:
     from deepspeed.accelerator import get_accelerator
 

@@ -148,7 +148,7 @@ def _case(name: str, *, layers: int = 5, v: int = 2, tp: int = 1, dp: int = 1, g
 
 def cases(world: int) -> list[dict]:
     if world == 2:
-        return [_case("v2"), _case("v3_l6", layers=6, v=3, gas=2, partition=[1, 1, 1, 1, 1, 1]),
+        return [_case("v2", partition="cost"), _case("v3_l6", layers=6, v=3, gas=2, partition=[1, 1, 1, 1, 1, 1]),
                 _case("v2_embed_chunk_ckpt", partition=[0, 2, 2, 1], zero=1, ckpt=1), _case("v2_bf16", bf16=True)]
     return [_case("v2_dp2", dp=2, gas=2), _case("tp2_v2", tp=2, gas=2), _case("tp2_sp_v2", tp=2, gas=2, sp=True)]
 
@@ -159,6 +159,7 @@ def _rank(rank: int, world: int, root: str) -> dict:
     out = {**_resumes(root), "lora": _lora()} if world == 2 else {}
     for case in cases(world):
         d, gas = (rank // case["tp"]) % case["dp"], case["gas"]
+        case["cfg"]["ds_mp"]["training"] = {"output_dir": root}  # "partition": "cost" caches its profile there
         engine, *_ = ds_mp.initialize(model=tiny_gpt2(n_layer=case["layers"]), config=case["cfg"])
         losses, norms = [], []
         engine.trace_enabled = case["name"] == "v3_l6"  # timelines tell the chunks apart

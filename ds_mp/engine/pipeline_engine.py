@@ -20,7 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.engine import grads, layerwise, zero2
+from ds_mp.engine import cpu_heap, grads, layerwise, zero2
 from ds_mp.schedules.registry import ENGINE_SUPPORT, resolve
 
 
@@ -54,6 +54,8 @@ class DsMpPipelineEngine(PipelineEngine):
         self._n_loaded = self._n_recv = 0
         super().__init__(*args, **kwargs)
         compat.check_engine(self)
+        if torch.device(self.device).type == "cpu":  # no page faults re-acquiring freed memory every micro-batch
+            cpu_heap.keep_freed_memory()
         if zero2.partitions_gradients(self):
             compat.check_zero2(self)
         layerwise.attach(self)  # ds_mp's Lamb: one trust ratio per model parameter, at any TP/DP/ZeRO

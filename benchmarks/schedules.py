@@ -124,7 +124,7 @@ def predict(table: list, traces: list[list[list[tuple[str, float, float]]]], kin
                     sums.setdefault((s, op), []).append(dur)
         costs.update({key: statistics.mean(v) for key, v in sums.items()})
         epilogue.append(statistics.median(sum(e - b for n, b, e in step if n in EPILOGUE) for step in per_step))
-    deps = zero_bubble_deps if kind == "zb-h1" else interleaved_deps(VIRTUAL) if kind == "interleaved" else pipeline_deps
+    deps = {"zb-h1": zero_bubble_deps, "interleaved": interleaved_deps(VIRTUAL)}.get(kind, pipeline_deps)
     result = simulate(table, lambda s, op: max(costs[(s, op)], 1e-9), deps=deps)
     per_kind = {k: statistics.mean(v for (s, op), v in costs.items() if op.kind == k) for k in "FBW"
                 if any(op.kind == k for _, op in costs)}

@@ -142,8 +142,8 @@ def _case(name: str, *, layers: int = 5, v: int = 2, tp: int = 1, dp: int = 1, g
     if zero:
         cfg["zero_optimization"] = {"stage": zero}
         cfg["zero_allow_untested_optimizer"] = True
-    return {"name": name, "cfg": cfg, "layers": layers, "tp": tp, "dp": dp, "gas": gas, "lr": lr, "clip": clip, "bf16": bf16,
-            "steps": _steps(2, dp * gas, seed=len(name))}
+    return {"name": name, "cfg": cfg, "layers": layers, "tp": tp, "dp": dp, "gas": gas, "lr": lr, "clip": clip,
+            "bf16": bf16, "steps": _steps(2, dp * gas, seed=len(name))}
 
 
 def cases(world: int) -> list[dict]:
@@ -156,7 +156,7 @@ def cases(world: int) -> list[dict]:
 def _rank(rank: int, world: int, root: str) -> dict:
     import ds_mp
 
-    out = {**_resumes(root), "lora": _lora()} if world == 2 else {}
+    out = {**_resumes(root), "lora": _lora(), "qwen2": _qwen2()} if world == 2 else {}
     for case in cases(world):
         d, gas = (rank // case["tp"]) % case["dp"], case["gas"]
         case["cfg"]["ds_mp"]["training"] = {"output_dir": root}  # "partition": "cost" caches its profile there
@@ -219,9 +219,13 @@ def test_interleaved_equals_hf(world: int, tmp_path) -> None:
         from helpers import hf_reference
         from test_lora import LR, peft_model, steps_data
 
+        from test_llama import CLIP, LR as QWEN_LR, _assert_trains_as_hf, steps_for, tiny_llama
+
         peft, _ = hf_reference(peft_model(), steps_data(), lr=LR)
         for res in results:
             assert res["lora"] == pytest.approx(peft, abs=2e-5), (res["lora"], peft)
+        want_losses, _, want = hf_train(tiny_llama("qwen2", 2, True, n_layer=4), steps_for(), lr=QWEN_LR, clip=CLIP)
+        _assert_trains_as_hf([res["qwen2"] for res in results], want_losses, want)
         r = results[0]
         want = r["uninterrupted"]
         for name in ("interleaved v2 -> 1f1b tp2 pp1", "1f1b pp2 -> interleaved v2"):
@@ -239,6 +243,15 @@ def _lora() -> list[float]:
     losses = [float(engine.train_batch(iter(mbs))) for mbs in steps_data()]
     assert not [n for n, p in engine.module.named_parameters() if not p.requires_grad and p.grad is not None]
     return losses
+
+
+def _qwen2() -> tuple[list[float], dict]:
+    """A tied Qwen2 (GQA, q/k/v biases, 4 layers) at PP=2, v=2: its losses and weights, for HF's."""
+    from test_llama import CLIP, LR as QWEN_LR, SEQ as QWEN_SEQ, _train, steps_for, tiny_llama
+
+    cfg = ds_config(pp=2, micro=2, gas=2, lr=QWEN_LR, clip=CLIP, seq=QWEN_SEQ, schedule="interleaved",
+                    pipeline={"virtual_stages": 2})
+    return _train(0, tiny_llama("qwen2", 2, True, n_layer=4), steps_for(), cfg)
 
 
 # ------------------------------------------------------------------ layout-free checkpoints

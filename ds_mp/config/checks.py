@@ -184,8 +184,9 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
     if isinstance(pp.partition, list):
         if len(pp.partition) != chunks or any(
                 isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in pp.partition):
+            per = "stage chunk" if chunks > pp.stages else "stage"
             raise ConfigError(f"ds_mp.pipeline.partition: expected {chunks} non-negative "
-                              f"integers (blocks per stage{' chunk' if chunks > pp.stages else ''}), got {pp.partition}")
+                              f"integers (blocks per {per}), got {pp.partition}")
         if sum(pp.partition) != shape.n_layer:
             raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition} sums to "
                               f"{sum(pp.partition)} but the model has {shape.n_layer} blocks; "

@@ -79,10 +79,15 @@ def play(K: int, M: int, v: int, forward_only: bool = False) -> None:
                 other = queues[peer][0] if queues[peer] else None
                 if isinstance(c, ds.SendActivation) and isinstance(other, ds.RecvActivation):
                     m, ch = held[s][c.buffer_id]
+                    old = held[peer].get(other.buffer_id)  # a buffer is reused only once its unit is through
+                    through = old is None or (("F" if forward_only else "B"), peer, *old) in done and (
+                        forward_only or (peer, old[1]) == (0, 0) or ("G", peer, *old) in done)
+                    assert through, f"rank {peer}: buffer {other.buffer_id} of {old} overwritten while live"
                     held[peer][other.buffer_id] = (m, ch + 1 if peer == 0 else ch)
                 elif isinstance(c, ds.SendGrad) and isinstance(other, ds.RecvGrad):
                     assert grad[peer] is None, f"rank {peer}: gradient slot overwritten before its B"
                     grad[peer] = held[s][c.buffer_id]
+                    done.add(("G", s, *held[s][c.buffer_id]))  # its input gradient sent: the unit is through
                 else:
                     continue
                 q.pop(0), queues[peer].pop(0)

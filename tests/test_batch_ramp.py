@@ -157,6 +157,37 @@ def test_config_refuses_bad_ramps(ramp, extra, world, match):
         load_config(cfg, world_size=world)
 
 
+def test_interleaved_ramp_sizes_are_multiples_of_the_ring():
+    """Interleaved runs a multiple of the stages' micro-batches per step, so a ramp's sizes are
+    multiples of micro-batch × DP × stages; zb-h1 takes any multiple of micro-batch × DP."""
+    ring = {"pipeline": {"stages": 2, "schedule": "interleaved", "virtual_stages": 2}}
+    cfg = ds_config(micro=2, gas=2, batch_ramp={"policy": "linear", "start": 6, "max": 16, "ramp_samples": 64}, **ring)
+    with pytest.raises(ConfigError, match=r"batch_ramp.start: 6 samples .* × DP \(1\) × stages \(2: interleaved runs "
+                                          r"a multiple of the ring's micro-batches\) = 4; use 4 or 8"):
+        load_config(cfg, world_size=2)
+    cfg["ds_mp"]["batch_ramp"]["start"] = 8
+    load_config(cfg, world_size=2)
+    zb = ds_config(pp=2, micro=2, gas=1, schedule="zb-h1",
+                   batch_ramp={"policy": "linear", "start": 2, "max": 6, "ramp_samples": 64})
+    load_config(zb, world_size=2)
+
+
+def test_a_registered_schedule_is_refused_with_a_ramp(monkeypatch):
+    """A schedule registered by the user is untested with a changing batch: refused, naming the
+    tested ones (accepted without the ramp)."""
+    from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+    from ds_mp.schedules import registry
+
+    monkeypatch.setitem(registry.SCHEDULES, "mine", TrainSchedule)
+    cfg = ds_config(pp=2, micro=2, gas=1, schedule="mine")
+    load_config(cfg, world_size=2)
+    cfg["ds_mp"]["batch_ramp"] = {"policy": "linear", "start": 2, "max": 6, "ramp_samples": 64}
+    with pytest.raises(ConfigError, match=r"batch_ramp: tested with the 1f1b, gpipe, terapipe, zb-h1, interleaved "
+                                          r"schedules .*, not with 'mine'; use one of those or a fixed batch"):
+        load_config(cfg, world_size=2)
+
+
 def test_config_accepts_ramps_and_noise_scale_under_bf16_and_zero1():
     cfg, _ = load_config(_ramp_cfg(), world_size=2)
     assert (cfg.batch_ramp.policy, cfg.batch_ramp.start, cfg.batch_ramp.max) == ("linear", 4, 16)
@@ -172,7 +203,9 @@ def _set_batch_rank(rank: int, pp: int, schedule: str, gas_per_step: list[int]) 
 
     micro, seq, vocab = 2, 16, 203
     extra = {"terapipe": {"slices": [8, 8]}} if schedule == "terapipe" else {}
-    cfg = ds_config(pp=pp, micro=micro, gas=1, seq=seq, schedule=schedule, **extra)
+    if schedule == "interleaved":
+        extra = {"pipeline": {"virtual_stages": 2}}
+    cfg = ds_config(pp=pp, micro=micro, gas=min(gas_per_step), seq=seq, schedule=schedule, **extra)
     engine, *_ = ds_mp.initialize(model=tiny_gpt2(vocab=vocab), config=cfg)
     losses = []
     for t, gas in enumerate(gas_per_step):
@@ -182,11 +215,12 @@ def _set_batch_rank(rank: int, pp: int, schedule: str, gas_per_step: list[int]) 
     return losses
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "terapipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "terapipe", "zb-h1", "interleaved"])
 def test_set_train_batch_size_on_the_pipeline_engine_equals_hf(schedule):
-    """PP=2: steps of 1, 3 and 2 micro-batches through DeepSpeed's set_train_batch_size follow
-    HF's single-process SGD on the same micro-batches (fp32)."""
-    gas_per_step = [1, 3, 2]
+    """PP=2: steps of 1, 3 and 2 micro-batches (interleaved v=2: 2, 6 and 4, multiples of the
+    ring) through DeepSpeed's set_train_batch_size follow HF's single-process SGD on the same
+    micro-batches (fp32)."""
+    gas_per_step = [2, 6, 4] if schedule == "interleaved" else [1, 3, 2]
     got = run_ranks(_set_batch_rank, 2, 2, schedule, gas_per_step, timeout=240)
     steps = [batches(g, 2, 16, 203, seed=100 + t) for t, g in enumerate(gas_per_step)]
     want, _ = hf_reference(tiny_gpt2(vocab=203), steps)

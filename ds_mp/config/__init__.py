@@ -9,7 +9,7 @@ with the same single line instead of hanging a job.  Every failure is a
 """
 from __future__ import annotations
 
-from ds_mp.config.checks import (check_model_family, load_config, read_json, shape_of,
+from ds_mp.config.checks import (check_model_family, load_config, ramp_micro_multiple, read_json, shape_of,
                                  validate)
 from ds_mp.config.schema import (LLAMA_LORA_TARGETS, LLAMA_SCHEDULES, LORA_TARGETS, MODEL_TYPES,
                                  BatchRampConfig, ConfigError, DataConfig, DsMpConfig, InlineModel, LoraConfig,
@@ -19,4 +19,4 @@ from ds_mp.config.schema import (LLAMA_LORA_TARGETS, LLAMA_SCHEDULES, LORA_TARGE
 __all__ = ["BatchRampConfig", "ConfigError", "DataConfig", "DsMpConfig", "InlineModel", "LLAMA_LORA_TARGETS",
            "LLAMA_SCHEDULES", "LORA_TARGETS", "LoraConfig", "MODEL_TYPES", "OuroborosConfig", "PipelineConfig",
            "TensorParallelConfig", "TeraPipeConfig", "TrainingConfig", "check_model_family", "load_config",
-           "parse_config", "read_json", "shape_of", "validate"]
+           "parse_config", "ramp_micro_multiple", "read_json", "shape_of", "validate"]

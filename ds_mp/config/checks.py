@@ -377,6 +377,16 @@ def _check_noise_scale(raw: dict, cfg: DsMpConfig, key: str, instead: str) -> No
                           "by hand; not at ZeRO-2, which reduces during the backward); " + instead)
 
 
+RAMP_SCHEDULES = ("1f1b", "gpipe", "terapipe", "zb-h1", "interleaved")  # tested with a changing batch
+
+
+def ramp_micro_multiple(cfg: DsMpConfig) -> int:
+    """The number of micro-batches per step a batch ramp's sizes must be a multiple of (per DP
+    rank): the pipeline stages for the interleaved schedule (its order walks the ring in groups of
+    that many), else 1."""
+    return cfg.pipeline.stages if cfg.pipeline.schedule == "interleaved" else 1
+
+
 def _check_batch_ramp(raw: dict, cfg: DsMpConfig) -> None:
     """``ds_mp.batch_ramp``: sizes this layout can take (multiples of micro-batch × DP), a known
     policy and LR scaling, and the noise-scale policy only where B_simple can be measured."""
@@ -397,14 +407,16 @@ def _check_batch_ramp(raw: dict, cfg: DsMpConfig) -> None:
     if br.start > br.max:
         raise ConfigError(f"{key}.start: {br.start} > max={br.max}; the batch only grows: make start <= max")
     micro = raw.get("train_micro_batch_size_per_gpu", 1)
-    unit = micro * cfg.dp
+    per_step = ramp_micro_multiple(cfg)
+    unit = micro * cfg.dp * per_step
+    ring = f" × stages ({per_step}: interleaved runs a multiple of the ring's micro-batches)" if per_step > 1 else ""
     for name in ("start", "max"):
         v = getattr(br, name)
         if v % unit:
             lo, hi = max(unit, v // unit * unit), (v // unit + 1) * unit
             raise ConfigError(f"{key}.{name}: {v} samples is no size this layout can take: a step is a whole number of "
                               f"micro-batches on every DP rank, multiples of train_micro_batch_size_per_gpu ({micro}) "
-                              f"× DP ({cfg.dp}) = {unit}; use {lo} or {hi}")
+                              f"× DP ({cfg.dp}){ring} = {unit}; use {lo} or {hi}")
     if br.policy == "linear":
         _positive(br.ramp_samples, "batch_ramp.ramp_samples")
     elif cfg.dp < 2:
@@ -416,8 +428,8 @@ def _check_batch_ramp(raw: dict, cfg: DsMpConfig) -> None:
     if cfg.pipeline.schedule == "ouroboros":
         raise ConfigError(f"{key}: not supported with the ouroboros schedule: its updates apply gradients computed "
                           "up to K-2 steps earlier, so a batch (and LR) change would mix batch sizes inside one "
-                          "update; use a fixed batch or the 1f1b/gpipe/terapipe schedules")
-    if cfg.pipeline.schedule not in ("1f1b", "gpipe", "terapipe"):
-        raise ConfigError(f"{key}: tested with the 1f1b, gpipe and terapipe schedules (a batch change gives the "
-                          f"schedule more micro-batches per step), not yet with {cfg.pipeline.schedule!r}; use one of "
+                          "update; use a fixed batch or another schedule")
+    if cfg.pipeline.schedule not in RAMP_SCHEDULES:
+        raise ConfigError(f"{key}: tested with the {', '.join(RAMP_SCHEDULES)} schedules (a batch change gives the "
+                          f"schedule more micro-batches per step), not with {cfg.pipeline.schedule!r}; use one of "
                           "those or a fixed batch")

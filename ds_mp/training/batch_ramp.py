@@ -19,10 +19,11 @@ steps 1, 1 + interval, 1 + 2·interval, ...):
   the batch worth taking.  The smoothed value is trusted once the EMA spans its window
   (⌈1 / (1 − β)⌉ measurements: 20 at β = 0.95); before that the batch stays.
 
-Both: the candidate is rounded *down* to a multiple of ``unit`` = micro-batch × DP (the sizes a
-layout can take; DeepSpeed's ``set_train_batch_size`` requires it), clamped to [start, max],
-and the batch never decreases (a decrease would undo what the schedule already paid for,
-and B_simple's noise would otherwise make the batch oscillate).
+Both: the candidate is rounded *down* to a multiple of ``unit`` = micro-batch × DP (× stages for
+the interleaved schedule): the sizes a layout can take (DeepSpeed's ``set_train_batch_size``
+requires it); clamped to [start, max], and the batch never decreases (a decrease would undo
+what the schedule already paid for, and B_simple's noise would otherwise make the batch
+oscillate).
 
 LR scaling (``lr_scaling``): the scheduled LR is multiplied by (B / start)^p, p = 0 (``"none"``),
 ½ (``"sqrt"``), 1 (``"linear"``): :class:`LrScaling` keeps each parameter group's scheduled LR
@@ -81,11 +82,14 @@ class BatchRamp:
         self.steps = 0  # optimizer steps done under the ramp
 
     @classmethod
-    def from_config(cls, cfg: Any, micro_batch: int, dp: int) -> "BatchRamp | None":
-        """The ramp of a validated ``ds_mp.batch_ramp`` block, None when it is off (policy "")."""
+    def from_config(cls, cfg: Any, micro_batch: int, dp: int, micro_multiple: int = 1) -> "BatchRamp | None":
+        """The ramp of a validated ``ds_mp.batch_ramp`` block, None when it is off (policy "").
+        ``micro_multiple``: the micro-batches per step must be a multiple of it (the stages for
+        the interleaved schedule; see ``ds_mp.config.checks.ramp_micro_multiple``)."""
         if not cfg.policy:
             return None
-        return cls(cfg.policy, cfg.start, cfg.max, cfg.ramp_samples, cfg.interval, cfg.lr_scaling, micro_batch * dp)
+        return cls(cfg.policy, cfg.start, cfg.max, cfg.ramp_samples, cfg.interval, cfg.lr_scaling,
+                   micro_batch * dp * micro_multiple)
 
     def target(self, noise: NoiseSource | None = None) -> float | None:
         """The policy's unrounded batch now, or None when it has none yet (noise scale not trusted)."""

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ds_mp.config import ConfigError, load_config, read_json
+from ds_mp.config import ConfigError, load_config, ramp_micro_multiple, read_json
 
 
 class NonFiniteLoss(RuntimeError):
@@ -159,7 +159,7 @@ def _run(args: argparse.Namespace) -> int:
         engine.noise_scale = NoiseScaleProbe.from_config(cfg, topo)  # None unless DP > 1 and on
     probe = getattr(engine, "noise_scale", None)  # the Ouroboros engine has none
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    ramp = BatchRamp.from_config(cfg.batch_ramp, micro, topo.dp)  # None: the JSON's fixed batch
+    ramp = BatchRamp.from_config(cfg.batch_ramp, micro, topo.dp, ramp_micro_multiple(cfg))  # None: fixed batch
     lr_scaling = LrScaling()
     sampler = ChunkSampler(train_ds, cfg.data.seq_len, micro, gas, topo.dp_rank, topo.dp, cfg.data.seed)
     val = ValidationBatches(val_ds, cfg.data.seq_len, micro, tcfg.eval_batches * gas, topo.dp_rank, topo.dp)

@@ -21,7 +21,7 @@ from deepspeed.runtime.pipe import schedule as ds
 
 from dist_utils import run_ranks
 from ds_mp.models.partition import interleaved_layout
-from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B
+from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B, chunk_weights
 from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable, one_f_one_b_timetable, simulate
 from ds_mp.training.trace import event_label
 from helpers import ds_config, tiny_gpt2
@@ -179,7 +179,9 @@ def _rank(rank: int, world: int, root: str) -> dict:
         chunks = len(engine.interleaved.ranges) if hasattr(engine, "interleaved") else 1
         assert chunks == case["cfg"]["ds_mp"]["pipeline"].get("virtual_stages", 1)
         out[case["name"]] = (losses, norms, gather_weights(engine)[0], evaluated)
-        if engine.trace_enabled:
+        if engine.trace_enabled:  # v3_l6: 6 chunks of one block each, the LM head adds to the last
+            weights = chunk_weights(engine.module)
+            assert weights[:5] == [1.0] * 5 and weights[5] > 1.0, weights
             out["labels"] = sorted(event_label(n, b) for n, b, _, _ in engine.trace if "Chunk" in n)
     return out
 

@@ -16,12 +16,14 @@ the local chunk.  Engine handlers: ``ds_mp.engine.interleaved``.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 from deepspeed.runtime.pipe import schedule as ds
 
 from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable
 from ds_mp.schedules.timetable import TimetableSchedule, Transfer
+from ds_mp.schedules.zero_bubble import stage_weights
 
 
 class ChunkForward(ds.BufferOpInstruction):
@@ -59,15 +61,23 @@ class Interleaved1F1B(TimetableSchedule):
     """``"schedule": "interleaved"`` with ``pipeline.virtual_stages`` = v chunks per rank."""
 
     def __init__(self, micro_batches: int, stages: int, stage_id: int, virtual_stages: int = 2,
-                 forward_only: bool = False) -> None:
+                 forward_only: bool = False, chunk_weights: list[float] | None = None) -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.v, self.forward_only = virtual_stages, forward_only
         self.deps = interleaved_deps(virtual_stages)
+        self.chunk_weights = chunk_weights  # per virtual stage c·K + s: relative compute (None: equal)
 
     @classmethod
     def from_engine(cls, engine: Any) -> "Interleaved1F1B":
         return cls(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id,
-                   virtual_stages=engine.ds_mp_config.pipeline.virtual_stages)
+                   virtual_stages=engine.ds_mp_config.pipeline.virtual_stages,
+                   chunk_weights=chunk_weights(engine.module))
+
+    def cost(self, stage: int, op: Op) -> float:
+        """Modelled op time (only the compiled order of transfers depends on it): a chunk's weight
+        in blocks (its LM head counted, :func:`chunk_weights`), a backward twice a forward."""
+        weight = self.chunk_weights[op.slice * self.stages + stage] if self.chunk_weights else 1.0
+        return weight * (2.0 if op.kind == "B" else 1.0)
 
     def table(self) -> list[list[Op]]:
         if self.forward_only:
@@ -99,4 +109,14 @@ class Interleaved1F1B(TimetableSchedule):
             yield [c for c in cmds if not isinstance(c, step_end)] if self.forward_only else cmds
 
 
-__all__ = ["ChunkForward", "ChunkBackward", "ring_peer", "forward_only_timetable", "Interleaved1F1B"]
+def chunk_weights(net: Any) -> list[float] | None:
+    """Each virtual stage's compute in blocks, the last one's LM head and loss included (ZB-H1's
+    :func:`~ds_mp.schedules.zero_bubble.stage_weights` over the chunk boundaries); the same on
+    every rank.  None without ds_mp's layer table."""
+    parts = getattr(net, "virtual_parts", None) or getattr(net, "parts", None)
+    return stage_weights(SimpleNamespace(ds_mp_ctx=getattr(net, "ds_mp_ctx", None), parts=parts,
+                                         layer_names=getattr(net, "layer_names", None)))
+
+
+__all__ = ["ChunkForward", "ChunkBackward", "ring_peer", "forward_only_timetable", "Interleaved1F1B",
+           "chunk_weights"]

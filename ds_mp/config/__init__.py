@@ -9,8 +9,8 @@ with the same single line instead of hanging a job.  Every failure is a
 """
 from __future__ import annotations
 
-from ds_mp.config.checks import (check_model_family, load_config, ramp_micro_multiple, read_json, shape_of,
-                                 validate)
+from ds_mp.config.batching import ramp_micro_multiple
+from ds_mp.config.checks import check_model_family, load_config, read_json, shape_of, validate
 from ds_mp.config.schema import (LLAMA_LORA_TARGETS, LLAMA_SCHEDULES, LORA_TARGETS, MODEL_TYPES,
                                  BatchRampConfig, ConfigError, DataConfig, DsMpConfig, InlineModel, LoraConfig,
                                  OuroborosConfig, PipelineConfig, TensorParallelConfig, TeraPipeConfig,

@@ -8,7 +8,9 @@ import difflib
 import json
 import os
 
-from ds_mp.config.schema import LLAMA_SCHEDULES, MODEL_TYPES, ConfigError, DsMpConfig, InlineModel, parse_config
+from ds_mp.config.batching import check_batch_ramp, check_noise_scale
+from ds_mp.config.schema import (LLAMA_SCHEDULES, MODEL_TYPES, ConfigError, DsMpConfig, InlineModel, parse_config,
+                                 positive)
 from ds_mp.schedules.registry import SCHEDULES
 
 
@@ -89,11 +91,6 @@ def check_model_family(cfg: DsMpConfig) -> None:
                           f"which ds_mp does not apply; use seq_len <= {window}")
 
 
-def _positive(value: int, key: str) -> None:
-    if value < 1:
-        raise ConfigError(f"ds_mp.{key}: must be >= 1, got {value}")
-
-
 def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) -> DsMpConfig:
     """Check ``cfg`` against itself and ``world_size``; fill ``dp`` and ``shape``.
 
@@ -106,7 +103,7 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
                    ("data.seq_len", cfg.data.seq_len), ("training.steps", cfg.training.steps),
                    ("training.log_interval", cfg.training.log_interval),
                    ("terapipe.granularity", cfg.terapipe.granularity)):
-        _positive(v, key)
+        positive(v, key)
     for key, v in (("training.eval_interval", cfg.training.eval_interval),
                    ("training.checkpoint_interval", cfg.training.checkpoint_interval),
                    ("training.eval_batches", cfg.training.eval_batches),
@@ -129,7 +126,7 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
 
     shape = _model_shape(cfg) if hf_config is None else shape_of(cfg, hf_config, "the model object")
     for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
-        _positive(getattr(shape, key), f"model.{key}")
+        positive(getattr(shape, key), f"model.{key}")
     if shape.n_embd % shape.n_head:
         raise ConfigError(f"ds_mp.model.n_embd: {shape.n_embd} is not divisible by "
                           f"n_head={shape.n_head}; pick n_embd a multiple of n_head")
@@ -218,7 +215,7 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
     elif isinstance(bs, str):
         raise ConfigError(f"ds_mp.terapipe.batch_slices: {bs!r} is not a positive integer or 'auto'")
     else:
-        _positive(bs, "terapipe.batch_slices")
+        positive(bs, "terapipe.batch_slices")
     sl = cfg.terapipe.slices
     if isinstance(sl, list):
         if not sl or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sl):
@@ -248,7 +245,7 @@ def _validate_interleaved(cfg: DsMpConfig, n_layer: int) -> None:
     """``pipeline.virtual_stages`` belongs to the interleaved schedule, which is tested against HF in
     fp32/bf16 with ZeRO 0/1, DP, TP (sequence parallelism too), LoRA and activation checkpointing."""
     pp, v = cfg.pipeline, cfg.pipeline.virtual_stages
-    _positive(v, "pipeline.virtual_stages")
+    positive(v, "pipeline.virtual_stages")
     if pp.schedule != "interleaved":
         if v != 1:
             raise ConfigError(f"ds_mp.pipeline.virtual_stages: {v} chunks per stage need schedule 'interleaved', "
@@ -363,73 +360,6 @@ def load_config(config: str | dict, world_size: int, hf_config: dict | None = No
         if (raw.get("fp16") or {}).get("enabled"):
             raise ConfigError("fp16.enabled: the interleaved schedule is tested in fp32 and bf16; use the bf16 block")
     if cfg.training.noise_scale_interval:  # measured on fp32/bf16 gradients around DeepSpeed's DP reduction
-        _check_noise_scale(raw, cfg, "ds_mp.training.noise_scale_interval", "set it to 0")
-    _check_batch_ramp(raw, cfg)
+        check_noise_scale(raw, cfg, "ds_mp.training.noise_scale_interval", "set it to 0")
+    check_batch_ramp(raw, cfg)
     return cfg, raw
-
-
-def _check_noise_scale(raw: dict, cfg: DsMpConfig, key: str, instead: str) -> None:
-    """B_simple compares each replica's gradient before DeepSpeed's DP reduction with the reduced one."""
-    stage = (raw.get("zero_optimization") or {}).get("stage", 0) or 0
-    if (raw.get("fp16") or {}).get("enabled") or cfg.pipeline.schedule == "ouroboros" or stage >= 2:
-        raise ConfigError(f"{key}: the noise scale is measured in fp32 or bf16 at ZeRO 0/1 around the pipeline engine's "
-                          "DP reduction (not on fp16's scaled gradients; not with ouroboros, which assembles gradients "
-                          "by hand; not at ZeRO-2, which reduces during the backward); " + instead)
-
-
-RAMP_SCHEDULES = ("1f1b", "gpipe", "terapipe", "zb-h1", "interleaved")  # tested with a changing batch
-
-
-def ramp_micro_multiple(cfg: DsMpConfig) -> int:
-    """The number of micro-batches per step a batch ramp's sizes must be a multiple of (per DP
-    rank): the pipeline stages for the interleaved schedule (its order walks the ring in groups of
-    that many), else 1."""
-    return cfg.pipeline.stages if cfg.pipeline.schedule == "interleaved" else 1
-
-
-def _check_batch_ramp(raw: dict, cfg: DsMpConfig) -> None:
-    """``ds_mp.batch_ramp``: sizes this layout can take (multiples of micro-batch × DP), a known
-    policy and LR scaling, and the noise-scale policy only where B_simple can be measured."""
-    br, key = cfg.batch_ramp, "ds_mp.batch_ramp"
-    if not br.policy:
-        if br.start or br.max or br.ramp_samples:
-            raise ConfigError(f"{key}.policy: empty (ramp off) but start/max/ramp_samples are set; "
-                              "set policy to 'linear' or 'noise_scale', or remove the block")
-        return
-    if br.policy not in ("linear", "noise_scale"):
-        close = difflib.get_close_matches(br.policy, ["linear", "noise_scale"], n=1)
-        raise ConfigError(f"{key}.policy: unknown policy {br.policy!r}; use 'linear' or 'noise_scale'"
-                          + (f" (did you mean '{close[0]}'?)" if close else ""))
-    if br.lr_scaling not in ("none", "sqrt", "linear"):
-        raise ConfigError(f"{key}.lr_scaling: {br.lr_scaling!r} is not 'none', 'sqrt' or 'linear'")
-    for name in ("start", "max", "interval"):
-        _positive(getattr(br, name), f"batch_ramp.{name}")
-    if br.start > br.max:
-        raise ConfigError(f"{key}.start: {br.start} > max={br.max}; the batch only grows: make start <= max")
-    micro = raw.get("train_micro_batch_size_per_gpu", 1)
-    per_step = ramp_micro_multiple(cfg)
-    unit = micro * cfg.dp * per_step
-    ring = f" × stages ({per_step}: interleaved runs a multiple of the ring's micro-batches)" if per_step > 1 else ""
-    for name in ("start", "max"):
-        v = getattr(br, name)
-        if v % unit:
-            lo, hi = max(unit, v // unit * unit), (v // unit + 1) * unit
-            raise ConfigError(f"{key}.{name}: {v} samples is no size this layout can take: a step is a whole number of "
-                              f"micro-batches on every DP rank, multiples of train_micro_batch_size_per_gpu ({micro}) "
-                              f"× DP ({cfg.dp}){ring} = {unit}; use {lo} or {hi}")
-    if br.policy == "linear":
-        _positive(br.ramp_samples, "batch_ramp.ramp_samples")
-    elif cfg.dp < 2:
-        raise ConfigError(f"{key}.policy: 'noise_scale' measures B_simple from the per-replica vs all-reduced "
-                          "gradient, which needs DP >= 2 (this layout has DP = 1); launch more ranks or lower "
-                          "tensor_parallel.size/pipeline.stages, or use policy 'linear'")
-    elif cfg.pipeline.schedule != "ouroboros":
-        _check_noise_scale(raw, cfg, f"{key}.policy", "use policy 'linear'")
-    if cfg.pipeline.schedule == "ouroboros":
-        raise ConfigError(f"{key}: not supported with the ouroboros schedule: its updates apply gradients computed "
-                          "up to K-2 steps earlier, so a batch (and LR) change would mix batch sizes inside one "
-                          "update; use a fixed batch or another schedule")
-    if cfg.pipeline.schedule not in RAMP_SCHEDULES:
-        raise ConfigError(f"{key}: tested with the {', '.join(RAMP_SCHEDULES)} schedules (a batch change gives the "
-                          f"schedule more micro-batches per step), not with {cfg.pipeline.schedule!r}; use one of "
-                          "those or a fixed batch")

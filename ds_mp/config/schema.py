@@ -13,6 +13,12 @@ class ConfigError(ValueError):
     """A ds_mp configuration problem; the message is one line naming the key and the fix."""
 
 
+def positive(value: int, key: str) -> None:
+    """Refuse ``ds_mp.<key>`` below 1."""
+    if value < 1:
+        raise ConfigError(f"ds_mp.{key}: must be >= 1, got {value}")
+
+
 @dataclass
 class InlineModel:
     """A model shape for training from scratch: GPT-2's (fields as in ``transformers.GPT2Config``),

@@ -43,9 +43,9 @@ def test_layout_puts_chunk_c_on_rank_c_mod_k() -> None:
     assert out[parts[1]:] == ["h.0", "h.1", "h.4", "ln_f", "lm_head"]
 
 
-def play(K: int, M: int, v: int, forward_only: bool = False) -> None:
-    """Every rank's steps with rendezvous p2p round the ring."""
-    scheds = [Interleaved1F1B(M, K, s, v, forward_only=forward_only) for s in range(K)]
+def play(K: int, M: int, v: int, forward_only: bool = False, weights: list[float] | None = None) -> None:
+    """Every rank's steps with rendezvous p2p round the ring (``weights``: modelled chunk costs)."""
+    scheds = [Interleaved1F1B(M, K, s, v, forward_only=forward_only, chunk_weights=weights) for s in range(K)]
     streams = [list(x.steps()) for x in scheds]
     assert len({len(x) for x in streams}) == 1
     held: list[dict] = [{} for _ in range(K)]  # buffer -> (micro, chunk) it holds
@@ -102,6 +102,8 @@ def play(K: int, M: int, v: int, forward_only: bool = False) -> None:
 def test_compiled_streams_play_round_the_ring(K: int, M: int, v: int) -> None:
     play(K, M, v)
     play(K, M, v, forward_only=True)
+    heavy_last = [1.0] * (K * v - 1) + [4.0]  # the LM head's chunk: another compiled transfer order
+    play(K, M, v, weights=heavy_last)
 
 
 @pytest.mark.parametrize("K, M, v", [(2, 4, 2), (2, 8, 2), (4, 8, 2), (4, 8, 4), (8, 32, 2)])

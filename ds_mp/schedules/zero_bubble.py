@@ -34,8 +34,8 @@ class BackwardWeight(BufferOpInstruction):
     its activations.  kwargs: ``buffer_id``."""
 
 
-# Modelled relative op costs of one block's worth of a stage (only the order of transfers depends
-# on them), scaled by the stage's weight.  The first stage's B is bookkeeping; its W is the whole backward.
+# Modelled relative op costs (only the order of transfers depends on them).  The first stage's B
+# is bookkeeping; its W is the whole backward.
 COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
 FIRST_STAGE_COSTS = {"F": 1.0, "B": 1e-3, "W": 2.0}
 
@@ -43,27 +43,24 @@ FIRST_STAGE_COSTS = {"F": 1.0, "B": 1e-3, "W": 2.0}
 class ZeroBubbleH1(TimetableSchedule):
     """``"schedule": "zb-h1"``: the ZB-H1 timetable with split backward instructions.
 
-    ``stage_weights`` (relative compute per stage; equal if None) price the modelled ops, so the
-    compiled transfer order follows the real pipeline: where the last stage carries the LM head and
-    is the slowest, the stage before it waits for gradients, so each B's gradient is sent right
-    after that B, before the W that follows it (with equal weights it went after that W, and the
-    stage before waited a W longer on every micro-batch)."""
+    Its transfers are ordered with every stage priced alike.  Pricing them by their compute
+    (:func:`stage_weights`) was tried and measured worse: where the last stage (the LM head's) is
+    the slowest, it sent each gradient before its next W, but then waited for the next activation
+    while the first stage ran its own W before sending it (a blocking send happens when the
+    sender's program reaches it, not at the modelled time) — the equal-price order keeps the
+    slowest stage busy."""
 
     deps = staticmethod(zero_bubble_deps)
-    stage_weights: list[float] | None = None
 
     @classmethod
     def from_engine(cls, engine: Any) -> "ZeroBubbleH1":
-        sched = cls(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id)
-        sched.stage_weights = stage_weights(engine.module)
-        return sched
+        return cls(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id)
 
     def table(self) -> list[list[Op]]:
         return zb_h1_timetable(self.stages, self.micro_batches)
 
     def cost(self, stage: int, op: Op) -> float:
-        weight = self.stage_weights[stage] if self.stage_weights else 1.0
-        return weight * (FIRST_STAGE_COSTS if stage == 0 else COSTS)[op.kind]
+        return (FIRST_STAGE_COSTS if stage == 0 else COSTS)[op.kind]
 
     def compute(self, op: Op, buffer_id: int) -> list:
         if op.kind == "B":
@@ -74,10 +71,11 @@ class ZeroBubbleH1(TimetableSchedule):
 
 
 def stage_weights(net: Any) -> list[float] | None:
-    """Each stage's compute in blocks (the same on every rank: the transfer order must be): its
-    blocks, plus on the last stage the LM head and its loss, ``V·d`` multiply-adds per token
-    against a block's parameter count (a block's multiply-adds per token, attention's own
-    ``T·d`` aside).  None for a module without ds_mp's layer table."""
+    """Each stage's compute in blocks, the same on every rank (a schedule pricing its transfers with
+    it must compile one order everywhere): its blocks, plus on the last stage the LM head and its
+    loss, ``V·d`` multiply-adds per token against a block's parameter count (a block's
+    multiply-adds per token, attention's own ``T·d`` aside).  None for a module without ds_mp's
+    layer table."""
     ctx, parts, names = (getattr(net, k, None) for k in ("ds_mp_ctx", "parts", "layer_names"))
     if ctx is None or parts is None or names is None:
         return None

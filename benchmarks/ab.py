@@ -15,6 +15,7 @@ both sides run the same split):
 
     tp         ds_mp TP=2, 4 × 256 tokens, GPT-2 8 × 512 (vocab 8192)
     pipeline   ds_mp 1F1B PP=2, blocks [5, 3], M=8 micro-batches of 2 × 256
+    zb-h1      the same with ``"schedule": "zb-h1"``
     terapipe   ds_mp TeraPipe PP=2, blocks [5, 3], 1 × 1024 in 8 slices of 128
 """
 from __future__ import annotations
@@ -64,10 +65,11 @@ def workload(name: str, quick: bool, vocab: int | None = None) -> tuple[Config, 
         rows = 4
         return Config(name, "benchmarks.workloads:setup_ds_mp", 2, 1, {"shape": shape, "micro": rows, "tp": 2}), \
             rows * shape["seq"]
-    if name == "pipeline":
+    if name in ("pipeline", "zb-h1"):
         micro, gas = 2, 8
         return Config(name, "benchmarks.pipeline:setup_ds_mp_pipe", 2, 1,
-                      {"shape": shape, "micro": micro, "gas": gas, "pp": 2, "partition": [5, 3] if not quick else [2, 2]}), \
+                      {"shape": shape, "micro": micro, "gas": gas, "pp": 2, "partition": [5, 3] if not quick else [2, 2],
+                       "schedule": "1f1b" if name == "pipeline" else name}), \
             micro * gas * shape["seq"]
     if name == "terapipe":
         tshape = {**asdict(terapipe.QUICK if quick else terapipe.FULL), **({"vocab": vocab} if vocab else {})}
@@ -75,7 +77,7 @@ def workload(name: str, quick: bool, vocab: int | None = None) -> tuple[Config, 
         return Config(name, "benchmarks.terapipe:setup_schedule_bench", 2, 1,
                       {"shape": tshape, "micro": 1, "slices": [tshape["seq"] // n] * n,
                        "partition": [5, 3] if not quick else [2, 2]}), tshape["seq"]
-    raise SystemExit(f"unknown --config {name!r}: tp, pipeline or terapipe")
+    raise SystemExit(f"unknown --config {name!r}: tp, pipeline, zb-h1 or terapipe")
 
 
 def compare(base: str, name: str, rounds: int, steps: int, quick: bool, vocab: int | None = None) -> dict:
@@ -110,7 +112,7 @@ def compare(base: str, name: str, rounds: int, steps: int, quick: bool, vocab: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision to compare against (e.g. HEAD~1, a commit)")
-    ap.add_argument("--config", default="tp", help="tp, pipeline or terapipe")
+    ap.add_argument("--config", default="tp", help="tp, pipeline, zb-h1 or terapipe")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="timed steps per group per round")
     ap.add_argument("--quick", action="store_true", help="the benchmarks' small shapes")

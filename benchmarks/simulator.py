@@ -204,7 +204,7 @@ def predictions(schedule: str, K: int, slices: list[int], traces: list[dict], st
 def projection(out_dir: str, own: tuple) -> tuple[dict, str]:
     """``project_gpt3`` from stage 0's cost model (terapipe's 8 × 512 profile if saved here)."""
     from ds_mp.schedules.simulate import GPT3_SHAPES, ModelShape, project_gpt3
-    from ds_mp.schedules.terapipe.planner import fit_cost_model
+    from ds_mp.schedules.terapipe.cost_model import fit_cost_model
 
     saved = sorted(glob.glob(os.path.join(out_dir, "terapipe_profile_*_samples.json")))
     if saved:

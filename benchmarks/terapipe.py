@@ -133,7 +133,7 @@ def started(configs: list[Config]) -> Iterator[dict[str, Group]]:
 def fit_stages(per_rank: list[list]) -> tuple[list, Any, list[float], float]:
     """Per-stage cost models, the bottleneck model (slowest rank per (i, j), what the planner
     uses), and their mean relative fit errors."""
-    from ds_mp.schedules.terapipe.planner import fit_cost_model
+    from ds_mp.schedules.terapipe.cost_model import fit_cost_model
 
     fits = [fit_cost_model([tuple(x) for x in samples]) for samples in per_rank]
     worst: dict[tuple[int, int], float] = {}
@@ -147,7 +147,7 @@ def fit_stages(per_rank: list[list]) -> tuple[list, Any, list[float], float]:
 def table_model(per_rank: list[list], transfer: list[list[float]] | None) -> Any:
     """The engine's cost model (``measure_cost_model``'s): the paper's table fitted on the slowest
     rank per (i, j), plus the slowest rank's p2p time per slice."""
-    from ds_mp.schedules.terapipe.planner import fit_table_cost_model
+    from ds_mp.schedules.terapipe.cost_model import fit_table_cost_model
 
     worst: dict[tuple[int, int], float] = {}
     for samples in per_rank:

@@ -76,7 +76,7 @@ def test_terapipe_auto_slices_writes_profile(tmp_path, data):
     run = os.path.join(str(tmp_path), "run")
     rows = read_log(run)
     assert [int(r["step"]) for r in rows] == [1, 2] and all(float(r["loss"]) > 0 for r in rows)
-    from ds_mp.schedules.terapipe.planner import load_cost_model
+    from ds_mp.schedules.terapipe.cost_model import load_cost_model
 
     cost = load_cost_model(os.path.join(run, "terapipe_profile.json"))  # reusable via ds_mp.terapipe.profile
     table = cost.models[max(cost.sizes)]  # the micro-batch size's measured t(i, 0) table

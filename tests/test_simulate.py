@@ -7,7 +7,8 @@ from ds_mp.schedules.simulate import (
     GPT3_SHAPES, ModelShape, Op, gpipe_timetable, one_f_one_b_timetable, project_gpt3,
     simulate, terapipe_op_cost, terapipe_timetable,
 )
-from ds_mp.schedules.terapipe.planner import CostModel, plan_slices, predicted_time
+from ds_mp.schedules.terapipe.cost_model import CostModel
+from ds_mp.schedules.terapipe.planner import plan_slices, predicted_time
 
 F_COST, B_COST = 1.0, 2.0
 SHAPES = [(1, 1), (2, 3), (4, 4), (4, 7), (5, 2)]

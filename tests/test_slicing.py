@@ -6,10 +6,9 @@ import time
 
 import pytest
 
-from ds_mp.schedules.terapipe.planner import (
-    CostModel, batch_cost, best_uniform, fit_cost_model, plan_joint, plan_slices,
-    predicted_time, predicted_time_joint, profile_stage, uniform_slices,
-)
+from ds_mp.schedules.terapipe.cost_model import CostModel, batch_cost, fit_cost_model, profile_stage
+from ds_mp.schedules.terapipe.planner import (best_uniform, plan_joint, plan_slices, predicted_time,
+                                              predicted_time_joint, uniform_slices)
 
 COSTS = {
     "model": CostModel(c0=1.0, c1=0.3, c2=0.02, a0=0.2, a1=0.05, a2=0.01, a3=0.04),
@@ -154,7 +153,7 @@ def test_joint_batch_split_by_knapsack_beats_equal_splits() -> None:
 def test_table_cost_model_fits_the_papers_form(tmp_path) -> None:
     """t(i, 0) read from a measured table (here flat to 32 tokens, then linear: what a GPU does
     and a polynomial cannot express) plus a fitted a0 + a1 i + a2 j + a3 i j for j > 0."""
-    from ds_mp.schedules.terapipe.planner import fit_table_cost_model, load_cost_model
+    from ds_mp.schedules.terapipe.cost_model import fit_table_cost_model, load_cost_model
 
     def alone(i: int) -> float:
         return 1.0 if i <= 32 else 1.0 + (i - 32) / 32
@@ -175,7 +174,7 @@ def test_table_cost_model_fits_the_papers_form(tmp_path) -> None:
 def test_flat_cost_table_gives_few_long_slices() -> None:
     """With t(i, 0) flat to 32 tokens a slice shorter than 32 costs the same as 32: the planner
     cuts L = 128 into slices of 32 (the knee), where the smooth model's linear part would cut finer."""
-    from ds_mp.schedules.terapipe.planner import TableCostModel
+    from ds_mp.schedules.terapipe.cost_model import TableCostModel
 
     table = TableCostModel((8, 32, 128), (1.0, 1.0, 4.0))
     assert plan_slices(128, 4, table, granularity=8).slices == [32, 32, 32, 32]
@@ -184,7 +183,7 @@ def test_flat_cost_table_gives_few_long_slices() -> None:
 def test_table_cost_model_adds_measured_transfer(tmp_path) -> None:
     """The stage latency includes the slice's p2p time (paper §3.3): t(i, j) = t_c(i, 0) + t_p2p(i) +
     context term; the transfer table and the profile's meta survive a save/load."""
-    from ds_mp.schedules.terapipe.planner import TableCostModel, cost_model_meta, load_cost_model
+    from ds_mp.schedules.terapipe.cost_model import TableCostModel, cost_model_meta, load_cost_model
 
     compute = TableCostModel((8, 32, 128), (1.0, 1.0, 4.0), a2=0.01)
     model = compute.with_transfer([0.1, 0.2, 0.8])
@@ -203,8 +202,8 @@ def test_measured_batch_slice_costs_choose_the_split(tmp_path) -> None:
     of each batch-slice; scaling the B-row cost linearly instead (one-row slices at 1/B of it,
     what a device with narrow-matmul overhead does not do) picks a plan that is slower under the
     measured costs — the planner-accuracy benchmark's miss at B = 8."""
-    from ds_mp.schedules.terapipe.planner import (BatchTableCostModel, TableCostModel, load_cost_model, plan_for,
-                                                  profile_sizes)
+    from ds_mp.schedules.terapipe.cost_model import BatchTableCostModel, TableCostModel, load_cost_model
+    from ds_mp.schedules.terapipe.planner import plan_for, profile_sizes
 
     def table(per_token: float) -> TableCostModel:
         lengths = (4, 8, 12, 16)

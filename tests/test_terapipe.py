@@ -22,7 +22,8 @@ from deepspeed.runtime.pipe import schedule as ds
 from dist_utils import run_ranks
 from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, LoadSlice
 from ds_mp.schedules.simulate import simulate, terapipe_timetable
-from ds_mp.schedules.terapipe.planner import CostModel, batch_cost, load_cost_model, plan_joint
+from ds_mp.schedules.terapipe.cost_model import CostModel, batch_cost, load_cost_model
+from ds_mp.schedules.terapipe.planner import plan_joint
 from ds_mp.schedules.terapipe.kv_cache import KVContext, context_mask
 from ds_mp.schedules.terapipe.schedule import TeraPipeSchedule, plan_units
 from ds_mp.schedules.terapipe.planner import explicit_plan
@@ -133,7 +134,7 @@ def test_plan_from_config(tmp_path, capsys) -> None:
 def test_saved_profile_reused_only_for_its_setup(tmp_path, capsys) -> None:
     """A cached profile is reused when what it was measured for (shape, micro-batch, layout,
     device, ...) matches; else it is measured again — unless the user named the file."""
-    from ds_mp.schedules.terapipe.planner import TableCostModel
+    from ds_mp.schedules.terapipe.cost_model import TableCostModel
     from ds_mp.schedules.terapipe.profile import _cached
 
     meta = {"n_embd": 48, "micro_batch": 2, "tp": 1, "pp": 2, "device": "cpu"}

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from ds_mp.schedules.terapipe.planner import BatchCost, Cost, Plan, plan_slices, slice_costs
+from ds_mp.schedules.terapipe.cost_model import BatchCost, Cost
+from ds_mp.schedules.terapipe.planner import Plan, plan_slices, slice_costs
 
 
 @dataclass(frozen=True, order=True)

@@ -8,9 +8,9 @@ import sys
 import time
 
 from ds_mp.config import ConfigError, load_config, parse_config, read_json
-from ds_mp.schedules.terapipe.planner import (BatchTableCostModel, as_batch_cost, fit_table_cost_model,
-                                              load_cost_model, plan_for, predicted_time_joint, profile_sizes,
-                                              uniform_slices)
+from ds_mp.schedules.terapipe.cost_model import (BatchTableCostModel, as_batch_cost, fit_table_cost_model,
+                                                 load_cost_model)
+from ds_mp.schedules.terapipe.planner import plan_for, predicted_time_joint, profile_sizes, uniform_slices
 from ds_mp.schedules.terapipe.profile import profile_blocks, profile_path
 
 

@@ -34,9 +34,9 @@ from ds_mp.config import ConfigError, DsMpConfig
 from ds_mp.models.gpt2 import LAYER_COST_VERSION, attending_to
 from ds_mp.schedules.terapipe.kv_cache import KVContext
 from ds_mp.tensor_parallel.layers import sparse_lookups
-from ds_mp.schedules.terapipe.planner import (BatchTableCostModel, cost_model_meta, explicit_plan,
-                                              fit_table_cost_model, load_cost_model, plan_for, profile_sizes,
-                                              profile_stage)
+from ds_mp.schedules.terapipe.cost_model import (BatchTableCostModel, cost_model_meta, fit_table_cost_model,
+                                                 load_cost_model, profile_stage)
+from ds_mp.schedules.terapipe.planner import explicit_plan, plan_for, profile_sizes
 from ds_mp.schedules.terapipe.schedule import Plan
 
 PROFILE_NAME = "terapipe_profile.json"

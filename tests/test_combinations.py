@@ -10,12 +10,13 @@ torch SGD and ``torch.nn.utils.clip_grad_norm_`` (:func:`test_tensor_parallel.hf
   within ``BF16_VS_ONE_RANK`` of the same bf16 config trained on one rank.
 
 Pairwise coverage (:data:`CASES`, asserted by :func:`test_cases_cover_every_pair`): layout ×
-schedule needs all 15 pairs, so there are 15 cases; the precision/wrapper pair of each case
-rotates so every schedule sees all four (precision, wrapper) pairs and every layout three of
-them (hence both precisions and both wrappers).  Six cases train a Llama-family model instead
+schedule needs all 15 pairs of 1f1b/gpipe/TeraPipe, and zb-h1 and interleaved (v = 2) meet
+the three PP = 2 layouts, so there are 21 cases; the precision/wrapper pair of each case
+rotates so every schedule sees both precisions and both wrappers (the first three all four
+pairs) and every layout three of them.  Eight cases train a Llama-family model instead
 of GPT-2 (:data:`MODELS`), chosen so the family meets every layout, schedule, precision and
 wrapper and GPT-2 still does too.  Awkward sizes: vocab 203; GPT-2 n_embd 48, 4 heads, 4
-layers; the Llama family hidden 72, 2 layers, 6 heads (head dim 12) with 2 or 3 key/value heads
+layers; the Llama family hidden 72, 2 layers (4 for interleaved), 6 heads (head dim 12) with 2 or 3 key/value heads
 (split or replicated at TP = 2), intermediate 128 (``test_llama.tiny_llama``); seq 16 (TeraPipe
 slices 6 + 10 with activation checkpointing, and sequence parallelism where TP > 1).
 
@@ -57,15 +58,21 @@ CASES: list[tuple[str, str, tuple[str, str]]] = [
     ("tp2pp2", "1f1b", C), ("tp2pp2", "gpipe", D), ("tp2pp2", "terapipe", A),
     ("tp2dp2", "1f1b", D), ("tp2dp2", "gpipe", A), ("tp2dp2", "terapipe", B),
     ("pp2dp2", "1f1b", A), ("pp2dp2", "gpipe", C), ("pp2dp2", "terapipe", D),
+    # zb-h1 and interleaved (v = 2) schedule a pipeline: only the PP = 2 layouts (at PP = 1 there is
+    # none; interleaved refuses it), each schedule with both precisions, both wrappers, both families.
+    ("pp2", "zb-h1", A), ("tp2pp2", "zb-h1", D), ("pp2dp2", "zb-h1", C),
+    ("pp2", "interleaved", D), ("tp2pp2", "interleaved", A), ("pp2dp2", "interleaved", B),
 ]
+PIPELINE_ONLY = ("zb-h1", "interleaved")  # schedules without a pairing at PP = 1
 # (layout, schedule) -> the Llama-family model a case trains (every other case: GPT-2).  Qwen2: 2 KV
 # heads (split at TP=2), q/k/v biases, untied head; Llama: 3 KV heads (replicated at TP=2, gradients
 # summed), tied head; Mistral: 2 KV heads, tied head.
 MODELS = {("tp2", "1f1b"): "qwen2", ("pp2", "terapipe"): "mistral", ("tp2pp2", "terapipe"): "qwen2",
-          ("tp2pp2", "1f1b"): "llama", ("tp2dp2", "gpipe"): "llama", ("pp2dp2", "1f1b"): "mistral"}
+          ("tp2pp2", "1f1b"): "llama", ("tp2dp2", "gpipe"): "llama", ("pp2dp2", "1f1b"): "mistral",
+          ("tp2pp2", "zb-h1"): "qwen2", ("pp2dp2", "interleaved"): "llama"}
 FAMILY_MODELS = {"qwen2": (2, False), "llama": (3, True), "mistral": (2, True)}  # (KV heads, tied)
 FACTORS = {"family": ("gpt2", "llama"), "precision": ("fp32", "bf16"), "wrapper": ("none", "zero1"),
-           "layout": tuple(LAYOUTS), "schedule": ("1f1b", "gpipe", "terapipe")}
+           "layout": tuple(LAYOUTS), "schedule": ("1f1b", "gpipe", "terapipe", *PIPELINE_ONLY)}
 
 
 def case_values(case: tuple) -> dict[str, str]:
@@ -81,8 +88,9 @@ def case_name(case: tuple) -> str:
 
 def model_for(case: tuple):
     """The case's HF model (fresh, seeded: the same weights on every rank and in the reference)."""
-    name = case_values(case)["model"]
-    return tiny_gpt2() if name == "gpt2" else tiny_llama(name, *FAMILY_MODELS[name], inner=128, hidden=72, vocab=VOCAB)
+    name, layers = case_values(case)["model"], 4 if case[1] == "interleaved" else 2  # interleaved: 2 × 2 chunks
+    return tiny_gpt2() if name == "gpt2" else tiny_llama(name, *FAMILY_MODELS[name], n_layer=layers, inner=128,
+                                                         hidden=72, vocab=VOCAB)
 
 
 def config(case: tuple, one_rank: bool = False) -> dict:
@@ -90,12 +98,13 @@ def config(case: tuple, one_rank: bool = False) -> dict:
     v = case_values(case)
     tp, pp, dp = LAYOUTS[v["layout"]]
     tp, pp, gas = (1, 1, 2 * dp) if one_rank else (tp, pp, 2)  # one rank accumulates every replica's share
-    extra: dict = {}
+    schedule = "1f1b" if one_rank and v["schedule"] in PIPELINE_ONLY else v["schedule"]
+    extra: dict = {"pipeline": {"virtual_stages": 2}} if schedule == "interleaved" else {}
     if v["schedule"] == "terapipe":  # with activation checkpointing, and sequence parallelism where TP > 1
         extra = {"terapipe": {"slices": [6, 10]}, "pipeline": {"activation_checkpoint_interval": 1}}
         if tp > 1:
             extra["tensor_parallel"] = {"sequence_parallel": True}
-    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=LR, clip=CLIP, schedule=v["schedule"], seq=SEQ, **extra)
+    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=LR, clip=CLIP, schedule=schedule, seq=SEQ, **extra)
     if v["precision"] == "bf16":
         cfg["bf16"] = {"enabled": True}
     if v["wrapper"] == "zero1":
@@ -247,9 +256,11 @@ def test_cases_cover_every_pair() -> None:
     rows = [{**case_values(c), "family": "gpt2" if case_values(c)["model"] == "gpt2" else "llama"} for c in CASES]
     for f1, f2 in itertools.combinations(names, 2):
         want = set(itertools.product(FACTORS[f1], FACTORS[f2]))
+        if (f1, f2) == ("layout", "schedule"):
+            want -= {(lay, s) for lay in LAYOUTS for s in PIPELINE_ONLY if LAYOUTS[lay][1] == 1}
         have = {(r[f1], r[f2]) for r in rows}
         assert want <= have, f"{f1} × {f2}: missing {sorted(want - have)}"
-    assert len({case_name(c) for c in CASES}) == len(CASES) == 15
+    assert len({case_name(c) for c in CASES}) == len(CASES) == 21
 
 
 @pytest.fixture(scope="module")

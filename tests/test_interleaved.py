@@ -20,6 +20,7 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
 from dist_utils import run_ranks
+from p2p_play import rendezvous
 from ds_mp.models.partition import interleaved_layout
 from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B, chunk_weights
 from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable, one_f_one_b_timetable, simulate
@@ -46,53 +47,39 @@ def test_layout_puts_chunk_c_on_rank_c_mod_k() -> None:
 def play(K: int, M: int, v: int, forward_only: bool = False, weights: list[float] | None = None) -> None:
     """Every rank's steps with rendezvous p2p round the ring (``weights``: modelled chunk costs)."""
     scheds = [Interleaved1F1B(M, K, s, v, forward_only=forward_only, chunk_weights=weights) for s in range(K)]
-    streams = [list(x.steps()) for x in scheds]
-    assert len({len(x) for x in streams}) == 1
     held: list[dict] = [{} for _ in range(K)]  # buffer -> (micro, chunk) it holds
     grad: list = [None] * K  # the shared received-gradient slot: (micro, chunk) of the sender
     done: set = set()
-    for t in range(len(streams[0])):
-        queues = [list(x[t]) for x in streams]
-        while any(queues):
-            progressed = False
-            for s, q in enumerate(queues):
-                while q and not isinstance(q[0], (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad)):
-                    c, progressed = q.pop(0), True
-                    if isinstance(c, ChunkForward):
-                        if s == 0 and c.chunk == 0:
-                            held[s][c.buffer_id] = (c.micro, 0)
-                        assert held[s][c.buffer_id] == (c.micro, c.chunk), (t, s, c, held[s])
-                        done.add(("F", s, c.micro, c.chunk))
-                    elif isinstance(c, ChunkBackward):
-                        m, ch = held[s][c.buffer_id]
-                        assert ch == c.chunk and ("F", s, m, ch) in done
-                        if not (s == K - 1 and ch == v - 1):  # the last virtual stage starts from its loss
-                            want = (m, ch + 1) if s == K - 1 else (m, ch)
-                            assert grad[s] == want, f"rank {s}: B of {(m, ch)} with the gradient of {grad[s]}"
-                            grad[s] = None
-                        done.add(("B", s, m, ch))
-                if not q:
-                    continue
-                c = q[0]
-                nxt = isinstance(c, (ds.SendActivation, ds.RecvGrad))
-                peer = (s + 1) % K if nxt else (s - 1) % K
-                other = queues[peer][0] if queues[peer] else None
-                if isinstance(c, ds.SendActivation) and isinstance(other, ds.RecvActivation):
-                    m, ch = held[s][c.buffer_id]
-                    old = held[peer].get(other.buffer_id)  # a buffer is reused only once its unit is through
-                    through = old is None or (("F" if forward_only else "B"), peer, *old) in done and (
-                        forward_only or (peer, old[1]) == (0, 0) or ("G", peer, *old) in done)
-                    assert through, f"rank {peer}: buffer {other.buffer_id} of {old} overwritten while live"
-                    held[peer][other.buffer_id] = (m, ch + 1 if peer == 0 else ch)
-                elif isinstance(c, ds.SendGrad) and isinstance(other, ds.RecvGrad):
-                    assert grad[peer] is None, f"rank {peer}: gradient slot overwritten before its B"
-                    grad[peer] = held[s][c.buffer_id]
-                    done.add(("G", s, *held[s][c.buffer_id]))  # its input gradient sent: the unit is through
-                else:
-                    continue
-                q.pop(0), queues[peer].pop(0)
-                progressed = True
-            assert progressed, f"step {t}: deadlock {[[repr(c) for c in q] for q in queues]}"
+
+    def compute(s: int, c) -> None:
+        if isinstance(c, ChunkForward):
+            if s == 0 and c.chunk == 0:
+                held[s][c.buffer_id] = (c.micro, 0)
+            assert held[s][c.buffer_id] == (c.micro, c.chunk), (s, c, held[s])
+            done.add(("F", s, c.micro, c.chunk))
+        elif isinstance(c, ChunkBackward):
+            m, ch = held[s][c.buffer_id]
+            assert ch == c.chunk and ("F", s, m, ch) in done
+            if not (s == K - 1 and ch == v - 1):  # the last virtual stage starts from its loss
+                want = (m, ch + 1) if s == K - 1 else (m, ch)
+                assert grad[s] == want, f"rank {s}: B of {(m, ch)} with the gradient of {grad[s]}"
+                grad[s] = None
+            done.add(("B", s, m, ch))
+
+    def transfer(s: int, peer: int, send, recv) -> None:
+        if isinstance(send, ds.SendActivation):
+            m, ch = held[s][send.buffer_id]
+            old = held[peer].get(recv.buffer_id)  # a buffer is reused only once its unit is through
+            through = old is None or (("F" if forward_only else "B"), peer, *old) in done and (
+                forward_only or (peer, old[1]) == (0, 0) or ("G", peer, *old) in done)
+            assert through, f"rank {peer}: buffer {recv.buffer_id} of {old} overwritten while live"
+            held[peer][recv.buffer_id] = (m, ch + 1 if peer == 0 else ch)
+        else:
+            assert grad[peer] is None, f"rank {peer}: gradient slot overwritten before its B"
+            grad[peer] = held[s][send.buffer_id]
+            done.add(("G", s, *held[s][send.buffer_id]))  # its input gradient sent: the unit is through
+
+    rendezvous([list(x.steps()) for x in scheds], compute, transfer, ring=True)
     for kind in "FB"[:1 if forward_only else 2]:
         assert {(s, m, c) for k, s, m, c in done if k == kind} == \
             {(s, m, c) for s in range(K) for m in range(M) for c in range(v)}, kind

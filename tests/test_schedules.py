@@ -24,8 +24,7 @@ from deepspeed.runtime.pipe import schedule as ds
 
 from ds_mp.schedules.registry import SCHEDULES, resolve
 from ds_mp.schedules.gpipe import GPipe, OneFOneB
-
-P2P = (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad)
+from p2p_play import rendezvous
 
 
 def _plain(name: str) -> bool:
@@ -93,15 +92,6 @@ class Stage:
         return self.done_bwd[b]
 
 
-def _peer(s: int, cmd: ds.PipeInstruction) -> int:
-    return s + 1 if isinstance(cmd, (ds.SendActivation, ds.RecvGrad)) else s - 1
-
-
-def _match(a: ds.PipeInstruction, b: ds.PipeInstruction) -> bool:
-    return (isinstance(a, ds.SendActivation) and isinstance(b, ds.RecvActivation)) or \
-           (isinstance(a, ds.SendGrad) and isinstance(b, ds.RecvGrad))
-
-
 def unroll(cls: type, M: int, K: int) -> tuple[list[Stage], list[list[list]]]:
     """Play all ``K`` stages of ``cls`` with ``M`` micro-batches; return states and steps."""
     scheds = [cls(micro_batches=M, stages=K, stage_id=s) for s in range(K)]
@@ -112,26 +102,12 @@ def unroll(cls: type, M: int, K: int) -> tuple[list[Stage], list[list[list]]]:
                 assert 0 <= cmd.buffer_id < sch.num_pipe_buffers(), \
                     f"stage {s}: {cmd} outside num_pipe_buffers()={sch.num_pipe_buffers()}"
     stages = [Stage(s, K) for s in range(K)]
-    for t in range(max(len(x) for x in streams)):
-        queues = [list(x[t]) if t < len(x) else [] for x in streams]
-        while any(queues):
-            progressed = False
-            for s, q in enumerate(queues):
-                while q and not isinstance(q[0], P2P):  # local work runs until the next p2p op
-                    stages[s].local(q.pop(0))
-                    progressed = True
-                if not q:
-                    continue
-                cmd, peer = q[0], _peer(s, q[0])
-                assert 0 <= peer < K, f"stage {s} step {t}: {cmd} has no neighbour"
-                other = queues[peer][0] if queues[peer] else None
-                if other is not None and isinstance(cmd, (ds.SendActivation, ds.SendGrad)) \
-                        and _match(cmd, other) and _peer(peer, other) == s:
-                    role = stages[peer].acts if isinstance(other, ds.RecvActivation) else stages[peer].grads
-                    stages[peer].write_input(other.buffer_id, stages[s].sent_micro(cmd), role)
-                    q.pop(0), queues[peer].pop(0)
-                    progressed = True
-            assert progressed, f"step {t}: deadlock, pending {[[repr(c) for c in q] for q in queues]}"
+
+    def transfer(s: int, peer: int, send: ds.PipeInstruction, recv: ds.PipeInstruction) -> None:
+        role = stages[peer].acts if isinstance(recv, ds.RecvActivation) else stages[peer].grads
+        stages[peer].write_input(recv.buffer_id, stages[s].sent_micro(send), role)
+
+    rendezvous(streams, lambda s, cmd: stages[s].local(cmd), transfer, same_length=False)
     return stages, streams
 
 

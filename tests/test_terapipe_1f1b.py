@@ -20,9 +20,9 @@ from ds_mp.schedules.memory import SavedActivations
 from ds_mp.schedules.simulate import Op, simulate, sliced_one_f_one_b_timetable
 from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, TeraPipe1F1B
 from helpers import batches, ds_config, tiny_gpt2
+from p2p_play import rendezvous
 from test_terapipe import SLICES, _check, _ranks
 
-P2P = (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad)
 
 
 def _seqs(micro: int, n: int) -> list[list[Op]]:
@@ -50,49 +50,35 @@ def play(scheds: list) -> list[list[tuple]]:
     """Run every stage's steps with rendezvous p2p; return per stage the compute events
     ``(kind, unit)`` where unit = (micro, batch_slice, slice), checking the data flow."""
     K = len(scheds)
-    streams = [list(s.steps()) for s in scheds]
-    assert len({len(x) for x in streams}) == 1
     held = [dict() for _ in range(K)]  # buffer -> unit whose activation/labels it holds
     grad_layer: list = [None] * K
     done: list[list[tuple]] = [[] for _ in range(K)]
     sent_grad = [dict() for _ in range(K)]  # buffer -> unit backwarded there
-    for t in range(len(streams[0])):
-        queues = [list(x[t]) for x in streams]
-        while any(queues):
-            progressed = False
-            for s, q in enumerate(queues):
-                while q and not isinstance(q[0], P2P):
-                    c = q.pop(0)
-                    progressed = True
-                    if isinstance(c, ForwardSlice):
-                        unit = (c.micro, c.batch_slice, c.slice)
-                        if s > 0:
-                            assert held[s].get(c.buffer_id) == unit, f"stage {s}: {c} holds {held[s].get(c.buffer_id)}"
-                        held[s][c.buffer_id] = unit
-                        done[s].append(("F", unit))
-                    elif isinstance(c, BackwardSlice):
-                        unit = (c.micro, c.batch_slice, c.slice)
-                        assert held[s].get(c.buffer_id) == unit
-                        if s < K - 1:
-                            assert grad_layer[s] == unit, f"stage {s}: {c} with the gradient of {grad_layer[s]}"
-                            grad_layer[s] = None
-                        sent_grad[s][c.buffer_id] = unit
-                        done[s].append(("B", unit))
-                if not q:
-                    continue
-                c = q[0]
-                peer = s + 1 if isinstance(c, (ds.SendActivation, ds.RecvGrad)) else s - 1
-                other = queues[peer][0] if 0 <= peer < K and queues[peer] else None
-                if isinstance(c, ds.SendActivation) and isinstance(other, ds.RecvActivation):
-                    held[peer][other.buffer_id] = held[s][c.buffer_id]
-                elif isinstance(c, ds.SendGrad) and isinstance(other, ds.RecvGrad):
-                    assert grad_layer[peer] is None, f"stage {peer}: gradient overwritten before use"
-                    grad_layer[peer] = sent_grad[s][c.buffer_id]
-                else:
-                    continue
-                q.pop(0), queues[peer].pop(0)
-                progressed = True
-            assert progressed, f"step {t}: deadlock {[[repr(c) for c in q] for q in queues]}"
+
+    def compute(s: int, c) -> None:
+        if isinstance(c, ForwardSlice):
+            unit = (c.micro, c.batch_slice, c.slice)
+            if s > 0:
+                assert held[s].get(c.buffer_id) == unit, f"stage {s}: {c} holds {held[s].get(c.buffer_id)}"
+            held[s][c.buffer_id] = unit
+            done[s].append(("F", unit))
+        elif isinstance(c, BackwardSlice):
+            unit = (c.micro, c.batch_slice, c.slice)
+            assert held[s].get(c.buffer_id) == unit
+            if s < K - 1:
+                assert grad_layer[s] == unit, f"stage {s}: {c} with the gradient of {grad_layer[s]}"
+                grad_layer[s] = None
+            sent_grad[s][c.buffer_id] = unit
+            done[s].append(("B", unit))
+
+    def transfer(s: int, peer: int, send, recv) -> None:
+        if isinstance(send, ds.SendActivation):
+            held[peer][recv.buffer_id] = held[s][send.buffer_id]
+        else:
+            assert grad_layer[peer] is None, f"stage {peer}: gradient overwritten before use"
+            grad_layer[peer] = sent_grad[s][send.buffer_id]
+
+    rendezvous([list(x.steps()) for x in scheds], compute, transfer)
     return done
 
 

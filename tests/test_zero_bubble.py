@@ -24,6 +24,7 @@ from ds_mp.schedules.simulate import (Op, one_f_one_b_timetable, simulate, zb_h1
 from ds_mp.schedules.timetable import TimetableSchedule
 from ds_mp.schedules.zero_bubble import BackwardInput, BackwardWeight, ZeroBubbleH1, stage_weights
 from helpers import batches, ds_config, tiny_gpt2
+from p2p_play import rendezvous
 from test_schedules import unroll
 from test_tensor_parallel import gather_weights, hf_train, max_diff
 
@@ -31,7 +32,6 @@ VOCAB, SEQ, TOL = 203, 16, 1e-5
 BF16_VS_HF = 0.01  # bf16 losses against HF's fp32 (relative)
 BF16_NORM_VS_HF = 0.03  # step-1 pre-clip norm against HF's fp32
 BF16_VS_1F1B = 0.01  # bf16 losses and norms against the same bf16 config under 1F1B
-P2P = (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad)
 
 
 # ------------------------------------------------------------------ pure Python
@@ -73,60 +73,47 @@ def play(K: int, M: int) -> list[list[tuple[str, int]]]:
     the shared gradient slot hold; returns per stage the compute events (kind, micro)."""
     scheds = [ZeroBubbleH1(micro_batches=M, stages=K, stage_id=s) for s in range(K)]
     streams = [list(x.steps()) for x in scheds]
-    assert len({len(x) for x in streams}) == 1
     loaded, acts, labels = [0] * K, [dict() for _ in range(K)], [dict() for _ in range(K)]
     live: list[dict] = [dict() for _ in range(K)]  # buffer -> micro forwarded, W not yet run
     after_b: list[dict] = [dict() for _ in range(K)]  # buffer -> micro whose B ran
     grad: list = [None] * K
     events: list[list[tuple[str, int]]] = [[] for _ in range(K)]
-    for t in range(len(streams[0])):
-        queues = [list(x[t]) for x in streams]
-        while any(queues):
-            progressed = False
-            for s, q in enumerate(queues):
-                while q and not isinstance(q[0], P2P):
-                    c = q.pop(0)
-                    b = getattr(c, "buffer_id", None)
-                    progressed = True
-                    if isinstance(c, ds.LoadMicroBatch):
-                        assert b not in live[s], f"stage {s}: buffer {b} reloaded while micro {live[s][b]} is live"
-                        labels[s][b] = loaded[s]
-                        if s == 0:
-                            acts[s][b] = loaded[s]
-                        loaded[s] += 1
-                    elif isinstance(c, ds.ForwardPass):
-                        m = acts[s][b]
-                        if s == K - 1:
-                            assert labels[s][b] == m, f"stage {s}: activations of {m}, labels of {labels[s][b]}"
-                        live[s][b] = m
-                        events[s].append(("F", m))
-                    elif isinstance(c, BackwardInput):
-                        m = live[s][b]
-                        if s < K - 1:
-                            assert grad[s] == m, f"stage {s}: B of micro {m} with the gradient of {grad[s]}"
-                            grad[s] = None
-                        after_b[s][b] = m
-                        events[s].append(("B", m))
-                    elif isinstance(c, BackwardWeight):
-                        m = live[s].pop(b)
-                        assert after_b[s][b] == m
-                        events[s].append(("W", m))
-                if not q:
-                    continue
-                c = q[0]
-                peer = s + 1 if isinstance(c, (ds.SendActivation, ds.RecvGrad)) else s - 1
-                other = queues[peer][0] if 0 <= peer < K and queues[peer] else None
-                if isinstance(c, ds.SendActivation) and isinstance(other, ds.RecvActivation):
-                    assert other.buffer_id not in live[peer], f"stage {peer}: buffer overwritten while live"
-                    acts[peer][other.buffer_id] = live[s][c.buffer_id]
-                elif isinstance(c, ds.SendGrad) and isinstance(other, ds.RecvGrad):
-                    assert grad[peer] is None, f"stage {peer}: gradient slot overwritten before its B"
-                    grad[peer] = after_b[s][c.buffer_id]
-                else:
-                    continue
-                q.pop(0), queues[peer].pop(0)
-                progressed = True
-            assert progressed, f"step {t}: deadlock {[[repr(c) for c in q] for q in queues]}"
+
+    def compute(s: int, c) -> None:
+        b = getattr(c, "buffer_id", None)
+        if isinstance(c, ds.LoadMicroBatch):
+            assert b not in live[s], f"stage {s}: buffer {b} reloaded while micro {live[s][b]} is live"
+            labels[s][b] = loaded[s]
+            if s == 0:
+                acts[s][b] = loaded[s]
+            loaded[s] += 1
+        elif isinstance(c, ds.ForwardPass):
+            m = acts[s][b]
+            if s == K - 1:
+                assert labels[s][b] == m, f"stage {s}: activations of {m}, labels of {labels[s][b]}"
+            live[s][b] = m
+            events[s].append(("F", m))
+        elif isinstance(c, BackwardInput):
+            m = live[s][b]
+            if s < K - 1:
+                assert grad[s] == m, f"stage {s}: B of micro {m} with the gradient of {grad[s]}"
+                grad[s] = None
+            after_b[s][b] = m
+            events[s].append(("B", m))
+        elif isinstance(c, BackwardWeight):
+            m = live[s].pop(b)
+            assert after_b[s][b] == m
+            events[s].append(("W", m))
+
+    def transfer(s: int, peer: int, send, recv) -> None:
+        if isinstance(send, ds.SendActivation):
+            assert recv.buffer_id not in live[peer], f"stage {peer}: buffer overwritten while live"
+            acts[peer][recv.buffer_id] = live[s][send.buffer_id]
+        else:
+            assert grad[peer] is None, f"stage {peer}: gradient slot overwritten before its B"
+            grad[peer] = after_b[s][send.buffer_id]
+
+    rendezvous(streams, compute, transfer)
     for s, x in enumerate(streams):
         assert [type(c) for c in x[-1][-3:]] == [ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep]
         assert scheds[s].num_pipe_buffers() <= min(K, M) + 1

@@ -1,0 +1,49 @@
+"""Plays compiled pipeline schedules against each other, without torch: every stage's step
+``t`` instructions run in order; a send and the matching receive at the heads of two
+neighbouring stages' queues meet (blocking rendezvous, as DeepSpeed's gloo p2p); a step in which
+no stage can move is a deadlock and fails.  The caller's callbacks track what each buffer holds
+and check the data flow (each schedule test has its own units and compute instructions)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from deepspeed.runtime.pipe import schedule as ds
+
+P2P = (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad)
+
+
+def rendezvous(streams: Sequence[Sequence[Sequence[Any]]], compute: Callable[[int, Any], None],
+               transfer: Callable[[int, int, Any, Any], None], ring: bool = False, same_length: bool = True) -> None:
+    """Run ``streams[s][t]`` (stage s's instructions of step t) for every step.
+
+    ``compute(s, cmd)`` is called for each non-p2p instruction in order; ``transfer(src, dst,
+    send, recv)`` when a ``SendActivation``/``SendGrad`` at the head of stage ``src`` meets the
+    ``RecvActivation``/``RecvGrad`` at the head of its peer ``dst`` (activations go to s + 1,
+    gradients to s - 1; ``ring``: modulo the stage count, the interleaved wrap).  A p2p
+    instruction without a neighbour fails; ``same_length``: every stage runs as many steps."""
+    K = len(streams)
+    if same_length:
+        assert len({len(x) for x in streams}) == 1, "every stage runs the same number of steps"
+    for t in range(max(len(x) for x in streams)):
+        queues = [list(x[t]) if t < len(x) else [] for x in streams]
+        while any(queues):
+            progressed = False
+            for s, q in enumerate(queues):
+                while q and not isinstance(q[0], P2P):
+                    compute(s, q.pop(0))
+                    progressed = True
+                if not q:
+                    continue
+                c = q[0]
+                peer = s + 1 if isinstance(c, (ds.SendActivation, ds.RecvGrad)) else s - 1
+                if ring:
+                    peer %= K
+                assert 0 <= peer < K, f"stage {s} step {t}: {c} has no neighbour"
+                other = queues[peer][0] if queues[peer] else None
+                if not ((isinstance(c, ds.SendActivation) and isinstance(other, ds.RecvActivation))
+                        or (isinstance(c, ds.SendGrad) and isinstance(other, ds.RecvGrad))):
+                    continue
+                transfer(s, peer, c, other)
+                q.pop(0), queues[peer].pop(0)
+                progressed = True
+            assert progressed, f"step {t}: deadlock {[[repr(c) for c in q] for q in queues]}"

@@ -45,6 +45,9 @@ def in_tree(rank: int, world: int, root: str, target: str, **kwargs: Any) -> Any
     keep = {"benchmarks", "benchmarks.common", __name__}
     for name in [m for m in sys.modules if m == "ds_mp" or m.startswith(("ds_mp.", "benchmarks.")) and m not in keep]:
         del sys.modules[name]
+    # the kept package must look for its other modules (the setups, workloads) in ``root`` too:
+    # otherwise they came from the working tree and ran against the base's ds_mp
+    sys.modules["benchmarks"].__path__ = [os.path.join(root, "benchmarks")]
     module, fn = target.split(":")
     setup = getattr(importlib.import_module(module), fn)
     import ds_mp
@@ -61,6 +64,8 @@ def workload(name: str, quick: bool, vocab: int | None = None) -> tuple[Config, 
     from benchmarks.workloads import shape_dict
 
     shape = {**shape_dict(quick), **({"vocab": vocab} if vocab else {})}
+    defaults = {"model_type": "gpt2", "n_kv_head": 0, "intermediate_size": 0, "tie_word_embeddings": True}
+    shape = {k: v for k, v in shape.items() if k not in defaults or defaults[k] != v}  # GPT-2 as older revisions spell it
     if name == "tp":
         rows = 4
         return Config(name, "benchmarks.workloads:setup_ds_mp", 2, 1, {"shape": shape, "micro": rows, "tp": 2}), \

@@ -27,7 +27,7 @@ from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable
 from ds_mp.training.trace import event_label
 from helpers import ds_config, tiny_gpt2
 from test_tensor_parallel import gather_weights, hf_train, max_diff
-from test_zero_bubble import _steps  # 2-row micro-batches of 16 tokens, vocab 203, some labels -100
+from test_zero_bubble import _steps, resume_across_schedules  # _steps: 2-row micro-batches of 16 tokens
 
 SEQ, TOL = 16, 1e-5  # SEQ: test_zero_bubble._steps' sequence length
 BF16_VS_HF = 1e-3  # bf16 losses against HF's fp32 (relative; measured 2.6e-5)
@@ -150,7 +150,8 @@ def cases(world: int) -> list[dict]:
 def _rank(rank: int, world: int, root: str) -> dict:
     import ds_mp
 
-    out = {**_resumes(root), "lora": _lora(), "qwen2": _qwen2()} if world == 2 else {}
+    out = {**resume_across_schedules(root, "interleaved", 5, {"virtual_stages": 2}), "lora": _lora(),
+           "qwen2": _qwen2()} if world == 2 else {}
     for case in cases(world):
         d, gas = (rank // case["tp"]) % case["dp"], case["gas"]
         case["cfg"]["ds_mp"]["training"] = {"output_dir": root}  # "partition": "cost" caches its profile there
@@ -205,7 +206,9 @@ def _check(world: int, results: list[dict]) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_interleaved_equals_hf(world: int, tmp_path) -> None:
-    """World 2 also runs the resumes of :func:`_resumes` (one spawn of ranks for both)."""
+    """World 2 also runs the resumes across schedules and layouts (Adam, clipping, 5 blocks:
+    interleaved v=2 -> 1F1B at TP=2 PP=1 and 1F1B PP=2 -> interleaved, against the uninterrupted
+    interleaved run; one spawn of ranks for all)."""
     results = run_ranks(_rank, world, world, str(tmp_path), timeout=600)
     _check(world, results)
     if world == 2:
@@ -224,7 +227,7 @@ def test_interleaved_equals_hf(world: int, tmp_path) -> None:
         _assert_trains_as_hf([res["qwen2"] for res in results], want_losses, want)
         r = results[0]
         want = r["uninterrupted"]
-        for name in ("interleaved v2 -> 1f1b tp2 pp1", "1f1b pp2 -> interleaved v2"):
+        for name in ("interleaved->1f1b", "1f1b->interleaved"):
             assert r[name] == pytest.approx(want, rel=1e-5), (name, r[name], want)
 
 
@@ -251,33 +254,6 @@ def _qwen2() -> tuple[list[float], dict]:
 
 
 # ------------------------------------------------------------------ layout-free checkpoints
-
-def _resumes(root: str) -> dict:
-    """Adam + clipping, 5 blocks: 2 steps at one layout, save, 2 steps at another; and the
-    uninterrupted interleaved run.  The checkpoint holds HF names, not chunk-local ones."""
-    import ds_mp
-
-    def engine(schedule: str, tp: int, pp: int):
-        pipeline = {"virtual_stages": 2} if schedule == "interleaved" else {}
-        cfg = ds_config(tp=tp, pp=pp, gas=2, lr=0.01, clip=1.0, optimizer="Adam", schedule=schedule, seq=SEQ,
-                        pipeline=pipeline)
-        return ds_mp.initialize(model=tiny_gpt2(n_layer=5), config=cfg)[0]
-
-    data, out = _steps(4, 2, seed=40), {}
-    for first, second in ((("interleaved", 1, 2), ("1f1b", 2, 1)), (("1f1b", 1, 2), ("interleaved", 1, 2))):
-        a = engine(*first)
-        losses = [float(a.train_batch(iter(s))) for s in data[:2]]
-        ds_mp.save_checkpoint(a, f"{root}/{first[0]}", "step2")
-        b = engine(*second)
-        ds_mp.load_checkpoint(b, f"{root}/{first[0]}")
-        losses += [float(b.train_batch(iter(s))) for s in data[2:]]
-        name = (f"{first[0]} v2 -> {second[0]} tp2 pp1" if first[0] == "interleaved"
-                else f"{first[0]} pp2 -> {second[0]} v2")
-        out[name] = losses
-    whole = engine("interleaved", 1, 2)
-    out["uninterrupted"] = [float(whole.train_batch(iter(s))) for s in data]
-    return out
-
 
 @pytest.mark.parametrize("pipeline, extra, match", [
     ({"virtual_stages": 0}, {}, "ds_mp.pipeline.virtual_stages: must be"),

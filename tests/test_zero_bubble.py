@@ -279,16 +279,21 @@ def test_timeline_labels_b_and_w_apart() -> None:
 
 # ------------------------------------------------------------------ resume across schedules and layouts
 
-def _resume_rank(rank: int, root: str) -> dict:
+def resume_across_schedules(root: str, schedule: str, n_layer: int = 4, pipeline: dict | None = None) -> dict:
+    """Adam + clipping: ``schedule`` at PP=2 for 2 steps, saved, resumed as 1F1B at TP=2 PP=1 for 2
+    more ("<schedule>->1f1b"); 1F1B at PP=2 resumed as ``schedule`` ("1f1b-><schedule>"); and
+    ``schedule``'s uninterrupted 4 steps ("uninterrupted"): per-step losses.  ``pipeline``: the
+    schedule's extra pipeline keys (e.g. virtual stages)."""
     import ds_mp
 
-    def engine(schedule: str, tp: int, pp: int):
-        cfg = ds_config(tp=tp, pp=pp, gas=2, lr=0.01, clip=1.0, optimizer="Adam", schedule=schedule, seq=SEQ)
-        return ds_mp.initialize(model=tiny_gpt2(), config=cfg)[0]
+    def engine(name: str, tp: int, pp: int):
+        cfg = ds_config(tp=tp, pp=pp, gas=2, lr=0.01, clip=1.0, optimizer="Adam", schedule=name, seq=SEQ,
+                        pipeline=(pipeline or {}) if name == schedule else {})
+        return ds_mp.initialize(model=tiny_gpt2(n_layer=n_layer), config=cfg)[0]
 
     data = _steps(4, 2, seed=40)
     out = {}
-    for first, second in ((("zb-h1", 1, 2), ("1f1b", 2, 1)), (("1f1b", 1, 2), ("zb-h1", 1, 2))):
+    for first, second in (((schedule, 1, 2), ("1f1b", 2, 1)), (("1f1b", 1, 2), (schedule, 1, 2))):
         a = engine(*first)
         losses = [float(a.train_batch(iter(s))) for s in data[:2]]
         ds_mp.save_checkpoint(a, f"{root}/{first[0]}", "step2")
@@ -296,15 +301,19 @@ def _resume_rank(rank: int, root: str) -> dict:
         ds_mp.load_checkpoint(b, f"{root}/{first[0]}")
         losses += [float(b.train_batch(iter(s))) for s in data[2:]]
         out[f"{first[0]}->{second[0]}"] = losses
-    whole = engine("zb-h1", 1, 2)
-    out["zb-h1 uninterrupted"] = [float(whole.train_batch(iter(s))) for s in data]
+    whole = engine(schedule, 1, 2)
+    out["uninterrupted"] = [float(whole.train_batch(iter(s))) for s in data]
     return out
+
+
+def _resume_rank(rank: int, root: str) -> dict:
+    return resume_across_schedules(root, "zb-h1")
 
 
 def test_zb_h1_resumes_across_schedules_and_layouts(tmp_path) -> None:
     """ZB-H1 keeps no work across steps: a zb-h1 run at PP=2 saved after 2 Adam steps resumes as
     1F1B at TP=2, and a 1F1B run resumes as zb-h1, each continuing the uninterrupted run's losses."""
     r = run_ranks(_resume_rank, 2, str(tmp_path), timeout=400)[0]
-    want = r["zb-h1 uninterrupted"]
+    want = r["uninterrupted"]
     for name in ("zb-h1->1f1b", "1f1b->zb-h1"):
         assert r[name] == pytest.approx(want, rel=1e-5), (name, r[name], want)

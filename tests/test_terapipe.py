@@ -131,6 +131,37 @@ def test_plan_from_config(tmp_path, capsys) -> None:
     assert saved["meta"]["compute_profile_s"] > 0  # how long profiling took is kept with the profile
 
 
+@pytest.mark.parametrize("source", ["inline", "directory"])
+def test_plan_profiles_the_models_own_family_blocks(source, tmp_path, monkeypatch) -> None:
+    """``ds-mp plan --profile`` times the blocks of the model's family (a Qwen2 stage: its GQA
+    attention and SwiGLU, not GPT-2 blocks of the same width), ⌈layers / stages⌉ of them, from
+    an inline shape or a checkpoint directory."""
+    from ds_mp.config import load_config
+    from ds_mp.models import llama_layers
+    from ds_mp.schedules.terapipe import profile
+    from test_llama import tiny_llama
+
+    if source == "inline":
+        model = {"model_type": "qwen2", "n_layer": 3, "n_embd": 72, "n_head": 6, "n_kv_head": 2,
+                 "intermediate_size": 128, "vocab_size": 203}
+    else:
+        model = str(tmp_path / "qwen2")
+        tiny_llama("qwen2", n_layer=3, hidden=72, inner=128).save_pretrained(model)
+    cfg, _ = load_config(ds_config(pp=2, schedule="terapipe", seq=16, model=model, terapipe={"granularity": 8}), 2)
+    timed = []
+    real_timer = profile._slice_timer
+
+    def spy(stage, blocks, make_input, batch, head_dim, *rest):
+        timed.append((blocks, head_dim, make_input(4, 0).shape))
+        return real_timer(stage, blocks, make_input, batch, head_dim, *rest)
+
+    monkeypatch.setattr(profile, "_slice_timer", spy)
+    rows = profile.profile_blocks(cfg, 2)
+    (blocks, head_dim, shape), = timed
+    assert [type(b) for b in blocks] == [llama_layers.Block] * 2 and head_dim == 12 and tuple(shape) == (2, 4, 72)
+    assert blocks[0].self_attn.n_kv_local == 2 and all(t > 0 for *_, t in rows)
+
+
 def test_saved_profile_reused_only_for_its_setup(tmp_path, capsys) -> None:
     """A cached profile is reused when what it was measured for (shape, micro-batch, layout,
     device, ...) matches; else it is measured again — unless the user named the file."""

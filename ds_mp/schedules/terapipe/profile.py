@@ -18,12 +18,13 @@ chooses their token slicing: ``plan_joint(B, L, K, cost, batch_sizes=[B/n])``; w
 it also chooses the split (a knapsack over the profiled sizes).  The plan is for a whole step: the M =
 ``gradient_accumulation_steps`` micro-batches run in one flush.  Rank 0 plans and broadcasts.
 
-:func:`profile_blocks` times a stage's blocks on one process for ``ds-mp plan --profile``.
+:func:`profile_blocks` times a stage's blocks (the model family's) on one process for ``ds-mp plan --profile``.
 """
 from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from typing import Any, Callable
 
@@ -283,20 +284,23 @@ def auto_plan(engine: Any) -> Plan:
 # ------------------------------------------------------------------ `ds-mp plan`
 
 def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, float]]:
-    """One process, TP = 1: time ⌈n_layer / stages⌉ randomly initialised blocks (a stage's
-    blocks; embedding and head are left out) at the micro-batch size, on DeepSpeed's
-    accelerator device (the GPU where there is one, else the CPU)."""
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-    from ds_mp.models.gpt2 import Block, Ctx, WeightSource, hf_config_from
+    """One process, TP = 1: time ⌈n_layer / stages⌉ freshly initialised blocks of the model's
+    family (a stage's blocks; embedding and head are left out) at the micro-batch size, on
+    DeepSpeed's accelerator device (the GPU where there is one, else the CPU)."""
+    from ds_mp.models.family import family_named, inline_config
+    from ds_mp.models.pipeline import Ctx
+    from ds_mp.models.weights import fresh_source
     from ds_mp.topology import Topology
 
-    hf = hf_config_from(cfg.shape)
-    weights = GPT2Block(hf, layer_idx=0).state_dict()
-    src = WeightSource(lambda name: weights[name.split(".", 3)[3]], hf)  # transformer.h.<i>.<rest>
+    hf = family_named(cfg.hf_config["model_type"]).config_from_dict(cfg.hf_config) if cfg.hf_config \
+        else inline_config(cfg.shape)
     ctx = Ctx(Topology(tp=1, pp=1, dp=1, rank=0), hf, sequence_parallel=False, vocab_pad_multiple=1)
-    blocks = [Block(src, i, ctx).eval() for i in range(math.ceil(hf.n_layer / cfg.pp))]
+    src = fresh_source(hf, seed=0)
+    rows = [r for r in ctx.family.pipeline_layers(hf) if re.fullmatch(r"[a-z_]+\.\d+", r)]  # h.3, layers.3
+    blocks = [ctx.family.layer_spec(r, src, ctx).build().eval() for r in rows[:math.ceil(cfg.shape.n_layer / cfg.pp)]]
+    assert all(getattr(b, "is_block", False) for b in blocks), f"{ctx.family.name}: {rows} are not all blocks"
     stage = torch.nn.Sequential(*blocks)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
     from deepspeed.accelerator import get_accelerator
 
@@ -304,9 +308,9 @@ def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, fl
     stage = stage.to(device)
 
     def make_input(i: int, j: int) -> torch.Tensor:
-        return torch.randn(micro_batch, i, hf.n_embd, device=device, requires_grad=True)
+        return torch.randn(micro_batch, i, hf.hidden_size, device=device, requires_grad=True)
 
-    fn = _slice_timer(stage, blocks, make_input, micro_batch, hf.n_embd // hf.n_head, torch.float32, device)
+    fn = _slice_timer(stage, blocks, make_input, micro_batch, head_dim, torch.float32, device)
     return _profile(fn, cfg.data.seq_len, cfg.terapipe.granularity)
 
 

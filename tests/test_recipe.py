@@ -49,6 +49,30 @@ def test_noise_scale_estimates_by_hand():
         gradient_sq_estimate(1.0, 1.0, 4, 4)
 
 
+@pytest.mark.parametrize("model", ["gpt2", "qwen2_gqa_untied", "llama_kv_replicated_tied"])
+def test_logged_flops_equal_torchs_count_of_the_hf_model(model: str) -> None:
+    """The FLOPs per step logged as ``tflops`` (:func:`decoder_flops`) equal torch's
+    ``FlopCounterMode`` over forward + backward of the unmodified HF model (eager attention, whose
+    score matmuls it counts) and, for GPT-2, Megatron-LM's closed form."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ds_mp.training.metrics import decoder_flops
+    from test_llama import tiny_llama
+
+    hf = {"gpt2": lambda: tiny_gpt2(),
+          "qwen2_gqa_untied": lambda: tiny_llama("qwen2", kv=2, hidden=72, inner=128),
+          "llama_kv_replicated_tied": lambda: tiny_llama("llama", kv=3, tied=True, n_layer=3)}[model]()
+    hf.config._attn_implementation = "eager"
+    B, s = 2, 16
+    with FlopCounterMode(display=False) as counted:
+        hf(input_ids=torch.randint(0, hf.config.vocab_size, (B, s))).logits.sum().backward()
+    assert decoder_flops(hf.config, s, B) == counted.get_total_flops()
+    if model == "gpt2":
+        c = hf.config
+        h, l, V = c.n_embd, c.n_layer, c.vocab_size
+        assert decoder_flops(c, s, B) == pytest.approx(72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)))
+
+
 def test_noise_scale_interval_config():
     from ds_mp.config import ConfigError, load_config
 

@@ -23,6 +23,7 @@ first use); :func:`family_of` finds the family of an HF config.  Adding a family
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from typing import Any
 
@@ -189,4 +190,23 @@ def inline_config(shape: Any) -> Any:
     return family_named(shape.model_type).inline_config(shape)
 
 
-__all__ = ["FAMILIES", "Family", "family_named", "family_of", "inline_config", "lora_targeted"]
+def model_config(cfg: Any) -> Any:
+    """The HF config of a validated ``DsMpConfig``: its checkpoint's ``config.json``
+    (``cfg.hf_config``), else its inline shape's."""
+    if cfg.hf_config:
+        return family_named(cfg.hf_config["model_type"]).config_from_dict(cfg.hf_config)
+    return inline_config(cfg.shape)
+
+
+def block_matmul_parameters(hf_config: Any) -> int:
+    """Weights of one block that multiply activations (its 2-D parameters: q/k/v/o and MLP
+    projections; norms and biases excluded): a token's forward through the block costs 2× this
+    in FLOPs, besides attention's scores."""
+    family = family_of(hf_config)
+    first = next(r for r in family.pipeline_layers(hf_config) if re.fullmatch(r"[a-z_]+\.0", r))
+    return sum(math.prod(shape) for name, shape in family.param_shapes(hf_config).items()
+               if len(shape) == 2 and family.layer_prefix(name) == first)
+
+
+__all__ = ["FAMILIES", "Family", "block_matmul_parameters", "family_named", "family_of", "inline_config",
+           "lora_targeted", "model_config"]

@@ -132,8 +132,9 @@ def _run(args: argparse.Namespace) -> int:
     from ds_mp.checkpoint.training import read_latest
     from ds_mp.data import ChunkSampler, ValidationBatches, datasets_for
     from ds_mp.hub import resolve_model
+    from ds_mp.models.family import model_config
     from ds_mp.training.batch_ramp import BatchRamp, LrScaling
-    from ds_mp.training.metrics import NoiseScaleProbe, bubble, megatron_flops
+    from ds_mp.training.metrics import NoiseScaleProbe, bubble, decoder_flops
     from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
     raw = _apply_overrides(read_json(args.deepspeed_config), args)
@@ -161,6 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     ramp = BatchRamp.from_config(cfg.batch_ramp, micro, topo.dp, ramp_micro_multiple(cfg))  # None: fixed batch
     lr_scaling = LrScaling()
+    hf_config = model_config(cfg)  # the FLOPs per step count the family's own block
     sampler = ChunkSampler(train_ds, cfg.data.seq_len, micro, gas, topo.dp_rank, topo.dp, cfg.data.seed)
     val = ValidationBatches(val_ds, cfg.data.seq_len, micro, tcfg.eval_batches * gas, topo.dp_rank, topo.dp)
     start_step = 0
@@ -205,8 +207,7 @@ def _run(args: argparse.Namespace) -> int:
             step_lr = lr_scaling.apply(engine.optimizer.param_groups, ramp.lr_factor)[0]
         batch_size = engine.train_batch_size()
         tokens_per_step = batch_size * cfg.data.seq_len
-        flops_per_step = megatron_flops(cfg.data.seq_len, cfg.shape.n_layer, cfg.shape.n_embd, cfg.shape.vocab_size,
-                                        batch_size)
+        flops_per_step = decoder_flops(hf_config, cfg.data.seq_len, batch_size)
         engine.trace.clear()
         t0 = time.perf_counter()
         loss = float(engine.train_batch(sampler))

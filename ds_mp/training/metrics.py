@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["gradient_sq_estimate", "trace_estimate", "NoiseScaleEstimator", "NoiseScaleProbe", "instruction_kind",
-           "COMPUTE_KINDS", "bubble", "megatron_flops"]
+           "COMPUTE_KINDS", "bubble", "decoder_flops"]
 
 COMPUTE_KINDS = ("forward", "backward")
 
@@ -62,11 +62,18 @@ def bubble(instruction_seconds: dict[str, float], step_seconds: float) -> float:
     return max(0.0, 1.0 - busy / step_seconds) if step_seconds > 0 else 0.0
 
 
-def megatron_flops(seq_len: int, n_layer: int, n_embd: int, vocab: int, batch: int) -> float:
-    """Megatron-LM's FLOPs of one step of a GPT with l layers, hidden h, vocab V, batch B,
-    sequence s (forward + backward, no recomputation): F = 72 B s l h² (1 + s/(6h) + V/(12 l h))."""
-    s, l, h, V = seq_len, n_layer, n_embd, vocab
-    return 72.0 * batch * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+def decoder_flops(hf_config: Any, seq_len: int, batch: int) -> float:
+    """FLOPs of one step (forward + backward, no recomputation) of a decoder of any ds_mp family:
+    F = 6 B s (l P + h V) + 12 B s² l A, with P the block's matmul weights
+    (:func:`ds_mp.models.family.block_matmul_parameters`), A = heads × head dim, h the hidden
+    size, V the vocab.  For GPT-2 (P = 12 h², A = h) it is Megatron-LM's
+    72 B s l h² (1 + s/(6h) + V/(12 l h)); for the Llama family P counts grouped key/value heads
+    and the three SwiGLU projections."""
+    from ds_mp.models.family import block_matmul_parameters
+
+    s, l, h, V = seq_len, hf_config.num_hidden_layers, hf_config.hidden_size, hf_config.vocab_size
+    A = hf_config.num_attention_heads * (getattr(hf_config, "head_dim", None) or h // hf_config.num_attention_heads)
+    return 6.0 * batch * s * (l * block_matmul_parameters(hf_config) + h * V) + 12.0 * batch * s * s * l * A
 
 
 def _check_sizes(b_small: float, b_big: float) -> None:

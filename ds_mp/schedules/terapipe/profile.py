@@ -287,13 +287,12 @@ def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, fl
     """One process, TP = 1: time ⌈n_layer / stages⌉ freshly initialised blocks of the model's
     family (a stage's blocks; embedding and head are left out) at the micro-batch size, on
     DeepSpeed's accelerator device (the GPU where there is one, else the CPU)."""
-    from ds_mp.models.family import family_named, inline_config
+    from ds_mp.models.family import model_config
     from ds_mp.models.pipeline import Ctx
     from ds_mp.models.weights import fresh_source
     from ds_mp.topology import Topology
 
-    hf = family_named(cfg.hf_config["model_type"]).config_from_dict(cfg.hf_config) if cfg.hf_config \
-        else inline_config(cfg.shape)
+    hf = model_config(cfg)
     ctx = Ctx(Topology(tp=1, pp=1, dp=1, rank=0), hf, sequence_parallel=False, vocab_pad_multiple=1)
     src = fresh_source(hf, seed=0)
     rows = [r for r in ctx.family.pipeline_layers(hf) if re.fullmatch(r"[a-z_]+\.\d+", r)]  # h.3, layers.3

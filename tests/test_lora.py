@@ -37,20 +37,27 @@ def lora_block() -> dict:
     return {"r": R, "alpha": ALPHA, "dropout": 0.0, "target_modules": TARGETS}
 
 
-def _rank(rank: int, tp: int, pp: int, out: str) -> dict:
+def train_and_export_lora(model, config: dict, steps: list, out: str) -> dict:
+    """Train a PEFT ``model`` under ``config`` (a ds_mp ``lora`` block), then export its adapter
+    (``out/adapter``) and the merged model (``out/merged``): per-step losses, and the frozen
+    parameters that got a gradient or sit in the optimizer (both must be empty)."""
     import ds_mp
 
-    engine, *_ = ds_mp.initialize(model=peft_model(), config=ds_config(tp=tp, pp=pp, lr=LR, seq=SEQ,
-                                                                         lora=lora_block()))
+    engine, *_ = ds_mp.initialize(model=model, config=config)
     trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n for n in trainable)
-    losses = [float(engine.train_batch(iter(mbs))) for mbs in steps_data()]
+    losses = [float(engine.train_batch(iter(mbs))) for mbs in steps]
     frozen_grads = [n for n, p in engine.module.named_parameters() if not p.requires_grad and p.grad is not None]
     opt_params = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
     frozen_in_opt = [n for n, p in engine.module.named_parameters() if not p.requires_grad and id(p) in opt_params]
     ds_mp.save_lora(engine, out + "/adapter")
     ds_mp.save_lora(engine, out + "/merged", merge=True)
     return {"losses": losses, "frozen_grads": frozen_grads, "frozen_in_opt": frozen_in_opt}
+
+
+def _rank(rank: int, tp: int, pp: int, out: str) -> dict:
+    return train_and_export_lora(peft_model(), ds_config(tp=tp, pp=pp, lr=LR, seq=SEQ, lora=lora_block()),
+                                 steps_data(), out)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,11 @@ def batches(n: int, micro: int, seq: int, vocab: int, seed: int = 1) -> list[tup
 
 
 def ds_config(tp: int = 1, pp: int = 1, micro: int = 2, gas: int = 2, lr: float = 0.05, clip: float = 0.0,
-              schedule: str = "1f1b", optimizer: str = "SGD", seq: int = 16, **ds_mp: Any) -> dict:
+              schedule: str = "1f1b", optimizer: str = "SGD", seq: int = 16, bf16: bool = False, zero: int = 0,
+              **ds_mp: Any) -> dict:
+    """A DeepSpeed JSON with a ``"ds_mp"`` block (``ds_mp``: its extra sections or keys); ``bf16``
+    turns DeepSpeed's bf16 on, ``zero`` > 0 its ZeRO stage (with SGD and client optimizers allowed,
+    DeepSpeed's rule for untested optimizers under ZeRO)."""
     opt = {"type": optimizer, "params": {"lr": lr}}
     if optimizer.lower() in ("adam", "adamw"):
         opt["params"]["torch_adam"] = True
@@ -37,6 +41,11 @@ def ds_config(tp: int = 1, pp: int = 1, micro: int = 2, gas: int = 2, lr: float 
                      "data": {"seq_len": seq}}}
     for k, v in ds_mp.items():
         cfg["ds_mp"].setdefault(k, {}).update(v) if isinstance(v, dict) else cfg["ds_mp"].__setitem__(k, v)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if zero:
+        cfg["zero_optimization"] = {"stage": zero}
+        cfg["zero_allow_untested_optimizer"] = True
     return cfg
 
 

@@ -104,13 +104,8 @@ def config(case: tuple, one_rank: bool = False) -> dict:
         extra = {"terapipe": {"slices": [6, 10]}, "pipeline": {"activation_checkpoint_interval": 1}}
         if tp > 1:
             extra["tensor_parallel"] = {"sequence_parallel": True}
-    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=LR, clip=CLIP, schedule=schedule, seq=SEQ, **extra)
-    if v["precision"] == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    if v["wrapper"] == "zero1":
-        cfg["zero_optimization"] = {"stage": 1}
-        cfg["zero_allow_untested_optimizer"] = True  # DeepSpeed's rule for SGD under ZeRO
-    return cfg
+    return ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=LR, clip=CLIP, schedule=schedule, seq=SEQ,
+                     bf16=v["precision"] == "bf16", zero=int(v["wrapper"] == "zero1"), **extra)
 
 
 def steps_for(case: tuple) -> list[list]:

@@ -129,13 +129,8 @@ def _case(name: str, *, layers: int = 5, v: int = 2, tp: int = 1, dp: int = 1, g
           schedule: str = "interleaved", bf16: bool = False, zero: int = 0, partition: object = "uniform",
           ckpt: int = 0, sp: bool = False) -> dict:
     pipeline = {"virtual_stages": v, "partition": partition, "activation_checkpoint_interval": ckpt}
-    cfg = ds_config(tp=tp, pp=2, micro=2, gas=gas, lr=lr, clip=clip, schedule=schedule, seq=SEQ, pipeline=pipeline,
-                    tensor_parallel={"sequence_parallel": sp})
-    if bf16:
-        cfg["bf16"] = {"enabled": True}
-    if zero:
-        cfg["zero_optimization"] = {"stage": zero}
-        cfg["zero_allow_untested_optimizer"] = True
+    cfg = ds_config(tp=tp, pp=2, micro=2, gas=gas, lr=lr, clip=clip, schedule=schedule, seq=SEQ, bf16=bf16, zero=zero,
+                    pipeline=pipeline, tensor_parallel={"sequence_parallel": sp})
     return {"name": name, "cfg": cfg, "layers": layers, "tp": tp, "dp": dp, "gas": gas, "lr": lr, "clip": clip,
             "bf16": bf16, "steps": _steps(2, dp * gas, seed=len(name))}
 

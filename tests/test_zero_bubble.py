@@ -142,12 +142,8 @@ def _steps(n: int, per_step: int, seed: int) -> list[list]:
 
 def _case(name: str, *, tp: int = 1, pp: int = 2, dp: int = 1, gas: int = 4, clip: float = 0.5, lr: float = 0.1,
           schedule: str = "zb-h1", bf16: bool = False, zero: int = 0, **ds_mp) -> dict:
-    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=lr, clip=clip, schedule=schedule, seq=SEQ, **ds_mp)
-    if bf16:
-        cfg["bf16"] = {"enabled": True}
-    if zero:
-        cfg["zero_optimization"] = {"stage": zero}
-        cfg["zero_allow_untested_optimizer"] = True
+    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=lr, clip=clip, schedule=schedule, seq=SEQ, bf16=bf16, zero=zero,
+                    **ds_mp)
     return {"name": name, "cfg": cfg, "tp": tp, "dp": dp, "gas": gas, "lr": lr, "clip": clip, "bf16": bf16,
             "steps": _steps(3, dp * gas, seed=len(name.removesuffix("_1f1b")))}  # a twin sees the same data
 

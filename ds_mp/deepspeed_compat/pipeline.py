@@ -3,7 +3,8 @@ engine is built (:func:`check`, :func:`check_engine`) and the accessors ds_mp re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 
 class DeepSpeedIncompatible(RuntimeError):
@@ -173,6 +174,31 @@ def tied_weights(module: Any) -> list[tuple[str, Any, Any, list[int]]]:
     """``(key, weight, group, ranks)`` of every tied weight a PipelineModule holds on this stage."""
     return [(key, module._recursive_getattr(module.tied_modules[key], attr), comm["group"], comm["ranks"])
             for key, comm in module.tied_comms.items() for attr in comm["weight_attr"]]
+
+
+def checkpointable_flags(module: Any, funcs: list) -> list[bool]:
+    """DeepSpeed's per-segment "is checkpointable" flags of the local layers ``funcs`` (a subset of
+    ``module.forward_funcs``: one interleaved chunk); the module's own flags and their cache
+    interval are left as they were (DeepSpeed's DualPipeV module recomputes them per phase)."""
+    whole, interval, every = module.is_checkpointable_results, module.is_checkpointable_results_interval, \
+        module.forward_funcs
+    module.forward_funcs, module.is_checkpointable_results_interval = funcs, None
+    try:
+        module._precompute_checkpointable_values()
+        return module.is_checkpointable_results
+    finally:
+        module.forward_funcs, module.is_checkpointable_results = every, whole
+        module.is_checkpointable_results_interval = interval
+
+
+@contextlib.contextmanager
+def inference_schedule(engine: Any, build: Any) -> Iterator[None]:
+    """Within the body ``eval_batch`` builds its schedule as ``build(micro_batches)``."""
+    engine._inference_schedule = build
+    try:
+        yield
+    finally:
+        del engine._inference_schedule
 
 
 def set_local_layers(module: Any, start: int, stop: int) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ds_mp import deepspeed_compat as compat
 from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B
 
@@ -47,22 +48,9 @@ class InterleavedState:
             raise RuntimeError(f"interleaved: rank {self.s} holds {len(self.funcs)} layers, its chunks {sizes}")
         starts = [sum(sizes[:c]) for c in range(self.v)]
         self.ranges = [(a, a + n) for a, n in zip(starts, sizes)]
-        self.checkpointable = [self._checkpointable(a, b) for a, b in self.ranges]
+        # DeepSpeed's checkpoint-segment flags per chunk (its forward zips them with the segments)
+        self.checkpointable = [compat.checkpointable_flags(engine.module, self.funcs[a:b]) for a, b in self.ranges]
         engine.prev_stage, engine.next_stage = (self.s - 1) % self.K, (self.s + 1) % self.K  # the ring
-
-    def _checkpointable(self, a: int, b: int) -> list[bool]:
-        """DeepSpeed's per-segment "is checkpointable" flags of layers ``[a, b)`` (its forward zips
-        them with the activation-checkpoint segments of ``forward_funcs``; cached per interval, so
-        the cache is dropped for each chunk as DeepSpeed's DualPipeV module does per phase)."""
-        mod = self.engine.module
-        whole, interval = mod.is_checkpointable_results, mod.is_checkpointable_results_interval
-        mod.forward_funcs, mod.is_checkpointable_results_interval = self.funcs[a:b], None
-        try:
-            mod._precompute_checkpointable_values()
-            return mod.is_checkpointable_results
-        finally:
-            mod.forward_funcs, mod.is_checkpointable_results = self.funcs, whole
-            mod.is_checkpointable_results_interval = interval
 
     @contextlib.contextmanager
     def chunk(self, c: int) -> Iterator[None]:
@@ -84,12 +72,9 @@ class InterleavedState:
         """DeepSpeed's ``eval_batch`` with the forward-only interleaved timetable (every chunk of
         every micro-batch, round the ring v times) in place of its linear inference schedule."""
         e = self.engine
-        e._inference_schedule = lambda n: Interleaved1F1B(n, self.K, self.s, self.v, forward_only=True)
-        try:
+        with compat.inference_schedule(e, lambda n: Interleaved1F1B(n, self.K, self.s, self.v, forward_only=True)):
             return PipelineEngine.eval_batch(e, e._announce_shape(data_iter), *args,
                                              num_micro_batches=num_micro_batches, **kwargs)
-        finally:
-            del e._inference_schedule
 
 
 def attach(engine: Any) -> InterleavedState:

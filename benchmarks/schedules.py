@@ -9,6 +9,8 @@ Configurations (same GPT-2, 2 ranks × 1 thread each, uniform split, the same ro
                            uniform [3, 3] leaves the LM head's stage the slowest, so ZB-H1's W has
                            no bubble to fill there
     ds_mp_interleaved_M{4,8}  ds_mp "interleaved", virtual_stages = 2 (issue target: ≥ 1.05× deepspeed_1f1b)
+    ds_mp_{1f1b,zb-h1,interleaved}_blocking_M8  the same with DeepSpeed's blocking sends
+                           (``post_sends`` off): what posting the sends gains
     terapipe_gpipe         TeraPipe, M = 4 micro-batches × 4 equal token slices, today's order
     terapipe_1f1b          the same slices in the 1F1B order (target: time within 5% of
                            terapipe_gpipe at ≤ 0.6× its peak activation memory)
@@ -50,7 +52,7 @@ class SchedBench(DsMpPipeBench):
     """A ds_mp PP=2 configuration with peak-activation and traced-cost measurements."""
 
     def __init__(self, rank: int, world: int, shape: dict, micro: int, gas: int, schedule: str,
-                 terapipe: dict | None = None, pipeline: dict | None = None) -> None:
+                 terapipe: dict | None = None, pipeline: dict | None = None, post_sends: bool = True) -> None:
         import ds_mp
 
         from benchmarks.workloads import batch, ds_mp_config, hf_model
@@ -60,6 +62,7 @@ class SchedBench(DsMpPipeBench):
             cfg["ds_mp"]["terapipe"] = terapipe
         cfg["ds_mp"]["pipeline"].update(pipeline or {})  # interleaved: virtual_stages
         self.engine, self.opt, _, _ = ds_mp.initialize(model=hf_model(shape), config=cfg)
+        self.engine.post_sends = post_sends
         ids, labels = batch(shape, micro * gas)
         self.micro = [(ids[i:i + micro], labels[i:i + micro]) for i in range(0, micro * gas, micro)]
 
@@ -177,6 +180,8 @@ def run(quick: bool, out_dir: str) -> dict:
                     Config(f"ds_mp_interleaved_M{M}", "benchmarks.schedules:setup_sched", ranks=STAGES,
                            kwargs={"shape": shape, "micro": ROWS, "gas": M, "schedule": "interleaved",
                                    "pipeline": {"virtual_stages": VIRTUAL}})]
+    configs += [Config(f"{c.name[:-3]}_blocking_M8", c.setup, ranks=STAGES, kwargs={**c.kwargs, "post_sends": False})
+                for c in configs if c.name in ("ds_mp_1f1b_M8", "ds_mp_zb-h1_M8", "ds_mp_interleaved_M8")]
     seq = shape["seq"]
     for order in ("gpipe", "1f1b"):
         configs.append(Config(f"terapipe_{order}", "benchmarks.schedules:setup_sched", ranks=STAGES,
@@ -186,7 +191,7 @@ def run(quick: bool, out_dir: str) -> dict:
 
     def extra(groups: dict) -> None:
         for name, g in groups.items():
-            if name.startswith("deepspeed"):
+            if name.startswith("deepspeed") or "_blocking" in name:
                 continue
             measured[name] = {"peak": g.call("activation_peak"), "traces": g.call("traced", traced),
                               "table": g.call("timetable")[0]}
@@ -213,6 +218,11 @@ def run(quick: bool, out_dir: str) -> dict:
             r, c = ratio(base, fast), cpu_ratio(base, fast)
             ratios[f"{fast}/{base}"] = {**r.as_dict(), "cpu": c.as_dict()}
             rows.append([fast, base, str(r), str(c), f"≥ {target}×: {r.verdict(target)}" if target else ""])
+    for name in ("1f1b", "zb-h1", "interleaved"):
+        fast, base = f"ds_mp_{name}_M8", f"ds_mp_{name}_blocking_M8"
+        r, c = ratio(base, fast), cpu_ratio(base, fast)
+        ratios[f"{fast}/{base}"] = {**r.as_dict(), "cpu": c.as_dict()}
+        rows.append([fast, base, str(r), str(c), ""])
     tp = ratio("terapipe_gpipe", "terapipe_1f1b")
     ratios["terapipe_1f1b/terapipe_gpipe"] = tp.as_dict()
     rows.append(["terapipe_1f1b", "terapipe_gpipe", str(tp), str(cpu_ratio("terapipe_gpipe", "terapipe_1f1b")),

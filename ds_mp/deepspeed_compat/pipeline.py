@@ -13,7 +13,7 @@ class DeepSpeedIncompatible(RuntimeError):
 
 @dataclass(frozen=True)
 class Assumption:
-    owner: str  # "engine" (PipelineEngine), "module" (PipelineModule) or "ops" (deepspeed.ops)
+    owner: str  # "engine" (PipelineEngine), "module" (PipelineModule), "ops" (deepspeed.ops), "p2p" (pipe.p2p)
     name: str
     behaviour: str  # what ds_mp relies on
 
@@ -48,6 +48,9 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("module", "_precompute_checkpointable_values", "fills is_checkpointable_results (one flag per "
                "activation-checkpoint segment of forward_funcs) unless is_checkpointable_results_interval is current"),
     Assumption("ops", "__compatible_ops__", "dict op name -> bool; False skips the op's JIT build"),
+    Assumption("p2p", "send", "the engine's send handlers (and their shape announcements) send every tensor "
+               "through p2p.send(tensor, stage); a module attribute, looked up at each call"),
+    Assumption("p2p", "_grid", "the PipelineParallelGrid p2p sends over: stage_to_global(stage_id=) gives a rank"),
 )
 
 # Instance attributes, set in PipelineEngine.__init__ (checked on a live engine).
@@ -78,7 +81,9 @@ def _owners() -> dict[str, Any]:
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from deepspeed.runtime.pipe.module import PipelineModule
 
-    return {"engine": PipelineEngine, "module": PipelineModule, "ops": deepspeed.ops}
+    from deepspeed.runtime.pipe import p2p
+
+    return {"engine": PipelineEngine, "module": PipelineModule, "ops": deepspeed.ops, "p2p": p2p}
 
 
 def _fail(a: Assumption, where: str) -> DeepSpeedIncompatible:
@@ -199,6 +204,30 @@ def inference_schedule(engine: Any, build: Any) -> Iterator[None]:
         yield
     finally:
         del engine._inference_schedule
+
+
+@contextlib.contextmanager
+def posted_sends(pending: list) -> Iterator[None]:
+    """Within the body DeepSpeed's pipeline sends are posted (``isend``), not waited for.
+
+    DeepSpeed's ``p2p.send`` is a blocking ``dist.send``; on gloo that is a rendezvous: it
+    returns once the receiver has posted its matching receive (measured: a 16 MiB send to a
+    rank that receives 0.5 s later blocks 0.5 s).  Here each send is posted and ``(work, tensor)``
+    appended to ``pending``; the caller keeps the tensors unmodified until the works complete.
+    Messages to one peer still leave in program order (one tag), so they match the receives as before.
+    """
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe import p2p
+
+    def post(tensor: Any, dest_stage: int, async_op: bool = False) -> None:  # noqa: ARG001 - p2p.send's signature
+        pending.append((dist.isend(tensor, p2p._grid.stage_to_global(stage_id=dest_stage)), tensor))
+
+    blocking = p2p.send
+    p2p.send = post
+    try:
+        yield
+    finally:
+        p2p.send = blocking
 
 
 def set_local_layers(module: Any, start: int, stop: int) -> None:

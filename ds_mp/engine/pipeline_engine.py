@@ -37,6 +37,10 @@ class DsMpPipelineEngine(PipelineEngine):
     """DeepSpeed's pipeline engine with a pluggable schedule (``ds_mp.pipeline.schedule``)."""
 
     _INSTRUCTION_MAP = {instr: _by_name(fn.__name__) for instr, fn in PipelineEngine._INSTRUCTION_MAP.items()}
+    #: Post activation/gradient sends (isend) and wait for them at the end of the schedule,
+    #: instead of DeepSpeed's blocking send (a rendezvous with the receiver on gloo).  Every
+    #: schedule's messages keep their order per peer, so the receives see the same stream.
+    post_sends: bool = True
 
     def __init__(self, *args: Any, ds_mp_config: Any = None, topology: Any = None, **kwargs: Any) -> None:
         self.ds_mp_config, self.topology = ds_mp_config, topology
@@ -52,6 +56,7 @@ class DsMpPipelineEngine(PipelineEngine):
         self._loaded_micro: dict[int, int] = {}
         self._recv_micro: dict[int, int] = {}
         self._n_loaded = self._n_recv = 0
+        self._posted: list = []  # (work, tensor) of sends in flight; the tensors stay referenced until done
         super().__init__(*args, **kwargs)
         compat.check_engine(self)
         if torch.device(self.device).type == "cpu":  # no page faults re-acquiring freed memory every micro-batch
@@ -107,6 +112,28 @@ class DsMpPipelineEngine(PipelineEngine):
                     if "chunk" in cmd.kwargs:  # interleaved: "ChunkForward@3.1" = micro-batch 3, chunk 1
                         name += f"@{cmd.kwargs['micro']}.{cmd.kwargs['chunk']}"
                     self.trace.append((name, cmd.kwargs.get("buffer_id", -1), start, time.perf_counter()))
+        self.wait_posted_sends()
+
+    # --- p2p sends: posted, completed by the end of the schedule ------------------------
+    def wait_posted_sends(self) -> None:
+        """Wait until every posted send has left (its tensor may then change or be freed)."""
+        for work, _ in self._posted:
+            work.wait()
+        self._posted.clear()
+
+    def _send(self, handler: Callable[[int], None], buffer_id: int) -> None:
+        if not self.post_sends:
+            handler(buffer_id)
+            return
+        with compat.posted_sends(self._posted):
+            handler(buffer_id)
+        self._posted[:] = [(w, t) for w, t in self._posted if not w.is_completed()]  # drop what has left
+
+    def _exec_send_activations(self, buffer_id: int) -> None:
+        self._send(super()._exec_send_activations, buffer_id)
+
+    def _exec_send_grads(self, buffer_id: int) -> None:
+        self._send(super()._exec_send_grads, buffer_id)
 
     # --- activation shapes: re-announced only when they change ------------------------
     def _announce_shape(self, data_iter: Any) -> Any:

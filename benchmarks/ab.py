@@ -17,6 +17,8 @@ both sides run the same split):
     pipeline   ds_mp 1F1B PP=2, blocks [5, 3], M=8 micro-batches of 2 × 256
     zb-h1      the same with ``"schedule": "zb-h1"``
     terapipe   ds_mp TeraPipe PP=2, blocks [5, 3], 1 × 1024 in 8 slices of 128
+    interleaved  ds_mp interleaved 1F1B, v = 2, on ``benchmarks.schedules``' shape (GPT-2 6 × 256,
+               vocab 4096, uniform split), M=8 micro-batches of 2 × 256
 """
 from __future__ import annotations
 
@@ -82,7 +84,14 @@ def workload(name: str, quick: bool, vocab: int | None = None) -> tuple[Config, 
         return Config(name, "benchmarks.terapipe:setup_schedule_bench", 2, 1,
                       {"shape": tshape, "micro": 1, "slices": [tshape["seq"] // n] * n,
                        "partition": [5, 3] if not quick else [2, 2]}), tshape["seq"]
-    raise SystemExit(f"unknown --config {name!r}: tp, pipeline, zb-h1 or terapipe")
+    if name == "interleaved":
+        from benchmarks import schedules
+
+        sshape, micro, gas = asdict(schedules.QUICK if quick else schedules.FULL), 2, 8
+        return Config(name, "benchmarks.schedules:setup_sched", 2, 1,
+                      {"shape": sshape, "micro": micro, "gas": gas, "schedule": "interleaved",
+                       "pipeline": {"virtual_stages": 2}}), micro * gas * sshape["seq"]
+    raise SystemExit(f"unknown --config {name!r}: tp, pipeline, zb-h1, terapipe or interleaved")
 
 
 def compare(base: str, name: str, rounds: int, steps: int, quick: bool, vocab: int | None = None) -> dict:
@@ -117,7 +126,7 @@ def compare(base: str, name: str, rounds: int, steps: int, quick: bool, vocab: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision to compare against (e.g. HEAD~1, a commit)")
-    ap.add_argument("--config", default="tp", help="tp, pipeline, zb-h1 or terapipe")
+    ap.add_argument("--config", default="tp", help="tp, pipeline, zb-h1, terapipe or interleaved")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="timed steps per group per round")
     ap.add_argument("--quick", action="store_true", help="the benchmarks' small shapes")

@@ -1,6 +1,7 @@
 """Plays compiled pipeline schedules against each other, without torch: every stage's step
 ``t`` instructions run in order; a send and the matching receive at the heads of two
-neighbouring stages' queues meet (blocking rendezvous, as DeepSpeed's gloo p2p); a step in which
+neighbouring stages' queues meet (blocking rendezvous, as DeepSpeed's gloo p2p; or, with
+:func:`posted`, sends that never wait, as ds_mp's engine posts them); a step in which
 no stage can move is a deadlock and fails.  The caller's callbacks track what each buffer holds
 and check the data flow (each schedule test has its own units and compute instructions)."""
 from __future__ import annotations
@@ -47,3 +48,42 @@ def rendezvous(streams: Sequence[Sequence[Sequence[Any]]], compute: Callable[[in
                 q.pop(0), queues[peer].pop(0)
                 progressed = True
             assert progressed, f"step {t}: deadlock {[[repr(c) for c in q] for q in queues]}"
+
+
+def posted(streams: Sequence[Sequence[Sequence[Any]]], compute: Callable[[int, Any], None],
+           sent: Callable[[int, Any], Any], received: Callable[[int, Any, Any, Any], None], ring: bool = False) -> None:
+    """Run every stage's instructions (steps concatenated) with *posted* sends, as the engine does.
+
+    A send never waits: ``sent(s, send)`` returns its payload (what the sender's buffer holds
+    now) and the message joins the FIFO of its channel (one per ordered pair of stages: one tag,
+    as gloo); a receive takes the oldest message on its channel, which must be of its kind
+    (``received(dst, recv, send, payload)``), or waits.  No stage able to move is a deadlock."""
+    K = len(streams)
+    queues = [[c for step in x for c in step] for x in streams]
+    channels: dict[tuple[int, int], list] = {}
+    while any(queues):
+        progressed = False
+        for s, q in enumerate(queues):
+            while q:
+                c = q[0]
+                if not isinstance(c, P2P):
+                    compute(s, q.pop(0))
+                    progressed = True
+                    continue
+                peer = s + 1 if isinstance(c, (ds.SendActivation, ds.RecvGrad)) else s - 1
+                peer = peer % K if ring else peer
+                assert 0 <= peer < K, f"stage {s}: {c} has no neighbour"
+                if isinstance(c, (ds.SendActivation, ds.SendGrad)):
+                    channels.setdefault((s, peer), []).append((c, sent(s, c)))
+                else:
+                    fifo = channels.get((peer, s))
+                    if not fifo:
+                        break
+                    send, payload = fifo.pop(0)
+                    want = ds.SendActivation if isinstance(c, ds.RecvActivation) else ds.SendGrad
+                    assert isinstance(send, want), f"stage {s}: {c} would receive {send} (channel order)"
+                    received(s, c, send, payload)
+                q.pop(0)
+                progressed = True
+        assert progressed, f"deadlock {[[repr(c) for c in q[:3]] for q in queues]}"
+    assert not any(channels.values()), f"messages never received: {channels}"

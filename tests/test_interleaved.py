@@ -20,7 +20,7 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
 from dist_utils import run_ranks
-from p2p_play import rendezvous
+from p2p_play import posted, rendezvous
 from ds_mp.models.partition import interleaved_layout
 from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B, chunk_weights
 from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable, one_f_one_b_timetable, simulate
@@ -28,6 +28,8 @@ from ds_mp.training.trace import event_label
 from helpers import ds_config, tiny_gpt2
 from test_tensor_parallel import gather_weights, hf_train, max_diff
 from test_zero_bubble import _steps, resume_across_schedules  # _steps: 2-row micro-batches of 16 tokens
+
+SENDS = (ds.SendActivation, ds.SendGrad)
 
 SEQ, TOL = 16, 1e-5  # SEQ: test_zero_bubble._steps' sequence length
 BF16_VS_HF = 1e-3  # bf16 losses against HF's fp32 (relative; measured 2.6e-5)
@@ -44,9 +46,13 @@ def test_layout_puts_chunk_c_on_rank_c_mod_k() -> None:
     assert out[parts[1]:] == ["h.0", "h.1", "h.4", "ln_f", "lm_head"]
 
 
-def play(K: int, M: int, v: int, forward_only: bool = False, weights: list[float] | None = None) -> None:
-    """Every rank's steps with rendezvous p2p round the ring (``weights``: modelled chunk costs)."""
+def play(K: int, M: int, v: int, forward_only: bool = False, weights: list[float] | None = None,
+         posted_sends: bool = False) -> list[list]:
+    """Every rank's steps round the ring (``weights``: modelled chunk costs), with rendezvous p2p,
+    or, ``posted_sends``, compiled for and played with posted sends; returns the streams."""
     scheds = [Interleaved1F1B(M, K, s, v, forward_only=forward_only, chunk_weights=weights) for s in range(K)]
+    for x in scheds:
+        x.posted_sends = posted_sends
     held: list[dict] = [{} for _ in range(K)]  # buffer -> (micro, chunk) it holds
     grad: list = [None] * K  # the shared received-gradient slot: (micro, chunk) of the sender
     done: set = set()
@@ -66,9 +72,16 @@ def play(K: int, M: int, v: int, forward_only: bool = False, weights: list[float
                 grad[s] = None
             done.add(("B", s, m, ch))
 
-    def transfer(s: int, peer: int, send, recv) -> None:
+    def sent(s: int, send) -> tuple[int, int]:
+        unit = held[s][send.buffer_id]
+        assert ("F" if isinstance(send, ds.SendActivation) else "B", s, *unit) in done, f"rank {s}: {send} before its value"
+        if isinstance(send, ds.SendGrad):
+            done.add(("G", s, *unit))  # its input gradient sent: the unit is through
+        return unit
+
+    def received(peer: int, recv, send, unit: tuple[int, int]) -> None:
         if isinstance(send, ds.SendActivation):
-            m, ch = held[s][send.buffer_id]
+            m, ch = unit
             old = held[peer].get(recv.buffer_id)  # a buffer is reused only once its unit is through
             through = old is None or (("F" if forward_only else "B"), peer, *old) in done and (
                 forward_only or (peer, old[1]) == (0, 0) or ("G", peer, *old) in done)
@@ -76,21 +89,42 @@ def play(K: int, M: int, v: int, forward_only: bool = False, weights: list[float
             held[peer][recv.buffer_id] = (m, ch + 1 if peer == 0 else ch)
         else:
             assert grad[peer] is None, f"rank {peer}: gradient slot overwritten before its B"
-            grad[peer] = held[s][send.buffer_id]
-            done.add(("G", s, *held[s][send.buffer_id]))  # its input gradient sent: the unit is through
+            grad[peer] = unit
 
-    rendezvous([list(x.steps()) for x in scheds], compute, transfer, ring=True)
+    streams = [list(x.steps()) for x in scheds]
+    if posted_sends:
+        posted(streams, compute, sent, received, ring=True)
+    else:
+        rendezvous(streams, compute, lambda s, peer, send, recv: received(peer, recv, send, sent(s, send)), ring=True)
     for kind in "FB"[:1 if forward_only else 2]:
         assert {(s, m, c) for k, s, m, c in done if k == kind} == \
             {(s, m, c) for s in range(K) for m in range(M) for c in range(v)}, kind
+    return streams
 
 
 @pytest.mark.parametrize("K, M, v", [(2, 2, 2), (2, 4, 2), (2, 6, 3), (3, 6, 2), (4, 8, 3), (2, 4, 1)])
 def test_compiled_streams_play_round_the_ring(K: int, M: int, v: int) -> None:
-    play(K, M, v)
-    play(K, M, v, forward_only=True)
     heavy_last = [1.0] * (K * v - 1) + [4.0]  # the LM head's chunk: another compiled transfer order
-    play(K, M, v, weights=heavy_last)
+    for posted_sends in (False, True):
+        play(K, M, v, posted_sends=posted_sends)
+        play(K, M, v, forward_only=True, posted_sends=posted_sends)
+        play(K, M, v, weights=heavy_last, posted_sends=posted_sends)
+
+
+@pytest.mark.parametrize("K, M, v", [(2, 4, 2), (4, 8, 3)])
+def test_posted_sends_leave_right_after_their_value(K: int, M: int, v: int) -> None:
+    """Compiled for posted sends, a send follows the compute of its value at once (the blocking
+    compile holds it until its consumer's modelled start); receives keep their places."""
+    for s, (late, early) in enumerate(zip(play(K, M, v), play(K, M, v, posted_sends=True))):
+        late, early = [c for step in late for c in step], [c for step in early for c in step]
+        same = lambda cmds: [(type(c).__name__, c.kwargs.get("micro"), c.kwargs.get("chunk"))  # noqa: E731
+                             for c in cmds if not isinstance(c, SENDS)]  # buffers may be reused sooner
+        assert same(late) == same(early)
+        for i, c in enumerate(early):
+            if isinstance(c, SENDS):  # right behind its chunk pass (or an earlier send)
+                assert isinstance(early[i - 1], (ChunkForward, ChunkBackward) + SENDS), (s, i, early[i - 1])
+        moved = sum(type(a) is not type(b) for a, b in zip(late, early))
+        assert moved > 0, f"rank {s}: no send moved"
 
 
 @pytest.mark.parametrize("K, M, v", [(2, 4, 2), (2, 8, 2), (4, 8, 2), (4, 8, 4), (8, 32, 2)])

@@ -20,7 +20,7 @@ from ds_mp.schedules.memory import SavedActivations
 from ds_mp.schedules.simulate import Op, simulate, sliced_one_f_one_b_timetable
 from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, TeraPipe1F1B
 from helpers import batches, ds_config, tiny_gpt2
-from p2p_play import rendezvous
+from p2p_play import posted, rendezvous
 from test_terapipe import SLICES, _check, _ranks
 
 
@@ -47,8 +47,9 @@ def test_timetable_matches_docstring_and_bounds_memory() -> None:
 
 
 def play(scheds: list) -> list[list[tuple]]:
-    """Run every stage's steps with rendezvous p2p; return per stage the compute events
-    ``(kind, unit)`` where unit = (micro, batch_slice, slice), checking the data flow."""
+    """Run every stage's steps with rendezvous p2p (with posted sends if the schedules are
+    compiled for them); return per stage the compute events ``(kind, unit)`` where unit =
+    (micro, batch_slice, slice), checking the data flow."""
     K = len(scheds)
     held = [dict() for _ in range(K)]  # buffer -> unit whose activation/labels it holds
     grad_layer: list = [None] * K
@@ -71,21 +72,31 @@ def play(scheds: list) -> list[list[tuple]]:
             sent_grad[s][c.buffer_id] = unit
             done[s].append(("B", unit))
 
-    def transfer(s: int, peer: int, send, recv) -> None:
+    def sent(s: int, send) -> tuple:  # the unit whose activation / input gradient leaves
+        return (held if isinstance(send, ds.SendActivation) else sent_grad)[s][send.buffer_id]
+
+    def received(peer: int, recv, send, unit: tuple) -> None:
         if isinstance(send, ds.SendActivation):
-            held[peer][recv.buffer_id] = held[s][send.buffer_id]
+            held[peer][recv.buffer_id] = unit
         else:
             assert grad_layer[peer] is None, f"stage {peer}: gradient overwritten before use"
-            grad_layer[peer] = sent_grad[s][send.buffer_id]
+            grad_layer[peer] = unit
 
-    rendezvous([list(x.steps()) for x in scheds], compute, transfer)
+    streams = [list(x.steps()) for x in scheds]
+    if scheds[0].posted_sends:
+        posted(streams, compute, sent, received)
+    else:
+        rendezvous(streams, compute, lambda s, peer, send, recv: received(peer, recv, send, sent(s, send)))
     return done
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
 @pytest.mark.parametrize("M, plan", [(1, [(2, SLICES)]), (2, [(1, [3, 1]), (1, [2, 2])]), (3, [(1, [4])])])
-def test_compiled_schedule_plays(K: int, M: int, plan: list) -> None:
+@pytest.mark.parametrize("posted_sends", [False, True])
+def test_compiled_schedule_plays(K: int, M: int, plan: list, posted_sends: bool) -> None:
     scheds = [TeraPipe1F1B(M, K, s, plan) for s in range(K)]
+    for x in scheds:
+        x.posted_sends = posted_sends
     done = play(scheds)
     units = [(u.micro, u.batch_slice, u.slice) for u in scheds[0].units]
     for s in range(K):

@@ -24,7 +24,7 @@ from ds_mp.schedules.simulate import (Op, one_f_one_b_timetable, simulate, zb_h1
 from ds_mp.schedules.timetable import TimetableSchedule
 from ds_mp.schedules.zero_bubble import BackwardInput, BackwardWeight, ZeroBubbleH1, stage_weights
 from helpers import batches, ds_config, tiny_gpt2
-from p2p_play import rendezvous
+from p2p_play import posted, rendezvous
 from test_schedules import unroll
 from test_tensor_parallel import gather_weights, hf_train, max_diff
 
@@ -68,10 +68,13 @@ def test_compiled_timetable_passes_the_schedule_unroller(K: int, M: int) -> None
     assert all(sorted(s.forwards) == sorted(s.backwards) == list(range(M)) for s in stages)
 
 
-def play(K: int, M: int) -> list[list[tuple[str, int]]]:
-    """Every stage's ZB-H1 steps with rendezvous p2p, tracking which micro-batch each buffer and
-    the shared gradient slot hold; returns per stage the compute events (kind, micro)."""
+def play(K: int, M: int, posted_sends: bool = False) -> list[list[tuple[str, int]]]:
+    """Every stage's ZB-H1 steps with rendezvous p2p (or compiled for and played with posted
+    sends), tracking which micro-batch each buffer and the shared gradient slot hold; returns per
+    stage the compute events (kind, micro)."""
     scheds = [ZeroBubbleH1(micro_batches=M, stages=K, stage_id=s) for s in range(K)]
+    for x in scheds:
+        x.posted_sends = posted_sends
     streams = [list(x.steps()) for x in scheds]
     loaded, acts, labels = [0] * K, [dict() for _ in range(K)], [dict() for _ in range(K)]
     live: list[dict] = [dict() for _ in range(K)]  # buffer -> micro forwarded, W not yet run
@@ -105,15 +108,21 @@ def play(K: int, M: int) -> list[list[tuple[str, int]]]:
             assert after_b[s][b] == m
             events[s].append(("W", m))
 
-    def transfer(s: int, peer: int, send, recv) -> None:
+    def sent(s: int, send) -> int:  # the micro-batch whose activation / input gradient leaves
+        return live[s][send.buffer_id] if isinstance(send, ds.SendActivation) else after_b[s][send.buffer_id]
+
+    def received(peer: int, recv, send, micro: int) -> None:
         if isinstance(send, ds.SendActivation):
             assert recv.buffer_id not in live[peer], f"stage {peer}: buffer overwritten while live"
-            acts[peer][recv.buffer_id] = live[s][send.buffer_id]
+            acts[peer][recv.buffer_id] = micro
         else:
             assert grad[peer] is None, f"stage {peer}: gradient slot overwritten before its B"
-            grad[peer] = after_b[s][send.buffer_id]
+            grad[peer] = micro
 
-    rendezvous(streams, compute, transfer)
+    if posted_sends:
+        posted(streams, compute, sent, received)
+    else:
+        rendezvous(streams, compute, lambda s, peer, send, recv: received(peer, recv, send, sent(s, send)))
     for s, x in enumerate(streams):
         assert [type(c) for c in x[-1][-3:]] == [ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep]
         assert scheds[s].num_pipe_buffers() <= min(K, M) + 1
@@ -123,10 +132,11 @@ def play(K: int, M: int) -> list[list[tuple[str, int]]]:
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8])
 def test_compiled_zb_h1_plays(K: int, M: int) -> None:
-    events = play(K, M)
     table = zb_h1_timetable(K, M)
-    for s in range(K):
-        assert events[s] == [(op.kind, op.micro) for op in table[s]], f"stage {s}"
+    for posted_sends in (False, True):
+        events = play(K, M, posted_sends)
+        for s in range(K):
+            assert events[s] == [(op.kind, op.micro) for op in table[s]], f"stage {s}"
 
 
 # ------------------------------------------------------------------ multi-rank against HF

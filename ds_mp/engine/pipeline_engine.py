@@ -90,6 +90,8 @@ class DsMpPipelineEngine(PipelineEngine):
         return cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
+        if hasattr(pipe_schedule, "posted_sends"):  # timetable schedules: sends compiled right after their value
+            pipe_schedule.posted_sends = self.post_sends
         compat.reserve_pipe_buffers(self, pipe_schedule.num_pipe_buffers())
         compat.reset_forward_outputs(self)
         self._buffer_loss.clear()

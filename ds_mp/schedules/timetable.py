@@ -1,4 +1,4 @@
-"""Timetable -> DeepSpeed instruction steps: any per-stage op order, run with blocking p2p.
+"""Timetable -> DeepSpeed instruction steps: any per-stage op order, run with blocking or posted sends.
 
 A schedule written as a *timetable* (``table[s]`` = the ops stage s runs, in order: ``F``
 forward, ``B`` backward or input-gradient backward, ``W`` weight-gradient backward; see
@@ -22,7 +22,8 @@ executes.  Three things are derived, the same way on every rank:
 The instruction stream of stage s is cut into *rounds*, one per transfer (``len(transfers) + 1``
 steps); round r holds the stage's compute ops before transfer r and transfer r when the stage
 is one of its ends.  The step index is thus the same on both ends of every transfer (what the
-pure-Python unrollers in the tests check).
+pure-Python unrollers in the tests check).  With posted sends (the engine's default) each send
+then moves up to right after the op computing its value (:func:`sends_early`).
 """
 from __future__ import annotations
 
@@ -76,8 +77,12 @@ def linear_peer(num_stages: int) -> Callable[[int, Op], int | None]:
 
 
 def rounds(table: Sequence[Sequence[Op]], cost: OpCost, deps: Deps,
-           peer: Callable[[int, Op], int | None]) -> list[list[list[Item]]]:
+           peer: Callable[[int, Op], int | None],
+           producer: Callable[[Transfer], Op] | None = None) -> list[list[list[Item]]]:
     """``out[s][r]``: the items stage s runs in round r (compute ops, then at most one transfer).
+
+    ``producer`` (posted sends only): the sender's op that computes each transfer's value; every
+    send then moves up to right after it, behind the stage's earlier sends (:func:`sends_early`).
 
     Raises ValueError (from the simulator) if the timetable cannot run (a dependency that
     is never scheduled, or an order that deadlocks), or if an op has no positive cost.
@@ -98,10 +103,38 @@ def rounds(table: Sequence[Sequence[Op]], cost: OpCost, deps: Deps,
                 i += 1
             out[s][r].append(("send" if m.src == s else "recv", m))
         out[s][-1].extend(("compute", op) for op in ops[i:])
+    if producer is not None:
+        out = [sends_early(stage, producer) for stage in out]
     return out
 
 
-__all__ = ["Transfer", "Item", "transfers", "linear_peer", "rounds", "TimetableSchedule"]
+def sends_early(stage: list[list[Item]], producer: Callable[[Transfer], Op]) -> list[list[Item]]:
+    """One stage's rounds with each send right after the compute op producing its value.
+
+    For *posted* (non-blocking) sends.  A send stays behind the stage's earlier sends, so each
+    channel carries its messages in the global transfer order its receiver expects; it moves only
+    earlier (its producer came before it), and receives keep their places.  A posted send waits
+    for nothing, so removing the wait on everything between the producer and the send's compiled
+    place cannot deadlock a stream that ran with blocking sends.  The send joins the round of the
+    item it follows (rounds then no longer pair a send with its receive)."""
+    flat = [(r, item) for r, items in enumerate(stage) for item in items]
+    waiting = [item for _, item in flat if item[0] == "send"]
+    out: list[list[Item]] = [[] for _ in stage]
+    done: set = set()
+    for r, item in flat:
+        if item[0] == "send":
+            continue
+        out[r].append(item)
+        if item[0] == "compute":
+            done.add(item[1])
+        while waiting and producer(waiting[0][1]) in done:
+            out[r].append(waiting.pop(0))
+    if waiting:
+        raise ValueError(f"sends whose value is never computed on this stage: {[m for _, m in waiting]}")
+    return out
+
+
+__all__ = ["Transfer", "Item", "transfers", "linear_peer", "rounds", "sends_early", "TimetableSchedule"]
 
 
 # ------------------------------------------------------------------ as a DeepSpeed PipeSchedule
@@ -118,6 +151,9 @@ class TimetableSchedule(ds.PipeSchedule):
     """
 
     deps: Deps = staticmethod(pipeline_deps)
+    #: The engine posts its sends (``DsMpPipelineEngine.post_sends``): compile each send right
+    #: after its value is computed (:func:`sends_early`) instead of at its consumer's modelled start.
+    posted_sends: bool = False
 
     def table(self) -> list[list[Op]]:
         raise NotImplementedError
@@ -146,7 +182,8 @@ class TimetableSchedule(ds.PipeSchedule):
 
     def _compiled(self) -> tuple[list[list[Item]], dict[tuple[int, int], int], int]:
         if getattr(self, "_cache", None) is None:
-            mine = rounds(self.table(), self.cost, self.deps, self.peer())[self.stage_id]
+            producer = (lambda m: Op("F" if m.kind == "act" else "B", *self.sent_unit(m))) if self.posted_sends else None
+            mine = rounds(self.table(), self.cost, self.deps, self.peer(), producer)[self.stage_id]
             flat = [(r, item) for r, items in enumerate(mine) for item in items]
             def unit(item: Item) -> tuple[int, int]:
                 kind, x = item

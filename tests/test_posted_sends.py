@@ -5,6 +5,8 @@ posts activation and gradient sends and waits for them at the end of the schedul
 (``DsMpPipelineEngine.post_sends``).  Here rank 1 holds its first receive until rank 0's first
 send instruction has returned: posted, it returns at once; blocking (the control), it cannot
 return before rank 1 receives, so rank 1 gives up waiting.  Both give the same step bit for bit.
+Timetable schedules compile each send right after its value only where a send cannot wait behind
+a receive on its link (gloo; not NCCL, which runs a rank pair's p2p in enqueue order on one stream).
 """
 from __future__ import annotations
 
@@ -44,9 +46,22 @@ def _rank(rank: int, flag_dir: str, patience: dict) -> dict:
                 recv(buffer_id)
             engine._exec_recv_activations = flag_then_recv
         loss = float(engine.train_batch(iter(batches(3, 2, 16, VOCAB))))
+        out[f"overtake-{post}"] = engine.sends_overtake_receives()
         out[post] = (seen, loss, engine._posted == [],
                      [p.detach().clone() for p in engine.module.parameters()])
+    out["overtake-nccl"] = _on_nccl(engine)
     return out
+
+
+def _on_nccl(engine) -> bool:
+    import torch.distributed as dist
+
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    try:
+        return engine.sends_overtake_receives()
+    finally:
+        dist.get_backend = real
 
 
 def test_a_sender_does_not_wait_for_its_receiver(tmp_path) -> None:
@@ -56,6 +71,8 @@ def test_a_sender_does_not_wait_for_its_receiver(tmp_path) -> None:
     assert ranks[1][True][0] == [True]
     assert ranks[1][False][0] == [False]
     for r in ranks:
+        # timetables compile sends right after their value only where sends overtake receives (gloo)
+        assert r["overtake-True"] and not r["overtake-False"] and not r["overtake-nccl"]
         assert r[True][2] and r[False][2]  # nothing left in flight after the step
         assert r[True][1] == r[False][1]
         assert all((a == b).all() for a, b in zip(r[True][3], r[False][3]))

@@ -91,7 +91,7 @@ class DsMpPipelineEngine(PipelineEngine):
 
     def _exec_schedule(self, pipe_schedule: Any) -> None:
         if hasattr(pipe_schedule, "posted_sends"):  # timetable schedules: sends compiled right after their value
-            pipe_schedule.posted_sends = self.post_sends
+            pipe_schedule.posted_sends = self.sends_overtake_receives()
         compat.reserve_pipe_buffers(self, pipe_schedule.num_pipe_buffers())
         compat.reset_forward_outputs(self)
         self._buffer_loss.clear()
@@ -122,6 +122,14 @@ class DsMpPipelineEngine(PipelineEngine):
         for work, _ in self._posted:
             work.wait()
         self._posted.clear()
+
+    def sends_overtake_receives(self) -> bool:
+        """True when sends are posted and a send never waits behind a receive on the same link:
+        gloo, whose sends and receives progress independently.  NCCL runs one rank pair's sends
+        and receives in the order they were enqueued (one communicator and stream per pair), so
+        a send moved ahead of a receive its peer completes first would deadlock: there timetable
+        schedules keep their consumer-time order, the same on both ends of every link."""
+        return self.post_sends and dist.get_backend(self.topology.pp_group) == "gloo"
 
     def _send(self, handler: Callable[[int], None], buffer_id: int) -> None:
         if not self.post_sends:

@@ -151,8 +151,9 @@ class TimetableSchedule(ds.PipeSchedule):
     """
 
     deps: Deps = staticmethod(pipeline_deps)
-    #: The engine posts its sends (``DsMpPipelineEngine.post_sends``): compile each send right
-    #: after its value is computed (:func:`sends_early`) instead of at its consumer's modelled start.
+    #: The engine posts its sends and a send never waits behind a receive on its link
+    #: (``DsMpPipelineEngine.sends_overtake_receives``: gloo): compile each send right after its
+    #: value is computed (:func:`sends_early`) instead of at its consumer's modelled start.
     posted_sends: bool = False
 
     def table(self) -> list[list[Op]]:

@@ -285,16 +285,18 @@ def test_timeline_labels_b_and_w_apart() -> None:
 
 # ------------------------------------------------------------------ resume across schedules and layouts
 
-def resume_across_schedules(root: str, schedule: str, n_layer: int = 4, pipeline: dict | None = None) -> dict:
+def resume_across_schedules(root: str, schedule: str, n_layer: int = 4, pipeline: dict | None = None,
+                            bf16: bool = False, zero: int = 0) -> dict:
     """Adam + clipping: ``schedule`` at PP=2 for 2 steps, saved, resumed as 1F1B at TP=2 PP=1 for 2
     more ("<schedule>->1f1b"); 1F1B at PP=2 resumed as ``schedule`` ("1f1b-><schedule>"); and
     ``schedule``'s uninterrupted 4 steps ("uninterrupted"): per-step losses.  ``pipeline``: the
-    schedule's extra pipeline keys (e.g. virtual stages)."""
+    schedule's extra pipeline keys (e.g. virtual stages); ``bf16``/``zero``: every run's precision
+    and ZeRO stage."""
     import ds_mp
 
     def engine(name: str, tp: int, pp: int):
         cfg = ds_config(tp=tp, pp=pp, gas=2, lr=0.01, clip=1.0, optimizer="Adam", schedule=name, seq=SEQ,
-                        pipeline=(pipeline or {}) if name == schedule else {})
+                        bf16=bf16, zero=zero, pipeline=(pipeline or {}) if name == schedule else {})
         return ds_mp.initialize(model=tiny_gpt2(n_layer=n_layer), config=cfg)[0]
 
     data = _steps(4, 2, seed=40)

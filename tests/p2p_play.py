@@ -87,3 +87,14 @@ def posted(streams: Sequence[Sequence[Sequence[Any]]], compute: Callable[[int, A
                 progressed = True
         assert progressed, f"deadlock {[[repr(c) for c in q[:3]] for q in queues]}"
     assert not any(channels.values()), f"messages never received: {channels}"
+
+
+def play_compiled(streams: Sequence[Sequence[Sequence[Any]]], compute: Callable[[int, Any], None],
+                  sent: Callable[[int, Any], Any], received: Callable[[int, Any, Any, Any], None],
+                  posted_sends: bool, ring: bool = False) -> None:
+    """Play streams compiled for posted sends with :func:`posted`, else with :func:`rendezvous`
+    (the payload leaves and arrives at the meeting); the callbacks are :func:`posted`'s."""
+    if posted_sends:
+        posted(streams, compute, sent, received, ring=ring)
+    else:
+        rendezvous(streams, compute, lambda s, peer, send, recv: received(peer, recv, send, sent(s, send)), ring=ring)

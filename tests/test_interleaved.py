@@ -20,7 +20,7 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
 from dist_utils import run_ranks
-from p2p_play import posted, rendezvous
+from p2p_play import play_compiled
 from ds_mp.models.partition import interleaved_layout
 from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B, chunk_weights
 from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable, one_f_one_b_timetable, simulate
@@ -93,10 +93,7 @@ def play(K: int, M: int, v: int, forward_only: bool = False, weights: list[float
             grad[peer] = unit
 
     streams = [list(x.steps()) for x in scheds]
-    if posted_sends:
-        posted(streams, compute, sent, received, ring=True)
-    else:
-        rendezvous(streams, compute, lambda s, peer, send, recv: received(peer, recv, send, sent(s, send)), ring=True)
+    play_compiled(streams, compute, sent, received, posted_sends, ring=True)
     for kind in "FB"[:1 if forward_only else 2]:
         assert {(s, m, c) for k, s, m, c in done if k == kind} == \
             {(s, m, c) for s in range(K) for m in range(M) for c in range(v)}, kind

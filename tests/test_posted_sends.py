@@ -50,7 +50,20 @@ def _rank(rank: int, flag_dir: str, patience: dict) -> dict:
         out[post] = (seen, loss, engine._posted == [],
                      [p.detach().clone() for p in engine.module.parameters()])
     out["overtake-nccl"] = _on_nccl(engine)
+    out["zb-h1 compiled posted"] = [_compiled_posted(post) for post in (True, False)]
     return out
+
+
+def _compiled_posted(post: bool) -> bool:
+    """Whether the schedule a zb-h1 engine ran was compiled for posted sends."""
+    import ds_mp
+
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(vocab=VOCAB), config=ds_config(pp=2, gas=2, schedule="zb-h1"))
+    engine.post_sends, ran = post, []
+    execute = engine._exec_schedule
+    engine._exec_schedule = lambda sched: (execute(sched), ran.append(sched.posted_sends))
+    engine.train_batch(iter(batches(2, 2, 16, VOCAB)))
+    return ran == [True]
 
 
 def _on_nccl(engine) -> bool:
@@ -73,6 +86,7 @@ def test_a_sender_does_not_wait_for_its_receiver(tmp_path) -> None:
     for r in ranks:
         # timetables compile sends right after their value only where sends overtake receives (gloo)
         assert r["overtake-True"] and not r["overtake-False"] and not r["overtake-nccl"]
+        assert r["zb-h1 compiled posted"] == [True, False]  # the engine tells the timetable
         assert r[True][2] and r[False][2]  # nothing left in flight after the step
         assert r[True][1] == r[False][1]
         assert all((a == b).all() for a, b in zip(r[True][3], r[False][3]))

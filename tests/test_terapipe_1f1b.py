@@ -20,7 +20,7 @@ from ds_mp.schedules.memory import SavedActivations
 from ds_mp.schedules.simulate import Op, simulate, sliced_one_f_one_b_timetable
 from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, TeraPipe1F1B
 from helpers import batches, ds_config, tiny_gpt2
-from p2p_play import posted, rendezvous
+from p2p_play import play_compiled
 from test_terapipe import SLICES, _check, _ranks
 
 
@@ -83,10 +83,7 @@ def play(scheds: list) -> list[list[tuple]]:
             grad_layer[peer] = unit
 
     streams = [list(x.steps()) for x in scheds]
-    if scheds[0].posted_sends:
-        posted(streams, compute, sent, received)
-    else:
-        rendezvous(streams, compute, lambda s, peer, send, recv: received(peer, recv, send, sent(s, send)))
+    play_compiled(streams, compute, sent, received, scheds[0].posted_sends)
     return done
 
 

@@ -24,7 +24,7 @@ from ds_mp.schedules.simulate import (Op, one_f_one_b_timetable, simulate, zb_h1
 from ds_mp.schedules.timetable import TimetableSchedule
 from ds_mp.schedules.zero_bubble import BackwardInput, BackwardWeight, ZeroBubbleH1, stage_weights
 from helpers import batches, ds_config, tiny_gpt2
-from p2p_play import posted, rendezvous
+from p2p_play import play_compiled
 from test_schedules import unroll
 from test_tensor_parallel import gather_weights, hf_train, max_diff
 
@@ -119,10 +119,7 @@ def play(K: int, M: int, posted_sends: bool = False) -> list[list[tuple[str, int
             assert grad[peer] is None, f"stage {peer}: gradient slot overwritten before its B"
             grad[peer] = micro
 
-    if posted_sends:
-        posted(streams, compute, sent, received)
-    else:
-        rendezvous(streams, compute, lambda s, peer, send, recv: received(peer, recv, send, sent(s, send)))
+    play_compiled(streams, compute, sent, received, posted_sends)
     for s, x in enumerate(streams):
         assert [type(c) for c in x[-1][-3:]] == [ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep]
         assert scheds[s].num_pipe_buffers() <= min(K, M) + 1

@@ -12,6 +12,7 @@ oracle is HF's own ``…ForCausalLM`` trained single-process with torch SGD and
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -25,8 +26,9 @@ BF16_TOL = 1e-3  # relative, bf16 losses against HF's fp32 ones (measured 2.6e-5
 
 
 def tiny_llama(kind: str = "llama", kv: int = 2, tied: bool = False, n_layer: int = 2, seed: int = 0,
-               pad: int | None = None, inner: int = 200, hidden: int = 96, vocab: int = VOCAB):
-    """A tiny HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (q/k/v biases) / ``MistralForCausalLM``, 6 heads."""
+               pad: int | None = None, inner: int = 200, hidden: int = 96, vocab: int = VOCAB, **config: Any):
+    """A tiny HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (q/k/v biases) / ``MistralForCausalLM``, 6 heads;
+    ``config``: further config keys (``head_dim``, ``mlp_bias``, …)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -34,7 +36,7 @@ def tiny_llama(kind: str = "llama", kv: int = 2, tied: bool = False, n_layer: in
     cfg = getattr(transformers, names + "Config")(
         hidden_size=hidden, intermediate_size=inner, num_hidden_layers=n_layer, num_attention_heads=6,
         num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=tied,
-        bos_token_id=0, eos_token_id=0, pad_token_id=pad, rms_norm_eps=1e-5)
+        bos_token_id=0, eos_token_id=0, pad_token_id=pad, rms_norm_eps=1e-5, **config)
     model = getattr(transformers, names + "ForCausalLM")(cfg).eval()
     with torch.no_grad():  # RMSNorm weights and biases away from their init, so a wrong cut shows
         for name, p in model.named_parameters():
@@ -157,16 +159,22 @@ def test_terapipe_equals_hf(case: tuple) -> None:
     _assert_trains_as_hf(run_ranks(_train, tp * pp, model, steps, cfg, timeout=600), want_losses, want)
 
 
-def test_pad_token_row_gets_no_gradient_as_in_hf() -> None:
-    """HF's embedding has ``padding_idx = pad_token_id`` (that row never changes); so does ds_mp's (TP=2)."""
+@pytest.mark.parametrize("pad, tp", [("seen", 2), (-1, 1), (-1, 2)], ids=["id_tp2", "minus1_tp1", "minus1_tp2"])
+def test_pad_token_row_gets_no_gradient_as_in_hf(pad: Any, tp: int) -> None:
+    """HF's embedding has ``padding_idx = pad_token_id`` (that row never changes); so does ds_mp's.
+    ``-1`` (Llama-1-era configs) is ``nn.Embedding``'s row V − 1, which lives on the last TP shard."""
     steps = steps_for()
-    pad = int(steps[0][0][0][0, 0])  # a token the batches contain
-    model = tiny_llama("llama", 2, False, pad=pad)
+    if pad == "seen":
+        pad = int(steps[0][0][0][0, 0])  # a token the batches contain
+    else:
+        for mbs in steps:  # the batches contain row V - 1
+            mbs[0][0][:, 2:5] = VOCAB - 1
+    model, row = tiny_llama("llama", 2, False, pad=pad), "model.embed_tokens.weight"
+    assert model.model.embed_tokens.padding_idx == pad % VOCAB
     want_losses, _, want = hf_train(model, steps, lr=LR)
-    results = run_ranks(_train, 2, model, steps, ds_config(tp=2, micro=2, gas=2, lr=LR, seq=SEQ), timeout=600)
-    got = {**results[0][1], **results[1][1]}
-    row = "model.embed_tokens.weight"
     assert torch.equal(want[row][pad], model.state_dict()[row][pad])  # the oracle keeps it
+    results = run_ranks(_train, tp, model, steps, ds_config(tp=tp, micro=2, gas=2, lr=LR, seq=SEQ), timeout=600)
+    got = {k: v for _, weights in results for k, v in weights.items()}
     assert max_diff(got, want) < TOL and torch.equal(got[row][pad], want[row][pad])
 
 

@@ -10,8 +10,11 @@ source, bit-exact (padding dropped), which also streams.  ``--verify-logits`` ad
 runs two HF models (the family's ``…ForCausalLM``) on a fixed input and compares logits (max |Δ| ≤ ``--atol``)
 — this holds two whole models in memory:
 
-* hf-to-ds: the source model vs a model rebuilt from the written shards (every tensor
-  merged back with ``unshard``), which checks the cut and the vocab padding;
+* hf-to-ds: ``from_pretrained(IN)`` — HF's own loader of the source, with its reading of names,
+  tying and config (a config that ties the head over a stored, different ``lm_head.weight`` loads
+  untied) — vs a model rebuilt from the written shards (every tensor merged back with
+  ``unshard``), which checks ds_mp's reading of the source, the cut and the vocab padding (a
+  sharded IN, ds_mp's own format, is rebuilt from its shards);
 * ds-to-hf: a model rebuilt from the source shards vs ``from_pretrained(OUT)``, which
   checks that HF's own loader reads the export (names, tying, config) as intended.
 
@@ -44,6 +47,11 @@ def model_from(reader: HFReader | ShardedReader) -> Any:
     return model
 
 
+def hf_loaded(path: str, cfg: Any) -> Any:
+    """``from_pretrained(path)`` of the family's ``…ForCausalLM`` in fp32: the HF directory as HF reads it."""
+    return family_of(cfg).model_class(cfg).from_pretrained(path, dtype=torch.float32).eval()
+
+
 def max_logit_diff(a: Any, b: Any, vocab: int, n_positions: int) -> float:
     """max |logits_a − logits_b| on a fixed (2, ≤16) batch of token ids."""
     T = min(16, n_positions)
@@ -56,7 +64,7 @@ def _check(diff: float, atol: float, what: str) -> str:
     if not diff <= atol:  # also catches NaN
         raise CheckpointError(f"verification failed: {what} max |Δlogits| = {diff:.3e} > atol {atol:.1e}; "
                               "the written checkpoint does not reproduce the source (output not written)")
-    return f"verified: max |Δlogits| = {diff:.3e} (atol {atol:.1e})"
+    return f"verified: {what} max |Δlogits| = {diff:.3e} (atol {atol:.1e})"
 
 
 def _check_tensors(src: Any, out: Any, cfg: Any) -> str:
@@ -104,9 +112,10 @@ def hf_to_ds(src: str, out: str, tp: int, pp: int, partition: str | list[int] = 
         if verify:
             msg += "; " + _check_tensors(reader, ShardedReader(tmp), cfg)
         if verify_logits:
-            diff = max_logit_diff(model_from(reader), model_from(ShardedReader(tmp)), cfg.vocab_size,
-                                  cfg.max_position_embeddings)
-            msg += "; " + _check(diff, atol, "source vs shards")
+            sharded_in = isinstance(reader, ShardedReader)
+            source = model_from(reader) if sharded_in else hf_loaded(src, cfg)
+            diff = max_logit_diff(source, model_from(ShardedReader(tmp)), cfg.vocab_size, cfg.max_position_embeddings)
+            msg += "; " + _check(diff, atol, "source shards vs shards" if sharded_in else "from_pretrained(IN) vs shards")
     return msg
 
 
@@ -146,8 +155,7 @@ def ds_to_hf(src: str, out: str, tokenizer_dir: str | None = None, verify: bool 
         if verify:
             msg += "; " + _check_tensors(reader, HFReader(tmp), cfg)
         if verify_logits:
-            hf = family_of(cfg).model_class(cfg).from_pretrained(tmp, dtype=torch.float32).eval()
-            diff = max_logit_diff(model_from(reader), hf, cfg.vocab_size, cfg.max_position_embeddings)
+            diff = max_logit_diff(model_from(reader), hf_loaded(tmp, cfg), cfg.vocab_size, cfg.max_position_embeddings)
             msg += "; " + _check(diff, atol, "shards vs from_pretrained")
     return msg
 

@@ -24,7 +24,7 @@ from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, SafetensorsRanges,
                                       is_sharded_dir, open_safetensors, st_dtype, write_safetensors_streaming)
-from ds_mp.models.family import family_named, family_of
+from ds_mp.models.family import family_named, family_of, untied_as_hf_loads
 from ds_mp.models.pipeline import hf_param_name, is_tied_copy
 from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel.sharding import read_shard, shard, unshard
@@ -118,8 +118,12 @@ class HFReader:
         return open_safetensors(handle).get_tensor(key) if isinstance(handle, str) else handle[key]
 
     def _validate(self) -> None:
+        head, embedding = self.family.head_and_embedding()
+        if (head in self._shape and embedding in self._shape and getattr(self.config, "tie_word_embeddings", True)
+                and not torch.equal(self._raw(head), self._raw(embedding))):
+            self.config = untied_as_hf_loads(self.config, self.path)  # HF's from_pretrained loads them untied
         want = expected_shapes(self.config)
-        have = set(self._shape) - ({"lm_head.weight"} - set(want))  # a head stored beside a tied embedding
+        have = set(self._shape) - ({head} - set(want))  # a head stored beside a tied embedding (equal to it)
         if want.keys() - have:
             raise CheckpointError(f"{self.path}: missing tensors {sorted(want.keys() - have)[:5]}; the "
                                   "checkpoint does not match its config.json (n_layer?)")
@@ -130,7 +134,6 @@ class HFReader:
             if self._shape[name] != shape:
                 raise CheckpointError(f"{self.path}: {name} has shape {list(self._shape[name])} but config.json "
                                       f"implies {list(shape)}; the weights and config.json disagree")
-        head, embedding = self.family.head_and_embedding()
         if head in self._shape and head not in want and not getattr(self.config, "tie_word_embeddings", True):
             if not torch.equal(self._raw(head), self._raw(embedding)):
                 raise CheckpointError(f"{self.path}: {head} is untied from {embedding}; ds_mp ties the LM "

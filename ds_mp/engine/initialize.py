@@ -11,7 +11,7 @@ from ds_mp import deepspeed_compat as compat
 from ds_mp.config import ConfigError, DsMpConfig, load_config, read_json
 from ds_mp.engine.optimizer import optimizer_setup
 from ds_mp.models.cost_profile import PROFILE_NAME, agreed_layer_costs
-from ds_mp.models.family import inline_config
+from ds_mp.models.family import causal_lm_family, inline_config
 from ds_mp.models.partition import LayerCosts
 from ds_mp.models.pipeline import build_pipeline
 from ds_mp.models.weights import WeightSource, fresh_source
@@ -101,6 +101,11 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
         if config is None:
             raise ConfigError("config: pass config=PATH|dict or --deepspeed_config PATH")
     raw = read_json(config)
+    if model is not None and not isinstance(model, str):
+        try:
+            causal_lm_family(model)  # every rank, before any collective
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if isinstance(model, str) or (model is not None and hasattr(model, "config")):
         raw = copy.deepcopy(raw)
         raw.setdefault("ds_mp", {})["model"] = model if isinstance(model, str) else None

@@ -130,6 +130,10 @@ class Family:
         """``hf_name`` without its block prefix (``attn.c_attn.weight``), as the plans key it."""
         return re.sub(rf"^{re.escape(self.block_prefix)}\d+\.", "", hf_name)
 
+    def head_dim(self, cfg: Any) -> int:
+        """Width of one attention head (a key/value cache entry's last dimension)."""
+        return cfg.hidden_size // cfg.num_attention_heads
+
     def heads(self, hf_name: str, cfg: Any) -> int:
         """Heads of the tensor ``hf_name`` (what a ``qkv``/``kv`` cut keeps whole)."""
         return cfg.num_attention_heads
@@ -185,6 +189,39 @@ def family_of(hf_config: Any) -> Family:
     return family_named(hf_config.model_type)
 
 
+def untied_as_hf_loads(cfg: Any, where: str) -> Any:
+    """A copy of ``cfg`` with ``tie_word_embeddings`` false, with HF's warning: what HF's
+    ``from_pretrained`` (``PreTrainedModel.tie_weights``) trains when a config ties the LM head but
+    ``where`` (a checkpoint, a model object) holds a head that differs from the embedding: it loads the
+    two untied.  A family whose table always ties the head (GPT-2) then refuses the copy."""
+    import copy
+    import warnings
+
+    head, embedding = family_of(cfg).head_and_embedding()
+    warnings.warn(f"ds_mp: {where}: {head} differs from {embedding} although tie_word_embeddings is true; "
+                  "loading them untied, as HF's from_pretrained does (set tie_word_embeddings false to silence)")
+    out = copy.deepcopy(cfg)
+    out.tie_word_embeddings = False
+    return out
+
+
+def causal_lm_family(model: Any) -> Family:
+    """The family of an HF model object (a PEFT model: of its base), refusing one that is not the
+    family's causal LM (``LlamaModel``, ``LlamaForSequenceClassification``: ds_mp would train the
+    causal-LM head and loss, not the object's own) with one line."""
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    cfg = getattr(base, "config", None)
+    if cfg is None or not hasattr(cfg, "model_type"):
+        raise ValueError(f"model: a {type(model).__name__} has no HF config; pass an HF …ForCausalLM, a model "
+                         "directory or a Hub id")
+    family = family_of(cfg)
+    cls = family.model_class(cfg)
+    if not isinstance(base, cls):
+        raise ValueError(f"model: a {type(base).__name__} is not a causal LM; ds_mp trains {cls.__name__} (its LM "
+                         f"head and loss, not this object's): pass {cls.__name__}.from_pretrained(...) of its weights")
+    return family
+
+
 def inline_config(shape: Any) -> Any:
     """The HF config of an inline model shape (``ds_mp.config.InlineModel``), by its ``model_type``."""
     return family_named(shape.model_type).inline_config(shape)
@@ -208,5 +245,5 @@ def block_matmul_parameters(hf_config: Any) -> int:
                if len(shape) == 2 and family.layer_prefix(name) == first)
 
 
-__all__ = ["FAMILIES", "Family", "block_matmul_parameters", "family_named", "family_of", "inline_config",
-           "lora_targeted", "model_config"]
+__all__ = ["FAMILIES", "Family", "block_matmul_parameters", "causal_lm_family", "family_named", "family_of",
+           "inline_config", "lora_targeted", "model_config", "untied_as_hf_loads"]

@@ -310,6 +310,9 @@ class GPT2Family(Family):
                 raise ValueError(f"GPT-2 option {flag}=True is not supported by ds_mp")
         if not getattr(cfg, "scale_attn_weights", True):
             raise ValueError("GPT-2 option scale_attn_weights=False is not supported by ds_mp")
+        if not getattr(cfg, "tie_word_embeddings", True):  # HF then trains lm_head apart from wte
+            raise ValueError("GPT-2 option tie_word_embeddings=False (an lm_head of its own) is not supported by ds_mp, "
+                             "whose GPT-2 head is wte; use a tied GPT-2 or a Llama-family model")
 
     def dropouts(self, cfg: Any) -> tuple[float, float, float]:
         return cfg.resid_pdrop, cfg.embd_pdrop, cfg.attn_pdrop

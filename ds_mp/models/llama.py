@@ -75,10 +75,21 @@ def linear_shape(cfg: Any, module: str) -> tuple[int, int]:
 
 
 def biases(cfg: Any) -> tuple[bool, bool, bool]:
-    """(q/k/v bias, o_proj bias, MLP biases) as HF builds them: Qwen2 has q/k/v biases, Llama's
-    ``attention_bias`` / ``mlp_bias`` add them, Mistral has none."""
-    attn = bool(getattr(cfg, "attention_bias", False))
-    return cfg.model_type == "qwen2" or attn, attn and cfg.model_type == "llama", bool(getattr(cfg, "mlp_bias", False))
+    """(q/k/v bias, o_proj bias, MLP biases) as HF builds them: Llama reads ``attention_bias`` (q/k/v
+    and o) and ``mlp_bias``; Qwen2 always has q/k/v biases and nothing else; Mistral has none.  A
+    Qwen2/Mistral config carrying ``attention_bias`` or ``mlp_bias`` is read as HF reads it: ignored."""
+    if cfg.model_type == "llama":
+        attn = bool(getattr(cfg, "attention_bias", False))
+        return attn, attn, bool(getattr(cfg, "mlp_bias", False))
+    return cfg.model_type == "qwen2", False, False
+
+
+def padding_idx(cfg: Any) -> int | None:
+    """The embedding row HF never updates: ``nn.Embedding(V, C, padding_idx=pad_token_id)``, a negative
+    id counting from the end (``-1`` is row V − 1, as in Llama-1-era configs); None without a pad id.
+    An id outside ``[-V, V)`` is refused by :meth:`LlamaFamily.check` (HF cannot build that model)."""
+    pad = getattr(cfg, "pad_token_id", None)
+    return None if pad is None else pad % cfg.vocab_size
 
 
 def param_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
@@ -136,6 +147,10 @@ class LlamaFamily(Family):
                              f"with the input); supported: {', '.join(_STATIC_ROPE)}")
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError(f"{cfg.model_type} option use_sliding_window=True is not supported by ds_mp")
+        pad, V = getattr(cfg, "pad_token_id", None), cfg.vocab_size
+        if pad is not None and not -V <= pad < V:
+            raise ValueError(f"{cfg.model_type} pad_token_id={pad} is not a row of the {V}-token embedding (HF's "
+                             "padding_idx refuses it too); set pad_token_id to a token id below vocab_size, or null")
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={cfg.num_key_value_heads}")
@@ -164,6 +179,7 @@ class LlamaFamily(Family):
         return param_shapes(cfg)
 
     head_dim, linear_shape, biases = staticmethod(head_dim), staticmethod(linear_shape), staticmethod(biases)
+    padding_idx = staticmethod(padding_idx)
 
     def head_and_embedding(self) -> tuple[str, str]:
         return "lm_head.weight", "model.embed_tokens.weight"
@@ -206,4 +222,4 @@ class LlamaFamily(Family):
 FAMILY = LlamaFamily()
 
 __all__ = ["LLAMA_TP_PLAN", "LLAMA_LORA_PLAN", "FAMILY", "LlamaFamily", "param_shapes", "head_dim", "linear_shape",
-           "biases"]
+           "biases", "padding_idx"]

@@ -209,7 +209,7 @@ class TokenEmbedding(nn.Module):
         self.ctx = ctx
         self.embed = VocabParallelEmbedding(src.lazy(name), ctx.group, ctx.tp_rank, ctx.tp, ctx.padded_vocab,
                                             sequence_parallel=ctx.sp, overlap_comm=ctx.overlap_comm)
-        self.pad_id = getattr(ctx.hf, "pad_token_id", None)
+        self.pad_id = ctx.family.padding_idx(ctx.hf)
 
     def forward(self, inputs: Any) -> torch.Tensor:
         return embed_forward(self, inputs)
@@ -217,7 +217,8 @@ class TokenEmbedding(nn.Module):
 
 def embed_forward(module: TokenEmbedding, inputs: Any) -> torch.Tensor:
     """First stage: ``ids`` (or ``(ids, positions)``) -> ``embed_tokens(ids)``.  HF's embedding has
-    ``padding_idx = pad_token_id``: that row gets no gradient, so neither does it here."""
+    ``padding_idx = pad_token_id`` (``-1``: row V − 1): that row gets no gradient from the lookup, so
+    neither does it here (the lookups of that id are cut from the graph, on whichever TP rank holds it)."""
     ids = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
     h = module.embed(ids)
     if module.pad_id is not None and h.requires_grad:

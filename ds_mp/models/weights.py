@@ -60,11 +60,20 @@ class WeightSource:
     @classmethod
     def from_model(cls, model: nn.Module) -> "WeightSource":
         """An HF ``…ForCausalLM``, or a PEFT ``PeftModel`` over one (its LoRA factors are read as
-        ``<module>.lora_A/B`` in ds_mp's layout, see :func:`peft_to_hf_names`)."""
-        sd = model.state_dict()
+        ``<module>.lora_A/B`` in ds_mp's layout, see :func:`peft_to_hf_names`); any other object is
+        refused (:func:`~ds_mp.models.family.causal_lm_family`).  Its config is the one the object
+        trains with: a head HF left untied although the config ties it (``from_pretrained`` of a
+        checkpoint storing a different head) stays untied (:func:`~ds_mp.models.family.untied_as_hf_loads`)."""
+        from ds_mp.models.family import causal_lm_family, untied_as_hf_loads
+
+        causal_lm_family(model)
+        sd, cfg = model.state_dict(), model.config
         if hasattr(model, "peft_config"):
             sd = peft_to_hf_names(sd)
-        return cls(lambda n: sd[n], model.config, names=set(sd))
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        if getattr(cfg, "tie_word_embeddings", False) and head is not None and head.weight is not embedding.weight:
+            cfg = untied_as_hf_loads(cfg, f"the {type(model).__name__} object")
+        return cls(lambda n: sd[n], cfg, names=set(sd))
 
 
 def peft_to_hf_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -165,3 +165,21 @@ def test_pad_token_outside_the_vocabulary_is_refused(pad: int) -> None:
                       vocab_size=VOCAB, pad_token_id=pad)
     with pytest.raises(ValueError, match=f"pad_token_id={pad} is not a row"):
         family_of(cfg).check(cfg)
+
+
+def test_terapipe_auto_slices_with_explicit_head_dim_and_gqa(tmp_path) -> None:
+    """``"slices": "auto"`` profiles the stage with the cache entries its blocks really hold (head_dim 24 ≠
+    96 / 6, 2 key/value heads for 6 query heads), trains as HF at PP = 2, and keys the saved profile by
+    head_dim and the key/value head count (a profile of another head shape is measured again)."""
+    from ds_mp.schedules.terapipe.cost_model import cost_model_meta
+
+    model, steps = tiny_llama("llama", 2, False, head_dim=24), steps_for(micro_batches=1)
+    want_losses, _, want = hf_train(model, steps, lr=LR)
+    cfg = ds_config(pp=2, micro=2, gas=1, lr=LR, seq=SEQ, schedule="terapipe",
+                    terapipe={"slices": "auto", "granularity": 4}, training={"output_dir": str(tmp_path)})
+    results = run_ranks(_train, 2, model, steps, cfg, timeout=600)
+    got = {k: v for _, weights in results for k, v in weights.items()}
+    assert set(got) == set(want) and max_diff(got, want) < TOL
+    assert max(abs(a - b) for a, b in zip(results[0][0], want_losses)) < TOL
+    meta = cost_model_meta(os.path.join(tmp_path, "terapipe_profile.json"))
+    assert (meta["head_dim"], meta["n_kv_head"]) == (24, 2), meta

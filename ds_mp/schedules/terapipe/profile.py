@@ -103,7 +103,7 @@ def profile_engine_stage(engine: Any, L: int, granularity: int, rows: int | None
     module, B = engine.module, rows or engine.train_micro_batch_size_per_gpu()
     ctx, blocks = module.ds_mp_ctx, module.blocks()
     p = next(module.parameters())
-    hs = ctx.n_embd // ctx.n_head
+    hs = ctx.family.head_dim(ctx.hf)  # the cache's per-head width (Llama's explicit head_dim may differ from C/heads)
 
     def make_input(i: int, j: int) -> Any:
         if engine.is_first_stage():
@@ -198,6 +198,7 @@ def profile_meta(engine: Any) -> dict:
     ctx, p = engine.module.ds_mp_ctx, next(engine.module.parameters())
     cfg = engine.ds_mp_config
     return {"stage_blocks": len(engine.module.blocks()), "n_embd": ctx.n_embd, "n_head": ctx.n_head, "vocab": ctx.vocab,
+            "head_dim": ctx.family.head_dim(ctx.hf), "n_kv_head": getattr(ctx.hf, "num_key_value_heads", ctx.n_head),
             "seq_len": cfg.data.seq_len, "micro_batch": engine.train_micro_batch_size_per_gpu(),
             "tp": cfg.tp, "pp": engine.num_stages, "sequence_parallel": bool(ctx.sp),
             "granularity": cfg.terapipe.granularity, "batch_slices": cfg.terapipe.batch_slices,
@@ -299,7 +300,6 @@ def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, fl
     blocks = [ctx.family.layer_spec(r, src, ctx).build().eval() for r in rows[:math.ceil(cfg.shape.n_layer / cfg.pp)]]
     assert all(getattr(b, "is_block", False) for b in blocks), f"{ctx.family.name}: {rows} are not all blocks"
     stage = torch.nn.Sequential(*blocks)
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
 
     from deepspeed.accelerator import get_accelerator
 
@@ -309,7 +309,7 @@ def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, fl
     def make_input(i: int, j: int) -> torch.Tensor:
         return torch.randn(micro_batch, i, hf.hidden_size, device=device, requires_grad=True)
 
-    fn = _slice_timer(stage, blocks, make_input, micro_batch, head_dim, torch.float32, device)
+    fn = _slice_timer(stage, blocks, make_input, micro_batch, ctx.family.head_dim(hf), torch.float32, device)
     return _profile(fn, cfg.data.seq_len, cfg.terapipe.granularity)
 
 

@@ -154,6 +154,24 @@ def test_objects_that_are_not_causal_lms_are_refused() -> None:
         assert not torch.distributed.is_initialized()
 
 
+def test_gpt2_pad_token_row_trains_as_in_hf() -> None:
+    """HF's GPT-2 embedding has no ``padding_idx`` whatever ``pad_token_id`` says: the pad row trains like
+    any other there and in ds_mp (TP = 2; a guard, not a mend: tests/test_llama.py covers the Llama family)."""
+    from helpers import batches, tiny_gpt2
+
+    model = tiny_gpt2(n_layer=2, vocab=VOCAB)
+    steps = [batches(2, 2, SEQ, VOCAB, seed=7 + i) for i in range(2)]
+    pad = int(steps[0][0][0][0, 0])
+    model.config.pad_token_id = pad
+    assert model.transformer.wte.padding_idx is None
+    want_losses, _, want = hf_train(model, steps, lr=LR)
+    row = "transformer.wte.weight"
+    assert not torch.equal(want[row][pad], model.state_dict()[row][pad])
+    results = run_ranks(_train, 2, model, steps, ds_config(tp=2, micro=2, gas=2, lr=LR, seq=SEQ), timeout=600)
+    got = {k: v for _, weights in results for k, v in weights.items()}
+    assert max_diff(got, want) < TOL
+
+
 @pytest.mark.parametrize("pad", [VOCAB, -VOCAB - 1])
 def test_pad_token_outside_the_vocabulary_is_refused(pad: int) -> None:
     """HF's ``nn.Embedding`` refuses a ``padding_idx`` outside [-V, V); so does the family check."""

@@ -65,6 +65,22 @@ def test_tied_config_over_a_different_stored_head_trains_untied_as_hf(tmp_path) 
         assert max(abs(a - b) for a, b in zip(results[0][0], want_losses)) < TOL, (results[0][0], want_losses)
 
 
+def test_an_equal_stored_head_stays_tied(tmp_path) -> None:
+    """A tied checkpoint that also stores the head (as ``.bin`` files do) loads tied in HF and in ds_mp."""
+    from safetensors.torch import save_file
+
+    from ds_mp.checkpoint.hf import HFReader
+
+    model = tiny_llama("llama", 2, True)
+    model.save_pretrained(tmp_path)
+    sd = {n: t.clone().contiguous() for n, t in model.state_dict().items()}
+    assert "lm_head.weight" in sd
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    hf = _hf_loads(str(tmp_path))
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    assert HFReader(str(tmp_path)).config.tie_word_embeddings
+
+
 @pytest.mark.filterwarnings("ignore:ds_mp.*differs from")
 def test_convert_verifies_against_from_pretrained_of_the_source(tmp_path, monkeypatch) -> None:
     """``hf-to-ds --verify-logits`` compares with HF's own loader of IN, so a misread source fails the

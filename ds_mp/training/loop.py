@@ -117,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     from ds_mp.checkpoint import CheckpointError
     from ds_mp.data import DataError
     from ds_mp.hub import HubError
+    from ds_mp.models.token_ids import TokenIdError
 
     args = parse_args(argv)
     try:
         return _run(args)
-    except (ConfigError, DataError, CheckpointError, HubError, NonFiniteLoss) as e:
+    except (ConfigError, DataError, TokenIdError, CheckpointError, HubError, NonFiniteLoss) as e:
         print(f"ds_mp: error: {e}", file=sys.stderr)
         return 3 if isinstance(e, NonFiniteLoss) else 2
 
@@ -149,6 +150,7 @@ def _run(args: argparse.Namespace) -> int:
         init = resolve_model(tcfg.init_from, "ds_mp.training.init_from")
     if init:
         directory_source(init)  # config, files, keys and shapes: fails before any collective
+    _warn_tokenizer(train_ds.info, init)
     ckpt_root = os.path.join(tcfg.output_dir, "checkpoints")
     resume_tag = read_latest(ckpt_root) if args.resume else None
     if args.resume and resume_tag is None:
@@ -266,6 +268,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ds_mp: done: {tcfg.steps} steps; checkpoints in {ckpt_root}; HF model in "
               f"{os.path.join(tcfg.output_dir, 'hf')}; log {os.path.join(tcfg.output_dir, 'log.csv')}")
     return 0
+
+
+def _warn_tokenizer(info: Any, model_dir: str | None) -> None:
+    """One line on rank 0 when the dataset was encoded by another tokenizer than the model's."""
+    from ds_mp.data.checks import tokenizer_mismatch
+
+    warning = tokenizer_mismatch(info, model_dir)
+    if warning and os.environ.get("RANK", "0") == "0":
+        print(warning, file=sys.stderr)
 
 
 def _write_trace(engine: Any, recorded: list, path: str, bar: Any) -> None:

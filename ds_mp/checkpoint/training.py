@@ -8,8 +8,9 @@ the model files,
   A state tensor shaped like the parameter shard is cut by the parameter's own TP rule,
   so it reshards exactly like the weight; other tensors (``step``) are replicated;
   non-tensor entries go to the file's JSON metadata.
-* ``trainer_state.pt``: optimizer hyper-parameters per group, LR scheduler state, the
-  engine's step/sample counters and the caller's ``client_state`` (from global rank 0;
+* ``trainer_state.pt``: optimizer hyper-parameters per group, the JSON's ``optimizer.params``
+  (what the user changed since wins on resume: :mod:`~ds_mp.checkpoint.hparams`), LR scheduler
+  state, the engine's step/sample counters and the caller's ``client_state`` (from global rank 0;
   tensors and plain values only: loaded with ``weights_only=True``).
 
 Only DP replica 0 writes (replicas are identical); every rank loads and cuts its own
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -40,6 +42,7 @@ import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import commit_dir, fresh_dir, write_text_atomic
+from ds_mp.checkpoint.hparams import apply_config_hparams, changed_hparams
 from ds_mp.checkpoint.integrity import file_entries, load_torch, write_manifest
 from ds_mp.checkpoint.sharded import (META, CheckpointError, ShardedReader, expected_shapes, lora_shapes,
                                       make_meta, shard_file, write_meta)
@@ -161,7 +164,8 @@ def _trainer_state(engine: Any, opt: torch.optim.Optimizer | None, client_state:
             "lr_scheduler": sched.state_dict() if sched is not None else None,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp},
-            "loss_scaler": compat.loss_scaler_state(engine.optimizer), "client_state": client_state}
+            "loss_scaler": compat.loss_scaler_state(engine.optimizer), "client_state": client_state,
+            "optimizer_hparams": getattr(engine, "optimizer_hparams", None)}  # the JSON's (checkpoint.hparams)
 
 
 def _matching_groups(base: torch.optim.Optimizer, saved: list[dict], path: str) -> list[tuple[dict, dict]]:
@@ -371,8 +375,14 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
             opt.state.pop(p, None)
             if state:
                 opt.state[p] = state
+    built = [{k: v for k, v in group.items() if k != "params"} for group, _ in groups]  # from this run's config
     for group, saved in groups:
         group.update(saved)
+    note = apply_config_hparams([(g, b) for (g, _), b in zip(groups, built)],
+                                changed_hparams(trainer.get("optimizer_hparams"), getattr(engine, "optimizer_hparams", None)),
+                                engine.lr_scheduler is not None)
+    if note and topo.rank == 0:
+        print(f"ds_mp: resume from {path}: {note}", file=sys.stderr)
     if trainer.get("loss_scaler") is not None:  # fp16: resume at the scale and counters it had
         compat.set_loss_scaler_state(engine.optimizer, trainer["loss_scaler"])
     if engine.lr_scheduler is not None and trainer["lr_scheduler"] is not None:

@@ -136,6 +136,7 @@ def _run(args: argparse.Namespace) -> int:
     from ds_mp.models.family import model_config
     from ds_mp.training.batch_ramp import BatchRamp, LrScaling
     from ds_mp.training.metrics import NoiseScaleProbe, bubble, decoder_flops
+    from ds_mp.training.nan_guard import NanGuard
     from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
     raw = _apply_overrides(read_json(args.deepspeed_config), args)
@@ -183,6 +184,7 @@ def _run(args: argparse.Namespace) -> int:
     log = CsvLog(os.path.join(tcfg.output_dir, "log.csv"), resume=resume_tag is not None) if rank0 else None
 
     def save(step: int, tag: str | None = None) -> None:
+        """A regular ``stepN`` checkpoint (moves ``latest``), or a named diagnostic one (does not)."""
         rngs: list = [None] * torch.distributed.get_world_size()  # every rank's streams (they differ over
         torch.distributed.all_gather_object(rngs, rng_state())  # TP and PP), by global rank: exact dropout
         save_checkpoint(engine, ckpt_root, tag or f"step{step}",
@@ -190,8 +192,10 @@ def _run(args: argparse.Namespace) -> int:
                          "sampler": sampler.state_dict(),
                          "batch_ramp": None if ramp is None else {"ramp": ramp.state_dict(),
                                                                   "lr": lr_scaling.state_dict()},
-                         "noise_scale": None if probe is None else probe.estimator.state_dict()})
+                         "noise_scale": None if probe is None else probe.estimator.state_dict()},
+                        update_latest=tag is None)
 
+    nan_guard = NanGuard(tcfg.on_nan, tcfg.max_consecutive_skips)
     eval_per_pass = gas  # validation passes keep the JSON's micro-batches per step, whatever the ramp does
     bar = _progress(rank0, start_step, tcfg.steps)
     engine.trace_enabled = True
@@ -221,12 +225,10 @@ def _run(args: argparse.Namespace) -> int:
             recorded.extend(engine.trace)
             if step == trace_last:
                 _write_trace(engine, recorded, os.path.join(tcfg.output_dir, "trace.json"), bar)
-        if not math.isfinite(loss) or engine.last_step_nonfinite:  # the update was skipped
-            if tcfg.on_nan == "stop":
-                save(step, f"nan-step{step}")
-                raise NonFiniteLoss(f"non-finite loss {loss} at step {step}; diagnostic checkpoint saved under "
-                                    f"{ckpt_root}/nan-step{step} (weights before the bad step); lower the "
-                                    "LR or set training.on_nan='skip'")
+        if nan_guard.after_step(loss, engine.last_step_nonfinite):  # a diagnostic save; `latest` stays
+            save(step, f"nan-step{step}")
+            raise NonFiniteLoss(nan_guard.stop_message(step, loss, os.path.join(ckpt_root, f"nan-step{step}"),
+                                                       read_latest(ckpt_root)))
         val_loss = None
         if tcfg.eval_interval and step % tcfg.eval_interval == 0:
             val_loss = evaluate(engine, val, eval_per_pass)

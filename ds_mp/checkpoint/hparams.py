@@ -44,7 +44,7 @@ def apply_config_hparams(pairs: list[tuple[dict, dict]], changed: dict[str, tupl
                 group[key] = built[key]
                 hit = True
         if hit:
-            applied.append(f"{key} {old} -> {new}")
+            applied.append(f"{key} {_shown(old)} -> {_shown(new)}")
     if not applied and not by_scheduler:
         return None
     note = f"the config changed {', '.join(applied)} since the save: the config's values are used" if applied else ""
@@ -52,3 +52,8 @@ def apply_config_hparams(pairs: list[tuple[dict, dict]], changed: dict[str, tupl
         note += ("; " if note else "") + ("optimizer.params.lr changed, but the LR scheduler sets the LR "
                                           "(from its saved state): change scheduler.params instead")
     return note
+
+
+def _shown(value: Any) -> str:
+    """A JSON value as the user wrote it; an absent key is "unset" (the optimizer's default)."""
+    return "unset" if value is None else str(value)

@@ -138,3 +138,18 @@ def test_changed_hyperparameters_win_on_resume(tmp_path):
     assert "scheduler" in scheduled["note"] and "lr 0.01" not in scheduled["note"]  # the scheduler owns lr
     assert [g["lr"] for g in scheduled["hp"]] == [g["lr"] for g in r["saved"]]
     assert {g["weight_decay"] for g in scheduled["hp"]} == {0.0, 0.05}
+
+
+def test_split_groups_pair_by_a_changed_weight_decay():
+    """Ouroboros keeps one group per module (more engine groups than saved ones), paired by weight
+    decay: a decay the config changed is looked up under its saved value."""
+    from ds_mp.checkpoint import CheckpointError
+    from ds_mp.checkpoint.training import _matching_groups
+
+    ps = [torch.nn.Parameter(torch.zeros(1)) for _ in range(4)]
+    base = torch.optim.AdamW([{"params": [p], "weight_decay": 0.05 * (i % 2 == 0)} for i, p in enumerate(ps)], lr=0.1)
+    saved = [{"weight_decay": 0.1, "lr": 0.3}, {"weight_decay": 0.0, "lr": 0.3}]
+    pairs = _matching_groups(base, saved, "ckpt", (0.1, 0.05))
+    assert [s["weight_decay"] for _, s in pairs] == [0.1, 0.0, 0.1, 0.0]
+    with pytest.raises(CheckpointError, match="weight decay"):  # without knowing the change: refused
+        _matching_groups(base, saved, "ckpt")

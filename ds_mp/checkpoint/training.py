@@ -168,21 +168,24 @@ def _trainer_state(engine: Any, opt: torch.optim.Optimizer | None, client_state:
             "optimizer_hparams": getattr(engine, "optimizer_hparams", None)}  # the JSON's (checkpoint.hparams)
 
 
-def _matching_groups(base: torch.optim.Optimizer, saved: list[dict], path: str) -> list[tuple[dict, dict]]:
+def _matching_groups(base: torch.optim.Optimizer, saved: list[dict], path: str,
+                     decay_change: tuple | None = None) -> list[tuple[dict, dict]]:
     """Pair each engine parameter group with the saved hyper-parameters it resumes.
 
     The same number of groups pairs them in order.  Otherwise (schedules split groups their
     own way: Ouroboros keeps one group per module) each engine group takes the saved group with
-    its weight decay, whose hyper-parameters (lr, betas, ...) every group shares."""
+    its weight decay, whose hyper-parameters (lr, betas, ...) every group shares; a weight decay
+    the config changed (``decay_change``: its (saved, current) JSON values) is looked up as saved."""
     if len(saved) == len(base.param_groups):
         return list(zip(base.param_groups, saved))
+    old_of = lambda wd: decay_change[0] if decay_change and wd == decay_change[1] else wd  # noqa: E731
     by_decay = {g.get("weight_decay"): g for g in reversed(saved)}
-    missing = [g.get("weight_decay") for g in base.param_groups if g.get("weight_decay") not in by_decay]
+    missing = [g.get("weight_decay") for g in base.param_groups if old_of(g.get("weight_decay")) not in by_decay]
     if missing:
         raise CheckpointError(f"{path}: saved parameter groups have weight decay {sorted(by_decay)}, the engine's "
                               f"{sorted({g.get('weight_decay') for g in base.param_groups})}; resume with the same "
                               "optimizer config")
-    return [(g, by_decay[g.get("weight_decay")]) for g in base.param_groups]
+    return [(g, by_decay[old_of(g.get("weight_decay"))]) for g in base.param_groups]
 
 
 def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | None = None,
@@ -337,7 +340,9 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
     if base is not None and trainer["optimizer"] != type(base).__name__:
         raise CheckpointError(f"{path}: saved with optimizer {trainer['optimizer']}, the engine has "
                               f"{type(base).__name__}; resume with the same optimizer config")
-    groups = _matching_groups(base, trainer["param_groups"], path) if base is not None else []
+    changed = changed_hparams(trainer.get("optimizer_hparams"), getattr(engine, "optimizer_hparams", None))
+    groups = ([] if base is None else
+              _matching_groups(base, trainer["param_groups"], path, changed.get("weight_decay")))
     family, padded = engine.module.family, engine.module.ds_mp_ctx.padded_vocab
     native = _is_native(engine)
     with torch.no_grad():  # each rank reads only the slices of its own shards
@@ -378,9 +383,7 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
     built = [{k: v for k, v in group.items() if k != "params"} for group, _ in groups]  # from this run's config
     for group, saved in groups:
         group.update(saved)
-    note = apply_config_hparams([(g, b) for (g, _), b in zip(groups, built)],
-                                changed_hparams(trainer.get("optimizer_hparams"), getattr(engine, "optimizer_hparams", None)),
-                                engine.lr_scheduler is not None)
+    note = apply_config_hparams([(g, b) for (g, _), b in zip(groups, built)], changed, engine.lr_scheduler is not None)
     if note and topo.rank == 0:
         print(f"ds_mp: resume from {path}: {note}", file=sys.stderr)
     if trainer.get("loss_scaler") is not None:  # fp16: resume at the scale and counters it had

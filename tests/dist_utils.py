@@ -52,8 +52,10 @@ def _entry(rank: int, n: int, port: int, out_dir: str, fn: Callable, args: tuple
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       DS_MP_TIMEOUT=os.environ.get("DS_MP_TIMEOUT", "120"))
     import torch
+    from cpu_fp16 import allow_cpu_fp16
 
     torch.set_num_threads(1)
+    allow_cpu_fp16()  # as conftest does in the pytest process
     try:
         result: Any = ("ok", fn(rank, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent

@@ -21,7 +21,6 @@ from launcher_utils import REPO, tiny_dataset, train_config
 from ds_mp.training.metrics import NoiseScaleEstimator, gradient_sq_estimate, trace_estimate
 
 RECIPE = os.path.join(REPO, "ds_configs", "megatron_recipe.json")
-NO_FP16_REASON = "DeepSpeed's accelerator has no fp16 here (its CPU accelerator asks oneDNN: AMD EPYC says no)"
 
 
 @pytest.fixture(scope="module")
@@ -173,13 +172,7 @@ def _fp16_rank(rank: int) -> list[float]:
 
 
 def test_fp16_through_the_engine():
-    """fp16 with dynamic loss scaling wherever DeepSpeed's accelerator has fp16: a GPU, or a CPU
-    whose oneDNN has fp16 (an Intel Xeon with AVX512-FP16 does)."""
-    from deepspeed.accelerator import get_accelerator
-
-    if not get_accelerator().is_fp16_supported():
-        print(f"skipping fp16: {NO_FP16_REASON}")
-        pytest.skip(NO_FP16_REASON)
+    """fp16 with dynamic loss scaling (on every CPU: tests/cpu_fp16.py)."""
     losses = run_ranks(_fp16_rank, 1, timeout=180)[0]
     assert all(math.isfinite(x) for x in losses)
 
@@ -206,10 +199,6 @@ def test_fp16_trains_like_fp32_hf(tp: int, pp: int, zero: int):
     DeepSpeed 0.19's ``backward`` leaves the loss unscaled for its non-ZeRO fp16 optimizers,
     which still divide by the scale in ``step``: gradients 2^8 times too small here, and a
     loss that does not move (``deepspeed_compat.unapplied_loss_scale``)."""
-    from deepspeed.accelerator import get_accelerator
-
-    if not get_accelerator().is_fp16_supported():
-        pytest.skip(NO_FP16_REASON)
     got = run_ranks(_fp16_sgd_rank, tp * pp, tp, pp, zero, timeout=180)[0]  # train_batch: the batch loss on every rank
     want, _ = hf_reference(tiny_gpt2(), [batches(2, 2, 16, 203, seed=0) for _ in range(4)], lr=0.5)
     assert want[0] - want[-1] > 0.2  # the reference moves far more than the tolerance below

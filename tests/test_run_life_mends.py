@@ -3,7 +3,8 @@
 * item 2: bf16 (DeepSpeed's BF16_Optimizer) + LoRA + PP = 2 crashed at the first step (the tied
   ``wte``, frozen by LoRA, has no fp32 master gradient to reduce); now it follows PEFT's fp32
   model (the oracle) within bf16 rounding.
-* item 3: fp16 without ZeRO (``FP16_Optimizer``) saves and resumes, with the loss scaler's state.
+* item 3: fp16 (``FP16_Optimizer`` without ZeRO, ZeRO-1, ZeRO-2) saves and resumes, with the loss
+  scaler's state.
 * item 7: the vocab-parallel cross-entropy does not sync with the host; the row-parallel linear
   sums its partial product in place; a NaN gradient is caught with ``bf16.immediate_grad_update``.
 """
@@ -163,35 +164,39 @@ def test_ouroboros_refuses_immediate_grad_update():
         load_config(cfg, 1)
 
 
-# --- item 3: fp16 without ZeRO saves, with the loss scaler --------------------------------------
-def _fp16_resume(rank: int, ckpt: str) -> dict:
+# --- item 3: fp16 saves and resumes with the loss scaler (without ZeRO: FP16_Optimizer) --------
+def _fp16_resume(rank: int, ckpt: str, zero: int) -> dict:
     import ds_mp
+    from ds_mp.deepspeed_compat import loss_scaler_state
 
-    cfg = ds_config(pp=2, lr=0.05, seq=16, optimizer="AdamW")
+    pp = 2 if zero == 0 else 1  # 2 ranks: PP = 2, or DP = 2 for ZeRO to partition over (its own data per replica)
+    cfg = ds_config(pp=pp, lr=0.05, seq=16, optimizer="AdamW", zero=zero)
     cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
-    data = [batches(2, 2, 16, 203, seed=s) for s in range(4)]
+    data = [batches(2, 2, 16, 203, seed=10 * s + (rank if pp == 1 else 0)) for s in range(5)]
     engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=cfg)
     losses = []
     for t, mbs in enumerate(data):
-        if t == 2:
+        if t == 3:  # the scale has grown once by now (FP16_Optimizer after step 3, ZeRO's scaler after step 2)
             ds_mp.save_checkpoint(engine, ckpt, "mid")
-            scale = engine.optimizer.loss_scale_config.cur_scale
+            scaler = loss_scaler_state(engine.optimizer)
         losses.append(float(engine.train_batch(iter(mbs))))
     resumed, *_ = ds_mp.initialize(model=tiny_gpt2(seed=1), config=cfg)
     ds_mp.load_checkpoint(resumed, ckpt)
-    restored = resumed.optimizer.loss_scale_config.cur_scale
-    tail = [float(resumed.train_batch(iter(mbs))) for mbs in data[2:]]
-    return {"losses": losses, "tail": tail, "scale": scale, "restored": restored}
+    restored = loss_scaler_state(resumed.optimizer)
+    tail = [float(resumed.train_batch(iter(mbs))) for mbs in data[3:]]
+    return {"losses": losses, "tail": tail, "scaler": scaler, "restored": restored,
+            "after": [loss_scaler_state(e.optimizer) for e in (engine, resumed)]}
 
 
-def test_fp16_without_zero_resumes_with_its_loss_scale(tmp_path):
-    from deepspeed.accelerator import get_accelerator
-
-    if not get_accelerator().is_fp16_supported():
-        pytest.skip("DeepSpeed's accelerator has no fp16 on this machine (runs where it has: e.g. AMX-FP16 CPUs)")
-    for r in run_ranks(_fp16_resume, 2, str(tmp_path), timeout=280):
-        assert r["restored"] == r["scale"] != 2.0 ** 8  # the window of 2 grew the scale before the save
-        torch.testing.assert_close(torch.tensor(r["tail"]), torch.tensor(r["losses"][2:]), rtol=1e-3, atol=0)
+@pytest.mark.parametrize("zero", [0, 1], ids=["no-zero", "zero1"])
+def test_fp16_resumes_with_its_loss_scale(tmp_path, zero):
+    """The scale, iteration and overflow counters travel: restored equal to those saved (a grown
+    scale, not the initial 2^8), the same after the resumed steps as after the uninterrupted ones.
+    ZeRO-1 and ZeRO-2 share one optimizer class and scaler (ZeRO-2's resume: test_lifecycle)."""
+    for r in run_ranks(_fp16_resume, 2, str(tmp_path), zero, timeout=280):
+        assert r["restored"] == r["scaler"] and r["scaler"]["cur_scale"] != 2.0 ** 8, r
+        assert r["after"][0] == r["after"][1], r["after"]
+        torch.testing.assert_close(torch.tensor(r["tail"]), torch.tensor(r["losses"][3:]), rtol=1e-3, atol=0)
 
 
 # --- item 8: Ouroboros' in-flight work resumes at another TP degree ---------------------------

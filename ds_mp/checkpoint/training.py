@@ -8,8 +8,9 @@ the model files,
   A state tensor shaped like the parameter shard is cut by the parameter's own TP rule,
   so it reshards exactly like the weight; other tensors (``step``) are replicated;
   non-tensor entries go to the file's JSON metadata.
-* ``trainer_state.pt``: optimizer hyper-parameters per group, LR scheduler state, the
-  engine's step/sample counters and the caller's ``client_state`` (from global rank 0;
+* ``trainer_state.pt``: optimizer hyper-parameters per group, the JSON's ``optimizer.params``
+  (what the user changed since wins on resume: :mod:`~ds_mp.checkpoint.hparams`), LR scheduler
+  state, the engine's step/sample counters and the caller's ``client_state`` (from global rank 0;
   tensors and plain values only: loaded with ``weights_only=True``).
 
 Only DP replica 0 writes (replicas are identical); every rank loads and cuts its own
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -40,6 +42,7 @@ import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import commit_dir, fresh_dir, write_text_atomic
+from ds_mp.checkpoint.hparams import apply_config_hparams, changed_hparams
 from ds_mp.checkpoint.integrity import file_entries, load_torch, write_manifest
 from ds_mp.checkpoint.sharded import (META, CheckpointError, ShardedReader, expected_shapes, lora_shapes,
                                       make_meta, shard_file, write_meta)
@@ -161,24 +164,28 @@ def _trainer_state(engine: Any, opt: torch.optim.Optimizer | None, client_state:
             "lr_scheduler": sched.state_dict() if sched is not None else None,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp},
-            "loss_scaler": compat.loss_scaler_state(engine.optimizer), "client_state": client_state}
+            "loss_scaler": compat.loss_scaler_state(engine.optimizer), "client_state": client_state,
+            "optimizer_hparams": getattr(engine, "optimizer_hparams", None)}  # the JSON's (checkpoint.hparams)
 
 
-def _matching_groups(base: torch.optim.Optimizer, saved: list[dict], path: str) -> list[tuple[dict, dict]]:
+def _matching_groups(base: torch.optim.Optimizer, saved: list[dict], path: str,
+                     decay_change: tuple | None = None) -> list[tuple[dict, dict]]:
     """Pair each engine parameter group with the saved hyper-parameters it resumes.
 
     The same number of groups pairs them in order.  Otherwise (schedules split groups their
     own way: Ouroboros keeps one group per module) each engine group takes the saved group with
-    its weight decay, whose hyper-parameters (lr, betas, ...) every group shares."""
+    its weight decay, whose hyper-parameters (lr, betas, ...) every group shares; a weight decay
+    the config changed (``decay_change``: its (saved, current) JSON values) is looked up as saved."""
     if len(saved) == len(base.param_groups):
         return list(zip(base.param_groups, saved))
+    old_of = lambda wd: decay_change[0] if decay_change and wd == decay_change[1] else wd  # noqa: E731
     by_decay = {g.get("weight_decay"): g for g in reversed(saved)}
-    missing = [g.get("weight_decay") for g in base.param_groups if g.get("weight_decay") not in by_decay]
+    missing = [g.get("weight_decay") for g in base.param_groups if old_of(g.get("weight_decay")) not in by_decay]
     if missing:
         raise CheckpointError(f"{path}: saved parameter groups have weight decay {sorted(by_decay)}, the engine's "
                               f"{sorted({g.get('weight_decay') for g in base.param_groups})}; resume with the same "
                               "optimizer config")
-    return [(g, by_decay[g.get("weight_decay")]) for g in base.param_groups]
+    return [(g, by_decay[old_of(g.get("weight_decay"))]) for g in base.param_groups]
 
 
 def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | None = None,
@@ -333,7 +340,9 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
     if base is not None and trainer["optimizer"] != type(base).__name__:
         raise CheckpointError(f"{path}: saved with optimizer {trainer['optimizer']}, the engine has "
                               f"{type(base).__name__}; resume with the same optimizer config")
-    groups = _matching_groups(base, trainer["param_groups"], path) if base is not None else []
+    changed = changed_hparams(trainer.get("optimizer_hparams"), getattr(engine, "optimizer_hparams", None))
+    groups = ([] if base is None else
+              _matching_groups(base, trainer["param_groups"], path, changed.get("weight_decay")))
     family, padded = engine.module.family, engine.module.ds_mp_ctx.padded_vocab
     native = _is_native(engine)
     with torch.no_grad():  # each rank reads only the slices of its own shards
@@ -371,8 +380,12 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
             opt.state.pop(p, None)
             if state:
                 opt.state[p] = state
+    built = [{k: v for k, v in group.items() if k != "params"} for group, _ in groups]  # from this run's config
     for group, saved in groups:
         group.update(saved)
+    note = apply_config_hparams([(g, b) for (g, _), b in zip(groups, built)], changed, engine.lr_scheduler is not None)
+    if note and topo.rank == 0:
+        print(f"ds_mp: resume from {path}: {note}", file=sys.stderr)
     if trainer.get("loss_scaler") is not None:  # fp16: resume at the scale and counters it had
         compat.set_loss_scaler_state(engine.optimizer, trainer["loss_scaler"])
     if engine.lr_scheduler is not None and trainer["lr_scheduler"] is not None:

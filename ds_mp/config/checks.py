@@ -118,6 +118,9 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
                           f"training.steps={cfg.training.steps} (e.g. [10, 12]), or [] for no trace")
     if cfg.training.on_nan not in ("stop", "skip"):
         raise ConfigError(f"ds_mp.training.on_nan: must be 'stop' or 'skip', got {cfg.training.on_nan!r}")
+    if cfg.training.max_consecutive_skips < 0:
+        raise ConfigError(f"ds_mp.training.max_consecutive_skips: must be >= 0 (0 = no limit), got "
+                          f"{cfg.training.max_consecutive_skips}")
     if pp.schedule not in SCHEDULES:
         close = difflib.get_close_matches(pp.schedule, list(SCHEDULES), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""

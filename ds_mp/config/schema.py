@@ -87,7 +87,7 @@ class DataConfig:
     seq_len: int = 128  # tokens per sample
     vocab_size: int = 8192  # tokenizer vocab for the embedded default corpus
     seed: int = 1234  # shuffle seed
-    cache_dir: str = ""  # where the default corpus is built ("" = ~/.cache/ds_mp)
+    cache_dir: str = ""  # default corpus; token-id stats of read-only datasets ("" = ~/.cache/ds_mp)
 
 
 @dataclass
@@ -100,6 +100,7 @@ class TrainingConfig:
     output_dir: str = "runs/ds_mp"  # checkpoints, logs, exported model
     seed: int = 1234  # model init / dropout seed
     on_nan: str = "stop"  # "stop" (save diagnostics, exit) or "skip" the step
+    max_consecutive_skips: int = 10  # on_nan "skip": stop after this many skipped steps in a row (0 = no limit)
     init_from: str = ""  # HF dir or ds_mp checkpoint to initialise weights from
     export_hf: bool = True  # write an HF directory at the end of training
     noise_scale_interval: int = 0  # steps between gradient-noise-scale measurements (0 = off; needs DP > 1)

@@ -13,6 +13,7 @@ import sys
 import sysconfig
 from typing import Any
 
+from .checks import check_token_ids
 from .dataset import TokenDataset
 from .errors import DataError
 from .prepare import META_FILE, prepare_data
@@ -61,12 +62,15 @@ def ensure_default_dataset(cache_dir: str = DEFAULT_CACHE_DIR, vocab_size: int =
 
 def datasets_for(cfg: Any) -> tuple[str, Any, Any]:
     """``(path, train, val)`` of a validated ds_mp config: ``data.path`` or the embedded default
-    corpus (built once into ``data.cache_dir``); checks length and vocabulary before any collective."""
-    path = cfg.data.path or ensure_default_dataset(
-        cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "ds_mp"), cfg.data.vocab_size)
+    corpus (built once into ``data.cache_dir``); checks length, vocabulary and every token id
+    (:mod:`ds_mp.data.checks`) before any collective."""
+    cache = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "ds_mp")
+    path = cfg.data.path or ensure_default_dataset(cache, cfg.data.vocab_size)
     train, val = TokenDataset(path, "train"), TokenDataset(path, "val")
     train.num_chunks(cfg.data.seq_len), val.num_chunks(cfg.data.seq_len)  # DataError if shorter than a sequence
     if train.vocab_size > cfg.shape.vocab_size:
         raise DataError(f"data: tokenizer vocab {train.vocab_size} exceeds the model's vocab_size "
                         f"{cfg.shape.vocab_size}; raise ds_mp.model.vocab_size or use the model's tokenizer")
+    for split in (train, val):  # every id below both vocabularies (one cached pass over each file)
+        check_token_ids(split, cfg.shape.vocab_size, cache)
     return path, train, val

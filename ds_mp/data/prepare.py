@@ -17,7 +17,8 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from dataclasses import MISSING, asdict, dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -68,11 +69,23 @@ class DatasetInfo:
         meta = os.path.join(path, META_FILE)
         if not os.path.isfile(meta):
             raise DataError(f"{path!r} is not a ds_mp dataset (no {META_FILE}); build it with `ds-mp prepare-data`")
-        with open(meta, encoding="utf-8") as f:
-            d = json.load(f)
+        try:
+            with open(meta, encoding="utf-8") as f:
+                d = json.load(f)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise DataError(f"{meta}: unreadable ({type(e).__name__}: {e}); rebuild the dataset with "
+                            "ds-mp prepare-data") from e
+        if not isinstance(d, dict):
+            raise DataError(f"{meta}: holds a JSON {type(d).__name__}, not an object; rebuild the dataset")
         if d.get("format_version") != FORMAT_VERSION:
             raise DataError(f"{meta}: format_version {d.get('format_version')} != {FORMAT_VERSION}; rebuild the dataset")
         d.pop("tokenizer_dir", None)
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "path"}
+        required = [n for n, f in fields.items() if f.default is MISSING and f.default_factory is MISSING]
+        problems = [f"{what} keys {keys}" for what, keys in (("missing", [k for k in required if k not in d]),
+                                                             ("unknown", sorted(set(d) - set(fields)))) if keys]
+        if problems:
+            raise DataError(f"{meta}: {'; '.join(problems)}; rebuild the dataset with ds-mp prepare-data")
         return cls(path=os.path.abspath(path), **d)
 
     def to_json(self) -> str:
@@ -186,6 +199,10 @@ def prepare_data(
         with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
             f.write(info.to_json())
         _publish(tmp, out_dir, overwrite)
+    except OSError as e:  # a full disk, a quota, a read-only mount: nothing is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"cannot write the dataset {out_dir!r}: {e.strerror or e}; nothing was written: free "
+                        "space (or choose another --out) and run prepare-data again") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

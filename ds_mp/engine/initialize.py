@@ -153,6 +153,7 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
                                 config=ds_dict, config_class=DeepSpeedConfig(ds_dict, mpu),
                                 ds_mp_config=cfg, topology=topology)
     engine.hf_config = src.config
+    engine.optimizer_hparams = dict((raw.get("optimizer") or {}).get("params") or {})  # kept by checkpoints
     engine.layer_costs = costs  # what "partition": "cost" balanced (None otherwise)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 

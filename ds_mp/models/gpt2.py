@@ -37,6 +37,7 @@ from ds_mp.models.family import Family, lora_targeted
 from ds_mp.models.partition import LayerCosts, balanced_blocks, stage_parts
 from ds_mp.models.pipeline import (LAYER_COST_VERSION, Ctx, DsMpPipeline, LMLoss, attending_to, build_pipeline,
                                    hf_param_name, shift_labels)
+from ds_mp.models.token_ids import check_input_ids
 from ds_mp.models.weights import LazyWeight, WeightSource, peft_to_hf_names
 from ds_mp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp
 from ds_mp.tensor_parallel.layers import embedding_lookup
@@ -241,6 +242,7 @@ class TokenEmbedding(nn.Module):
 def embed_forward(module: TokenEmbedding, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """First stage: ``ids`` or ``(ids, positions)`` -> ``(wte(ids), positions)``."""
     ids, pos = inputs if isinstance(inputs, (tuple, list)) else (inputs, None)
+    check_input_ids(ids, module.ctx.vocab)
     if pos is None:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     return module.wte(ids), pos

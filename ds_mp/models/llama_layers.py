@@ -15,6 +15,7 @@ from transformers.activations import ACT2FN
 
 from ds_mp.models.family import lora_targeted
 from ds_mp.models.pipeline import Ctx
+from ds_mp.models.token_ids import check_input_ids
 from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, reduce_from_tp
 from ds_mp.tensor_parallel.layers import tp_parameter
@@ -220,6 +221,7 @@ def embed_forward(module: TokenEmbedding, inputs: Any) -> torch.Tensor:
     ``padding_idx = pad_token_id`` (``-1``: row V − 1): that row gets no gradient from the lookup, so
     neither does it here (the lookups of that id are cut from the graph, on whichever TP rank holds it)."""
     ids = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+    check_input_ids(ids, module.ctx.vocab)
     h = module.embed(ids)
     if module.pad_id is not None and h.requires_grad:
         pad = ids == module.pad_id

@@ -117,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     from ds_mp.checkpoint import CheckpointError
     from ds_mp.data import DataError
     from ds_mp.hub import HubError
+    from ds_mp.models.token_ids import TokenIdError
 
     args = parse_args(argv)
     try:
         return _run(args)
-    except (ConfigError, DataError, CheckpointError, HubError, NonFiniteLoss) as e:
+    except (ConfigError, DataError, TokenIdError, CheckpointError, HubError, NonFiniteLoss) as e:
         print(f"ds_mp: error: {e}", file=sys.stderr)
         return 3 if isinstance(e, NonFiniteLoss) else 2
 
@@ -135,6 +136,7 @@ def _run(args: argparse.Namespace) -> int:
     from ds_mp.models.family import model_config
     from ds_mp.training.batch_ramp import BatchRamp, LrScaling
     from ds_mp.training.metrics import NoiseScaleProbe, bubble, decoder_flops
+    from ds_mp.training.nan_guard import NanGuard
     from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
     raw = _apply_overrides(read_json(args.deepspeed_config), args)
@@ -149,6 +151,7 @@ def _run(args: argparse.Namespace) -> int:
         init = resolve_model(tcfg.init_from, "ds_mp.training.init_from")
     if init:
         directory_source(init)  # config, files, keys and shapes: fails before any collective
+    _warn_tokenizer(train_ds.info, init)
     ckpt_root = os.path.join(tcfg.output_dir, "checkpoints")
     resume_tag = read_latest(ckpt_root) if args.resume else None
     if args.resume and resume_tag is None:
@@ -181,6 +184,7 @@ def _run(args: argparse.Namespace) -> int:
     log = CsvLog(os.path.join(tcfg.output_dir, "log.csv"), resume=resume_tag is not None) if rank0 else None
 
     def save(step: int, tag: str | None = None) -> None:
+        """A regular ``stepN`` checkpoint (moves ``latest``), or a named diagnostic one (does not)."""
         rngs: list = [None] * torch.distributed.get_world_size()  # every rank's streams (they differ over
         torch.distributed.all_gather_object(rngs, rng_state())  # TP and PP), by global rank: exact dropout
         save_checkpoint(engine, ckpt_root, tag or f"step{step}",
@@ -188,8 +192,10 @@ def _run(args: argparse.Namespace) -> int:
                          "sampler": sampler.state_dict(),
                          "batch_ramp": None if ramp is None else {"ramp": ramp.state_dict(),
                                                                   "lr": lr_scaling.state_dict()},
-                         "noise_scale": None if probe is None else probe.estimator.state_dict()})
+                         "noise_scale": None if probe is None else probe.estimator.state_dict()},
+                        update_latest=tag is None)
 
+    nan_guard = NanGuard(tcfg.on_nan, tcfg.max_consecutive_skips)
     eval_per_pass = gas  # validation passes keep the JSON's micro-batches per step, whatever the ramp does
     bar = _progress(rank0, start_step, tcfg.steps)
     engine.trace_enabled = True
@@ -219,12 +225,10 @@ def _run(args: argparse.Namespace) -> int:
             recorded.extend(engine.trace)
             if step == trace_last:
                 _write_trace(engine, recorded, os.path.join(tcfg.output_dir, "trace.json"), bar)
-        if not math.isfinite(loss) or engine.last_step_nonfinite:  # the update was skipped
-            if tcfg.on_nan == "stop":
-                save(step, f"nan-step{step}")
-                raise NonFiniteLoss(f"non-finite loss {loss} at step {step}; diagnostic checkpoint saved under "
-                                    f"{ckpt_root}/nan-step{step} (weights before the bad step); lower the "
-                                    "LR or set training.on_nan='skip'")
+        if nan_guard.after_step(loss, engine.last_step_nonfinite):  # a diagnostic save; `latest` stays
+            save(step, f"nan-step{step}")
+            raise NonFiniteLoss(nan_guard.stop_message(step, loss, os.path.join(ckpt_root, f"nan-step{step}"),
+                                                       read_latest(ckpt_root)))
         val_loss = None
         if tcfg.eval_interval and step % tcfg.eval_interval == 0:
             val_loss = evaluate(engine, val, eval_per_pass)
@@ -266,6 +270,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ds_mp: done: {tcfg.steps} steps; checkpoints in {ckpt_root}; HF model in "
               f"{os.path.join(tcfg.output_dir, 'hf')}; log {os.path.join(tcfg.output_dir, 'log.csv')}")
     return 0
+
+
+def _warn_tokenizer(info: Any, model_dir: str | None) -> None:
+    """One line on rank 0 when the dataset was encoded by another tokenizer than the model's."""
+    from ds_mp.data.checks import tokenizer_mismatch
+
+    warning = tokenizer_mismatch(info, model_dir)
+    if warning and os.environ.get("RANK", "0") == "0":
+        print(warning, file=sys.stderr)
 
 
 def _write_trace(engine: Any, recorded: list, path: str, bar: Any) -> None:

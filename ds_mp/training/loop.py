@@ -258,6 +258,8 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
         if signum:  # this step was the last: save (unless off or just done), then every rank exits
             if tcfg.save_on_signal and not saved:
                 save(step)
+            if rank0:
+                bar.close()
             message = stop_message(stop.describe(signum), step, ckpt_root, bool(saved or tcfg.save_on_signal))
             raise StopRequested(message if rank0 else "", 128 + signum)
     if start_step < tcfg.steps:

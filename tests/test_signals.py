@@ -52,6 +52,7 @@ def _stop(tmp: str, data: str, target: str, signum: int, save: bool) -> tuple[st
         t0 = time.time()
         while any(_alive(p) for p in job) and time.time() - t0 < STOP_BOUND_S:
             time.sleep(0.2)
+        print(f"{target}: all gone {time.time() - t0:.1f} s after the signal")
         left = [cmdline(p) for p in job if _alive(p)]
         assert not left, f"still running {time.time() - t0:.0f} s after the signal: {left}"
         output = proc.stdout.read()

@@ -144,7 +144,8 @@ def test_every_rank_resumes_from_the_tag_rank0_read(first_run, data, tmp_path):
     assert results[0]["loaded"] == results[1]["loaded"], [r["loaded"] for r in results]
 
 
-def test_second_run_is_refused_naming_the_holder(first_run, data, tmp_path):
+@pytest.mark.parametrize("resume", [["--resume"], []])
+def test_second_run_is_refused_naming_the_holder(first_run, data, tmp_path, resume):
     """A run holding ``output_dir`` (here: this test process) keeps it: a second run, resumed or
     not, is refused on every rank with one line naming the holder's pid and host."""
     from ds_mp.training.run_dir import RunDir
@@ -153,7 +154,7 @@ def test_second_run_is_refused_naming_the_holder(first_run, data, tmp_path):
     holder = RunDir()
     holder.lock(os.path.join(tmp, "run"))
     try:
-        results = run_ranks(_main, 2, ["--deepspeed_config", _config(tmp, data, 6), "--resume"], timeout=240)
+        results = run_ranks(_main, 2, ["--deepspeed_config", _config(tmp, data, 6), *resume], timeout=240)
     finally:
         holder.release()
     for r in results:

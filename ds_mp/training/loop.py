@@ -122,7 +122,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     import ds_mp
     from ds_mp.checkpoint import directory_source, load_checkpoint, save_checkpoint
     from ds_mp.engine.initialize import init_distributed
-    from ds_mp.training.run_dir import choose_resume, from_rank0, open_run_dir, rotate
+    from ds_mp.training.run_dir import check_unlocked, choose_resume, from_rank0, open_run_dir, rotate
     from ds_mp.data import ChunkSampler, ValidationBatches, datasets_for
     from ds_mp.hub import resolve_model
     from ds_mp.models.family import model_config
@@ -143,7 +143,8 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     if init:
         directory_source(init)  # config, files, keys and shapes: fails before any collective
     ckpt_root = os.path.join(tcfg.output_dir, "checkpoints")
-    choose_resume(ckpt_root, args.resume)  # every rank, before any collective; rank 0 decides below
+    check_unlocked(tcfg.output_dir)  # every rank, before any collective; rank 0 decides below
+    choose_resume(ckpt_root, args.resume)
 
     init_distributed()  # ds_mp.initialize reuses it
     resume_tag, notes = from_rank0(lambda: open_run_dir(run_dir, tcfg.output_dir, ckpt_root, args.resume),

@@ -49,6 +49,28 @@ def _holder(text: str) -> str:
         return "an unknown holder"
 
 
+def _in_use(output_dir: str, text: str) -> RunDirError:
+    return RunDirError(f"ds_mp.training.output_dir {output_dir!r} is in use by another run ({_holder(text)}): wait "
+                       "for it to end or stop it, or choose another ds_mp.training.output_dir (--output_dir)")
+
+
+def check_unlocked(output_dir: str) -> None:
+    """Every rank, before any collective (writes nothing): refuse if another run holds the lock.  A
+    shared probe, released at once, so the ranks of one job never see each other's; rank 0 then
+    takes the lock for real (:meth:`RunDir.lock`), which also catches a run that started since."""
+    try:
+        fd = os.open(os.path.join(output_dir, LOCK), os.O_RDONLY)
+    except OSError:
+        return  # no lock file: nobody holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            raise _in_use(output_dir, os.pread(fd, 4096, 0).decode(errors="replace")) from e
+    finally:
+        os.close(fd)
+
+
 class RunDir:
     """Global rank 0's exclusive hold on ``output_dir`` (no-op on other ranks: never opened)."""
 
@@ -72,8 +94,7 @@ class RunDir:
             text = os.pread(fd, 4096, 0).decode(errors="replace") if held else ""
             os.close(fd)
             if held:
-                raise RunDirError(f"ds_mp.training.output_dir {output_dir!r} is in use by another run ({_holder(text)}): wait for it "
-                                  "to end or stop it, or choose another ds_mp.training.output_dir (--output_dir)") from e
+                raise _in_use(output_dir, text) from e
             raise RunDirError(f"{path}: cannot lock ({e.strerror}); put ds_mp.training.output_dir on a filesystem "
                               "with file locks") from e
         old = os.pread(fd, 4096, 0).decode(errors="replace").strip()

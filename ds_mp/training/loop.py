@@ -5,8 +5,11 @@
 Reads everything from the ``"ds_mp"`` block; rank 0 shows a progress bar (loss,
 tokens/s) and writes ``<output_dir>/log.csv``; validation every ``eval_interval``
 steps; layout-free checkpoints every ``checkpoint_interval`` steps and at the end
-(``--resume`` continues from the latest, at any TP × PP × DP); an HF directory is
-exported to ``<output_dir>/hf`` at the end.
+(``--resume`` continues from the latest, ``--resume TAG`` from that one, at any TP × PP × DP);
+an HF directory is exported to ``<output_dir>/hf`` at the end.  One run owns ``output_dir`` at a
+time and every rank resumes from the tag global rank 0 chose (:mod:`ds_mp.training.run_dir`);
+SIGTERM/SIGINT to any process of the job ends every rank after the step and a save
+(:mod:`ds_mp.training.signals`).
 
 Every metric row also goes to DeepSpeed's monitors (the JSON's ``"tensorboard"``, ``"wandb"``,
 ``"csv_monitor"``, ``"comet"`` blocks) as ``ds_mp/<column>`` events (:func:`monitor_metrics`).

@@ -98,9 +98,10 @@ class StopFlag:
         self._thread: threading.Thread | None = None
 
     def install(self) -> "StopFlag":
-        """Handle the signals, watch the launchers; call from the main thread."""
-        for s in HANDLED:
-            self._previous[s] = signal.signal(s, self._on_signal)
+        """Handle the signals (from the main thread only: Python's rule), watch the launchers."""
+        if threading.current_thread() is threading.main_thread():
+            for s in HANDLED:
+                self._previous[s] = signal.signal(s, self._on_signal)
         launch, runner = launcher_chain()
         if launch is not None:
             _set_parent_death_signal(signal.SIGTERM)

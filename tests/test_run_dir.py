@@ -233,3 +233,23 @@ def test_full_disk_on_log_is_one_line(data, tmp_path):
     lines = _error_lines(results[0])
     assert results[0]["rc"] == 2 and len(lines) == 1, results[0]
     assert "log.csv: cannot write the training log (No space left on device)" in lines[0], lines
+
+
+def test_rotation_spares_latest_diagnostics_own_tags_and_saves_in_progress(tmp_path):
+    """``keep_last: 2`` over step1 … step5 written in that order, ``latest`` pointing at step2 (a
+    resume from it): step4 and step5 stay as the newest, step2 as latest's target; ``nan-step3``,
+    ``best`` and the unfinished ``step6.tmp`` are not rotated."""
+    import time
+
+    from ds_mp.checkpoint.sharded import META
+    from ds_mp.training.run_dir import rotate
+
+    root = tmp_path / "checkpoints"
+    for tag in ("step1", "nan-step3", "best", "step2", "step3", "step4", "step5", "step6.tmp"):
+        (root / tag).mkdir(parents=True)
+        (root / tag / META).write_text("{}")
+        time.sleep(0.01)  # distinct write times: "newest" is by when a checkpoint was written
+    (root / "latest").write_text("step2\n")
+    assert sorted(rotate(str(root), 2)) == ["step1", "step3"]
+    assert sorted(os.listdir(root)) == ["best", "latest", "nan-step3", "step2", "step4", "step5", "step6.tmp"]
+    assert rotate(str(root), 0) == []

@@ -17,9 +17,13 @@ class CsvLog:
     def __init__(self, path: str, resume_step: int | None = None) -> None:
         """A new log, or (``resume_step``: the step the run resumes after) the existing file kept up
         to that step under its own header, so rows the interrupted run logged after its checkpoint
-        (and a torn last row) are dropped before this run logs those steps again."""
+        (and a torn last row) are dropped before this run logs those steps again.
+
+        A write that fails (a full disk) raises nothing: it sets :attr:`error` (one line naming the
+        log and the fix) and later rows are dropped; the loop ends every rank on it after the step."""
         self.path = path
         self.fields = self.FIELDS
+        self.error: RunDirError | None = None
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             if resume_step is not None and os.path.exists(path) and os.path.getsize(path) > 0:
@@ -32,7 +36,7 @@ class CsvLog:
                 self.w.writeheader()
                 self.f.flush()
         except OSError as e:
-            raise self._error(e) from e
+            self._fail(e)
 
     def _truncate(self, resume_step: int) -> None:
         with open(self.path, newline="") as f:
@@ -43,13 +47,15 @@ class CsvLog:
         csv.writer(out, lineterminator="\r\n").writerows([self.fields, *kept])  # DictWriter's own line ends
         write_text_atomic(self.path, out.getvalue())
 
-    def _error(self, e: OSError) -> RunDirError:
-        return RunDirError(f"{self.path}: cannot write the training log ({e.strerror}); free space or fix the "
-                           "permissions, then continue with --resume")
+    def _fail(self, e: OSError) -> None:
+        self.error = RunDirError(f"{self.path}: cannot write the training log ({e.strerror}); free space or fix "
+                                 "the permissions, then continue with --resume")
 
     def row(self, **kw: Any) -> None:
+        if self.error is not None:
+            return
         try:
             self.w.writerow({k: kw.get(k, "") for k in self.fields})
             self.f.flush()
         except OSError as e:
-            raise self._error(e) from e
+            self._fail(e)

@@ -258,12 +258,13 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
         saved = tcfg.checkpoint_interval and step % tcfg.checkpoint_interval == 0 and step != tcfg.steps
         if saved:
             save(step)
-        signum = stop.agreed(engine.device) if step != tcfg.steps else 0  # collective: every rank stops alike
-        if signum:  # this step was the last: save (unless off or just done), then every rank exits
-            if tcfg.save_on_signal and not saved:
+        signum, log_failed = stop.agreed(engine.device, log is not None and log.error is not None)  # collective
+        if log_failed or (signum and step != tcfg.steps):  # every rank ends after this same step
+            bar.close()
+            if log_failed:  # rank 0 could not write log.csv (a full disk): it says why, the others stop quietly
+                raise log.error if log is not None else StopRequested("", 2)
+            if tcfg.save_on_signal and not saved:  # a signal: save (unless off or just done), then exit
                 save(step)
-            if rank0:
-                bar.close()
             message = stop_message(stop.describe(signum), step, ckpt_root, bool(saved or tcfg.save_on_signal))
             raise StopRequested(message if rank0 else "", 128 + signum)
     if start_step < tcfg.steps:

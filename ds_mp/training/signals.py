@@ -133,14 +133,16 @@ class StopFlag:
                       "not finish (a peer gone?): exiting without a save", file=sys.stderr, flush=True)
                 os._exit(128 + self.signum)
 
-    def agreed(self, device: Any) -> int:
-        """Collective over all ranks: the largest signal number any rank holds (0: carry on)."""
+    def agreed(self, device: Any, failed: bool = False) -> tuple[int, bool]:
+        """Collective over all ranks (one all-reduce of two int32 on the engine's device): the largest
+        signal number any rank holds (0: carry on), and whether any rank reports ``failed``."""
         import torch.distributed as dist
 
-        flag = torch.tensor([self.signum], dtype=torch.int32, device=device)
+        flag = torch.tensor([self.signum, int(failed)], dtype=torch.int32, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        signum, any_failed = flag.tolist()
+        return signum, bool(any_failed)
 
     def describe(self, signum: int) -> str:
         """The stop's cause as this rank knows it (another rank may have received the signal)."""

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 from dist_utils import free_port
@@ -46,21 +47,68 @@ def train_config(tmp: str, data: str, *, tp: int = 1, pp: int = 2, schedule: str
     return cfg
 
 
+def _command(cmd_tail: list[str], n: int, launcher_args: tuple, collective_timeout: int) -> tuple[list[str], dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_MP_TIMEOUT=str(collective_timeout), PYTHONUNBUFFERED="1")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), *launcher_args,
+           "--master_port", str(free_port())]
+    if "--hostfile" not in launcher_args:
+        cmd += ["--num_gpus", str(n)]
+    return cmd + cmd_tail, env
+
+
+def _write_config(tmp: str, cfg: dict) -> str:
+    path = os.path.join(tmp, "config.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def start(tmp: str, cfg: dict, args: tuple = (), collective_timeout: int = 30) -> subprocess.Popen:
+    """``deepspeed --num_gpus 2 launch/train.py ...`` started in the background (stdout and stderr
+    together in ``proc.stdout``)."""
+    cmd, env = _command(["launch/train.py", "--deepspeed_config", _write_config(tmp, cfg), *args], 2, (),
+                        collective_timeout)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (launch.py, the ranks, their helpers)."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    kids = [int(x) for x in out.split()]
+    return kids + [g for k in kids for g in children(k)]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def wait_for_steps(run_dir: str, n: int, proc: subprocess.Popen, limit: float = 180) -> None:
+    """Wait until ``log.csv`` has ``n`` rows (the run failing first fails the test)."""
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early:\n{proc.stdout.read()[-3000:]}")
+        try:
+            if len(read_log(run_dir)) >= n:
+                return
+        except (OSError, StopIteration):
+            pass
+        time.sleep(0.5)
+    raise AssertionError("training did not reach the wanted step")
+
+
 def launch(tmp: str, cfg: dict | None, n: int = 2, script: str = "launch/train.py", args: tuple = (),
            timeout: float = 240, launcher_args: tuple = (), config_path: str | None = None,
            collective_timeout: int = 60) -> subprocess.CompletedProcess:
     """``deepspeed --num_gpus n <script> --deepspeed_config <cfg>``; returns the finished process.
     ``collective_timeout``: seconds a rank waits in a collective before failing (``DS_MP_TIMEOUT``)."""
     if config_path is None:
-        config_path = os.path.join(tmp, "config.json")
-        with open(config_path, "w") as f:
-            json.dump(cfg, f)
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_MP_TIMEOUT=str(collective_timeout), PYTHONUNBUFFERED="1")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), *launcher_args,
-           "--master_port", str(free_port())]
-    if "--hostfile" not in launcher_args:
-        cmd += ["--num_gpus", str(n)]
-    cmd += [script, "--deepspeed_config", config_path, *args]
+        config_path = _write_config(tmp, cfg)
+    cmd, env = _command([script, "--deepspeed_config", config_path, *args], n, launcher_args, collective_timeout)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

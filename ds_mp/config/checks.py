@@ -108,6 +108,7 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
                    ("training.checkpoint_interval", cfg.training.checkpoint_interval),
                    ("training.eval_batches", cfg.training.eval_batches),
                    ("training.noise_scale_interval", cfg.training.noise_scale_interval),
+                   ("training.keep_last", cfg.training.keep_last),
                    ("pipeline.activation_checkpoint_interval", pp.activation_checkpoint_interval)):
         if v < 0:
             raise ConfigError(f"ds_mp.{key}: must be >= 0, got {v}")

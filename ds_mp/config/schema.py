@@ -105,6 +105,8 @@ class TrainingConfig:
     export_hf: bool = True  # write an HF directory at the end of training
     noise_scale_interval: int = 0  # steps between gradient-noise-scale measurements (0 = off; needs DP > 1)
     trace_steps: list = field(default_factory=list)  # [first, last]: record a timeline of these steps ([] = off)
+    keep_last: int = 0  # keep the newest N stepN checkpoints, delete older ones after each save (0 = keep all)
+    save_on_signal: bool = True  # on SIGTERM/SIGINT (or the launcher gone): finish the step, save, then exit
 
 
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")  # PEFT-style names of GPT-2's Conv1Ds

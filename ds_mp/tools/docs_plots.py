@@ -95,9 +95,18 @@ def loss_png(run_dir: str, out_png: str, title: str) -> str:
     return out_png
 
 
+def _drop_checkpoints(run: str) -> None:
+    """Retraining from scratch into ``run``: its old checkpoints go first (a run without --resume
+    into a directory holding checkpoints is refused)."""
+    import shutil
+
+    shutil.rmtree(os.path.join(run, "checkpoints"), ignore_errors=True)
+
+
 def quickstart(rerun: bool) -> list[str]:
     run = os.path.join(REPO, "runs", "quickstart")
     if rerun or not os.path.isfile(os.path.join(run, "log.csv")):
+        _drop_checkpoints(run)
         _run([*_deepspeed(), "--num_gpus", "2", "launch/train.py", "--deepspeed_config", "ds_configs/quickstart.json"])
     return [loss_png(run, os.path.join(IMG, "quickstart_loss.png"),
                      "quick start: GPT-2 4 x 128 from scratch, PP=2 (scripts/quickstart.sh)")]
@@ -117,6 +126,7 @@ def finetune(rerun: bool) -> list[str]:
 
             shutil.rmtree(data)
         prepare_data(files, data, tokenizer=base, val_fraction=0.1, show_progress=False)
+        _drop_checkpoints(run)
         _run([*_deepspeed(), "--num_gpus", "2", "launch/finetune.py", "--model", base, "--data", data,
               "--deepspeed_config", "ds_configs/finetune_tp2.json", "--steps", "60", "--output_dir", run])
     return [loss_png(run, os.path.join(IMG, "finetune_loss.png"),

@@ -5,8 +5,11 @@
 Reads everything from the ``"ds_mp"`` block; rank 0 shows a progress bar (loss,
 tokens/s) and writes ``<output_dir>/log.csv``; validation every ``eval_interval``
 steps; layout-free checkpoints every ``checkpoint_interval`` steps and at the end
-(``--resume`` continues from the latest, at any TP × PP × DP); an HF directory is
-exported to ``<output_dir>/hf`` at the end.
+(``--resume`` continues from the latest, ``--resume TAG`` from that one, at any TP × PP × DP);
+an HF directory is exported to ``<output_dir>/hf`` at the end.  One run owns ``output_dir`` at a
+time and every rank resumes from the tag global rank 0 chose (:mod:`ds_mp.training.run_dir`);
+SIGTERM/SIGINT to any process of the job ends every rank after the step and a save
+(:mod:`ds_mp.training.signals`).
 
 Every metric row also goes to DeepSpeed's monitors (the JSON's ``"tensorboard"``, ``"wandb"``,
 ``"csv_monitor"``, ``"comet"`` blocks) as ``ds_mp/<column>`` events (:func:`monitor_metrics`).
@@ -29,7 +32,6 @@ Metrics (per log interval):
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import resource
@@ -39,7 +41,11 @@ from typing import Any
 
 import torch
 
+from ds_mp.checkpoint.training import LATEST
 from ds_mp.config import ConfigError, load_config, ramp_micro_multiple, read_json
+from ds_mp.training.csv_log import CsvLog
+from ds_mp.training.run_dir import RunDir, RunDirError
+from ds_mp.training.signals import StopFlag, StopRequested, stop_grace_s, stop_message
 
 
 class NonFiniteLoss(RuntimeError):
@@ -50,7 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train or fine-tune GPT-2 with ds_mp (run under `deepspeed`).")
     p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", required=True,
                    help="DeepSpeed JSON with a \"ds_mp\" block")
-    p.add_argument("--resume", action="store_true", help="continue from <output_dir>/checkpoints/latest")
+    p.add_argument("--resume", nargs="?", const=LATEST, default=None, metavar="TAG",
+                   help="continue from <output_dir>/checkpoints/latest, or from the checkpoint TAG (e.g. step200)")
     p.add_argument("--model", default=None, help="HF directory or Hub id (gpt2, Qwen/Qwen2.5-0.5B, org/name@rev) of a "
                    "GPT-2, Llama, Qwen2 or Mistral model to fine-tune (overrides ds_mp.model)")
     p.add_argument("--data", default=None, help="prepared dataset dir (overrides ds_mp.data.path)")
@@ -80,28 +87,6 @@ def _apply_overrides(raw: dict, args: argparse.Namespace) -> dict:
     return raw
 
 
-class CsvLog:
-    FIELDS = ["step", "loss", "val_loss", "val_ppl", "lr", "tokens_per_s", "tflops", "bubble", "grad_norm",
-              "noise_scale", "batch_size", "peak_mem_mib", "skipped", "elapsed_s"]
-
-    def __init__(self, path: str, resume: bool) -> None:
-        """A new log, or (``resume``) rows appended under the existing file's own header."""
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        new = not (resume and os.path.exists(path) and os.path.getsize(path) > 0)
-        self.fields = self.FIELDS
-        if not new:
-            with open(path, newline="") as f:
-                self.fields = next(csv.reader(f))
-        self.f = open(path, "w" if new else "a", newline="")
-        self.w = csv.DictWriter(self.f, fieldnames=self.fields)
-        if new:
-            self.w.writeheader()
-
-    def row(self, **kw: Any) -> None:
-        self.w.writerow({k: kw.get(k, "") for k in self.fields})
-        self.f.flush()
-
-
 def evaluate(engine: Any, val_batches: Any, per_pass: int | None = None) -> float:
     """Mean validation loss over ``val_batches`` in passes of ``per_pass`` micro-batches (default:
     the engine's micro-batches per step; a batch ramp changes those, so the loop fixes it); every
@@ -120,17 +105,29 @@ def main(argv: list[str] | None = None) -> int:
     from ds_mp.models.token_ids import TokenIdError
 
     args = parse_args(argv)
+    run_dir, stop = RunDir(), StopFlag(stop_grace_s()).install()
     try:
-        return _run(args)
-    except (ConfigError, DataError, TokenIdError, CheckpointError, HubError, NonFiniteLoss) as e:
+        return _run(args, run_dir, stop)
+    except StopRequested as e:
+        if str(e):
+            print(e, file=sys.stderr)
+        return e.code
+    except (ConfigError, DataError, TokenIdError, CheckpointError, HubError, NonFiniteLoss, RunDirError) as e:
         print(f"ds_mp: error: {e}", file=sys.stderr)
         return 3 if isinstance(e, NonFiniteLoss) else 2
+    finally:
+        stop.uninstall()
+        run_dir.release()
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
+    """The run; ``run_dir`` holds global rank 0's lock on the output directory, ``stop`` the
+    signals and launcher watch (:mod:`ds_mp.training.signals`)."""
     import ds_mp
     from ds_mp.checkpoint import directory_source, load_checkpoint, save_checkpoint
     from ds_mp.checkpoint.training import read_latest
+    from ds_mp.engine.initialize import init_distributed
+    from ds_mp.training.run_dir import check_unlocked, choose_resume, from_rank0, open_run_dir, rotate
     from ds_mp.data import ChunkSampler, ValidationBatches, datasets_for
     from ds_mp.hub import resolve_model
     from ds_mp.models.family import model_config
@@ -153,10 +150,12 @@ def _run(args: argparse.Namespace) -> int:
         directory_source(init)  # config, files, keys and shapes: fails before any collective
     _warn_tokenizer(train_ds.info, init)
     ckpt_root = os.path.join(tcfg.output_dir, "checkpoints")
-    resume_tag = read_latest(ckpt_root) if args.resume else None
-    if args.resume and resume_tag is None:
-        raise ConfigError(f"--resume: no finished checkpoint under {ckpt_root}; run without --resume first")
+    check_unlocked(tcfg.output_dir)  # every rank, before any collective; rank 0 decides below
+    choose_resume(ckpt_root, args.resume)
 
+    init_distributed()  # ds_mp.initialize reuses it
+    resume_tag, notes = from_rank0(lambda: open_run_dir(run_dir, tcfg.output_dir, ckpt_root, args.resume),
+                                   _device())  # the lock, leftovers, and ONE resume point for every rank
     engine, _, _, _ = ds_mp.initialize(model=init, config=raw)
     topo, rank0 = engine.topology, torch.distributed.get_rank() == 0
     if hasattr(engine, "noise_scale"):
@@ -181,7 +180,10 @@ def _run(args: argparse.Namespace) -> int:
         rng = state.get("rng")
         if rng is not None and state.get("layout") == _layout(topo):  # the same ranks: each its own streams
             set_rng_state(rng[torch.distributed.get_rank()] if isinstance(rng, list) else rng)
-    log = CsvLog(os.path.join(tcfg.output_dir, "log.csv"), resume=resume_tag is not None) if rank0 else None
+    for note in notes if rank0 else []:
+        print(note, file=sys.stderr)
+    log = CsvLog(os.path.join(tcfg.output_dir, "log.csv"), resume_step=start_step if resume_tag else None) \
+        if rank0 else None
 
     def save(step: int, tag: str | None = None) -> None:
         """A regular ``stepN`` checkpoint (moves ``latest``), or a named diagnostic one (does not)."""
@@ -194,6 +196,8 @@ def _run(args: argparse.Namespace) -> int:
                                                                   "lr": lr_scaling.state_dict()},
                          "noise_scale": None if probe is None else probe.estimator.state_dict()},
                         update_latest=tag is None)
+        if rank0 and tag is None:  # training.keep_last; a tagged (diagnostic) save deletes nothing
+            rotate(ckpt_root, tcfg.keep_last)
 
     nan_guard = NanGuard(tcfg.on_nan, tcfg.max_consecutive_skips)
     eval_per_pass = gas  # validation passes keep the JSON's micro-batches per step, whatever the ramp does
@@ -256,8 +260,18 @@ def _run(args: argparse.Namespace) -> int:
                     msg += f" val {val_loss:.4f} (ppl {_ppl(val_loss):.2f})"
                 bar.write(msg + f" | {tok_s:,.0f} tok/s")
             window.clear()
-        if tcfg.checkpoint_interval and step % tcfg.checkpoint_interval == 0 and step != tcfg.steps:
+        saved = tcfg.checkpoint_interval and step % tcfg.checkpoint_interval == 0 and step != tcfg.steps
+        if saved:
             save(step)
+        signum, log_failed = stop.agreed(engine.device, log is not None and log.error is not None)  # collective
+        if log_failed or (signum and step != tcfg.steps):  # every rank ends after this same step
+            bar.close()
+            if log_failed:  # rank 0 could not write log.csv (a full disk): it says why, the others stop quietly
+                raise log.error if log is not None else StopRequested("", 2)
+            if tcfg.save_on_signal and not saved:  # a signal: save (unless off or just done), then exit
+                save(step)
+            message = stop_message(stop.describe(signum), step, ckpt_root, bool(saved or tcfg.save_on_signal))
+            raise StopRequested(message if rank0 else "", 128 + signum)
     if start_step < tcfg.steps:
         save(tcfg.steps)
     if tcfg.export_hf and cfg.lora.r:  # the PEFT adapter, and the merged model as the HF directory
@@ -267,8 +281,9 @@ def _run(args: argparse.Namespace) -> int:
         ds_mp.save_hf(engine, os.path.join(tcfg.output_dir, "hf"), tokenizer_dir=train_ds.info.tokenizer_dir)
     if rank0:
         bar.close()
-        print(f"ds_mp: done: {tcfg.steps} steps; checkpoints in {ckpt_root}; HF model in "
-              f"{os.path.join(tcfg.output_dir, 'hf')}; log {os.path.join(tcfg.output_dir, 'log.csv')}")
+        hf = f"HF model in {os.path.join(tcfg.output_dir, 'hf')}; " if tcfg.export_hf else ""
+        print(f"ds_mp: done: {tcfg.steps} steps; checkpoints in {ckpt_root}; {hf}"
+              f"log {os.path.join(tcfg.output_dir, 'log.csv')}")
     return 0
 
 
@@ -332,6 +347,13 @@ def restore_sampler(sampler: Any, client_state: dict, step: int) -> None:
 def _ppl(loss: float) -> float:
     """exp(loss), inf instead of an OverflowError for a diverged loss."""
     return math.inf if loss > 700 else math.exp(loss)
+
+
+def _device() -> torch.device:
+    """This rank's accelerator device before the engine exists (collectives on NCCL need it)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 def _layout(topo: Any) -> list[int]:

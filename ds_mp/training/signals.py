@@ -1,0 +1,167 @@
+"""Stopping a job: a signal to any one of its processes ends all of them, after a save.
+
+What DeepSpeed 0.19.8's single-node launchers do with signals (``deepspeed/launcher/``):
+
+* ``runner.py`` (the ``deepspeed`` command) starts ``launch.py`` and waits; it installs a handler
+  only on its multi-node pdsh path.  SIGTERM ends the runner at once (SIGINT: a KeyboardInterrupt
+  in it) and leaves ``launch.py`` and every rank running.
+* ``launch.py`` handles SIGTERM/SIGINT by terminating each rank's process tree in turn (SIGTERM,
+  then SIGKILL after 30 s), and when a rank exits non-zero it does the same to the others and exits
+  with that rank's code.
+
+So every rank (:class:`StopFlag`):
+
+1. turns SIGTERM/SIGINT into a flag (later signals are ignored: a signal to the process group
+   reaches a rank twice, once directly and once from ``launch.py``);
+2. watches its launchers: ``launch.py`` (its parent: ``PR_SET_PDEATHSIG`` and a poll of the
+   parent pid) and the ``deepspeed`` runner above it (a poll of ``launch.py``'s parent pid); one of
+   them gone sets the flag as SIGTERM would;
+3. at the end of every step all ranks all-reduce the flag (:meth:`StopFlag.agreed`: MAX of one
+   int32 on the engine's device), so a signal to any one rank stops every rank after the same
+   step; the loop then saves (``training.save_on_signal``) and exits with 128 + the signal number,
+   which makes ``launch.py`` end and exit too;
+4. a backstop: a rank still alive ``grace_s`` after its flag was set (a peer died inside a
+   collective, a save stuck on a dead filesystem) exits at once, without saving.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequested(RuntimeError):
+    """The job was asked to stop; ``code`` is the process exit code (128 + signal number)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _ppid(pid: int) -> int | None:
+    """The parent of ``pid`` (Linux ``/proc``), None if it is gone or unknown."""
+    stat = _read(f"/proc/{pid}/stat")
+    return int(stat.rsplit(")", 1)[1].split()[1]) if ")" in stat else None
+
+
+def _cmdline(pid: int) -> list[str]:
+    return _read(f"/proc/{pid}/cmdline").split("\0")
+
+
+def launcher_chain() -> tuple[int | None, int | None]:
+    """(``launch.py``'s pid, the ``deepspeed`` runner's pid) above this rank, each None when this
+    process was not started that way (a test, ``torchrun``, Slurm's ``srun``)."""
+    parent = os.getppid()
+    if "deepspeed.launcher.launch" not in _cmdline(parent):
+        return None, None
+    grand = _ppid(parent)
+    cmd = _cmdline(grand) if grand else []
+    runner = any(os.path.basename(a) in ("deepspeed", "ds") or a == "deepspeed.launcher.runner" for a in cmd[:3])
+    return parent, grand if runner else None
+
+
+def _set_parent_death_signal(signum: int) -> None:
+    """prctl(PR_SET_PDEATHSIG, signum): the kernel sends ``signum`` when the parent dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class StopFlag:
+    """This rank's stop request: set by SIGTERM/SIGINT or by its launchers' end (see the module doc).
+
+    ``grace_s``: the backstop; the process exits without saving that long after the request."""
+
+    def __init__(self, grace_s: float, poll_s: float = 0.5) -> None:
+        self.grace_s, self.poll_s = grace_s, poll_s
+        self.signum, self.reason, self.since = 0, "", 0.0
+        self._previous: dict[int, Any] = {}
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def install(self) -> "StopFlag":
+        """Handle the signals (from the main thread only: Python's rule), watch the launchers."""
+        if threading.current_thread() is threading.main_thread():
+            for s in HANDLED:
+                self._previous[s] = signal.signal(s, self._on_signal)
+        launch, runner = launcher_chain()
+        if launch is not None:
+            _set_parent_death_signal(signal.SIGTERM)
+        self._thread = threading.Thread(target=self._watch, args=(launch, runner), daemon=True, name="ds_mp-stop")
+        self._thread.start()
+        return self
+
+    def uninstall(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+        self._done.set()
+
+    def request(self, signum: int, reason: str) -> None:
+        if not self.signum:  # the first request wins; repeats change nothing
+            self.signum, self.reason, self.since = int(signum), reason, time.monotonic()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.request(signum, signal.Signals(signum).name)
+
+    def _watch(self, launch: int | None, runner: int | None) -> None:
+        while not self._done.wait(self.poll_s):
+            if launch is not None and os.getppid() != launch:
+                self.request(signal.SIGTERM, f"SIGTERM (launch.py, pid {launch}, ended)")
+            elif runner is not None and _ppid(launch) != runner:
+                self.request(signal.SIGTERM, f"SIGTERM (the deepspeed launcher, pid {runner}, ended)")
+            if self.signum and time.monotonic() - self.since > self.grace_s:
+                print(f"ds_mp: stop requested by {self.reason} {self.grace_s:.0f} s ago and the step or save did "
+                      "not finish (a peer gone?): exiting without a save", file=sys.stderr, flush=True)
+                os._exit(128 + self.signum)
+
+    def agreed(self, device: Any, failed: bool = False) -> tuple[int, bool]:
+        """Collective over all ranks (one all-reduce of two int32 on the engine's device): the largest
+        signal number any rank holds (0: carry on), and whether any rank reports ``failed``."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.signum, int(failed)], dtype=torch.int32, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signum, any_failed = flag.tolist()
+        return signum, bool(any_failed)
+
+    def describe(self, signum: int) -> str:
+        """The stop's cause as this rank knows it (another rank may have received the signal)."""
+        return self.reason if self.signum == signum and self.reason else signal.Signals(signum).name
+
+
+def stop_message(cause: str, step: int, ckpt_root: str, saved: bool) -> str:
+    """The one line a stopped run prints (global rank 0)."""
+    if saved:
+        return (f"ds_mp: stopped by {cause} after step {step}: checkpoint saved in "
+                f"{os.path.join(ckpt_root, f'step{step}')}; continue with --resume")
+    from ds_mp.checkpoint.training import read_latest
+
+    latest = read_latest(ckpt_root)
+    return (f"ds_mp: stopped by {cause} after step {step}, not saved (training.save_on_signal is off); --resume "
+            f"continues from {os.path.join(ckpt_root, latest) if latest else 'nothing: no checkpoint yet'}")
+
+
+def stop_grace_s() -> float:
+    """The backstop: one step plus one save, each bounded by the collective timeout
+    (``DS_MP_TIMEOUT``, default 300 s)."""
+    return 2 * float(os.environ.get("DS_MP_TIMEOUT", "300"))

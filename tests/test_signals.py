@@ -1,0 +1,110 @@
+"""Stopping a job through the real launcher (issue 36, part A): SIGTERM or SIGINT to the
+``deepspeed`` runner, to ``launch.py`` or to one rank ends every process of the job within
+STOP_BOUND_S, after the ranks finished the step and saved (``training.save_on_signal``), with
+one line saying where; ``--resume`` then continues with the uninterrupted run's losses.
+
+DeepSpeed 0.19.8's single-node runner installs no signal handler: before, a SIGTERM to it ended
+the runner alone and ``launch.py`` and both ranks kept training (see ds_mp/training/signals.py).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from launcher_utils import children, cmdline, explain, launch, read_log, start, tiny_dataset, train_config, \
+    wait_for_steps
+
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600)]
+
+#: A step and a save take about 1 s here; the bound leaves room for a busy 2-core machine.
+STOP_BOUND_S = 120
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return tiny_dataset(str(tmp_path_factory.mktemp("signals")))
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie no reaper collected counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _stop(tmp: str, data: str, target: str, signum: int, save: bool) -> tuple[str, int | None, int]:
+    """Train until step 2, send ``signum`` to ``target``; returns (output, exit code of the runner
+    or None if it was the one signalled, the step the line names)."""
+    cfg = train_config(tmp, data, steps=10_000, training={"checkpoint_interval": 0, "eval_interval": 0,
+                                                          "export_hf": False, "save_on_signal": save})
+    proc = start(tmp, cfg)
+    try:
+        wait_for_steps(os.path.join(tmp, "run"), 2, proc)
+        job = [proc.pid, *children(proc.pid)]
+        launcher = next(p for p in job if "deepspeed.launcher.launch" in cmdline(p))
+        ranks = [p for p in job if "launch/train.py" in cmdline(p) and p not in (proc.pid, launcher)]
+        assert len(ranks) == 2, [cmdline(p) for p in job]
+        os.kill({"runner": proc.pid, "launch": launcher, "rank": ranks[1]}[target], signum)
+        t0 = time.time()
+        while any(_alive(p) for p in job) and time.time() - t0 < STOP_BOUND_S:
+            time.sleep(0.2)
+        print(f"{target}: all gone {time.time() - t0:.1f} s after the signal")
+        left = [cmdline(p) for p in job if _alive(p)]
+        assert not left, f"still running {time.time() - t0:.0f} s after the signal: {left}"
+        output = proc.stdout.read()
+        code = proc.wait(timeout=10)
+    finally:
+        for p in [proc.pid, *children(proc.pid)]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    lines = [line[line.index("ds_mp: stopped by"):] for line in output.splitlines() if "ds_mp: stopped by" in line]
+    assert len(lines) == 1, output[-3000:]
+    step = int(lines[0].split(" after step ")[1].split(":")[0].split(",")[0])
+    return lines[0], code, step
+
+
+def test_sigterm_to_the_deepspeed_runner_stops_saves_and_resumes_exactly(tmp_path, data):
+    """SIGTERM to the ``deepspeed`` PID (what a supervisor tracking one PID sends): the runner dies at
+    once, the ranks see it (they watch launch.py's parent), finish the step, save, exit; then
+    ``--resume`` continues with the losses of a run never interrupted."""
+    tmp = str(tmp_path / "stopped")
+    os.makedirs(tmp)
+    line, _, step = _stop(tmp, data, "runner", signal.SIGTERM, save=True)
+    run = os.path.join(tmp, "run")
+    assert "SIGTERM" in line and f"checkpoint saved in {os.path.join(run, 'checkpoints', f'step{step}')}" \
+        in line, line
+    assert open(os.path.join(run, "checkpoints", "latest")).read().strip() == f"step{step}"
+    cfg = train_config(tmp, data, steps=step + 2, training={"checkpoint_interval": 0, "eval_interval": 0,
+                                                            "export_hf": False})
+    proc = launch(tmp, cfg, args=("--resume",))
+    assert proc.returncode == 0, explain(proc)
+    full = str(tmp_path / "full")
+    os.makedirs(full)
+    proc = launch(full, train_config(full, data, steps=step + 2, training={"checkpoint_interval": 0,
+                                                                           "eval_interval": 0, "export_hf": False}))
+    assert proc.returncode == 0, explain(proc)
+    got, want = read_log(run), read_log(os.path.join(full, "run"))
+    assert [int(r["step"]) for r in got] == list(range(1, step + 3))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]  # 6 decimals: fp32 print precision
+
+
+@pytest.mark.parametrize("target,signum,save", [("launch", signal.SIGINT, True), ("rank", signal.SIGTERM, False)])
+def test_signal_to_launch_py_or_one_rank_stops_every_process(tmp_path, data, target, signum, save):
+    """SIGINT to ``launch.py`` (it terminates rank 0 first: rank 1 learns from the per-step flag),
+    or SIGTERM to rank 1 alone with ``save_on_signal`` off: every process ends, non-zero, after
+    one line saying what was (or was not) saved."""
+    line, code, step = _stop(str(tmp_path), data, target, signum, save)
+    assert code != 0
+    ckpts = os.path.join(str(tmp_path), "run", "checkpoints")
+    if save:
+        assert f"checkpoint saved in {os.path.join(ckpts, f'step{step}')}" in line, line
+        assert os.path.isdir(os.path.join(ckpts, f"step{step}"))
+    else:
+        assert "not saved (training.save_on_signal is off)" in line, line
+        assert not os.path.exists(os.path.join(ckpts, "latest"))

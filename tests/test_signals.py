@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 from launcher_utils import children, cmdline, explain, launch, read_log, start, tiny_dataset, train_config, \
     wait_for_steps
-
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600)]
 
 #: A step and a save take about 1 s here; the bound leaves room for a busy 2-core machine.
 STOP_BOUND_S = 120
@@ -69,6 +69,8 @@ def _stop(tmp: str, data: str, target: str, signum: int, save: bool) -> tuple[st
     return lines[0], code, step
 
 
+@pytest.mark.launcher
+@pytest.mark.timeout(600)
 def test_sigterm_to_the_deepspeed_runner_stops_saves_and_resumes_exactly(tmp_path, data):
     """SIGTERM to the ``deepspeed`` PID (what a supervisor tracking one PID sends): the runner dies at
     once, the ranks see it (they watch launch.py's parent), finish the step, save, exit; then
@@ -94,13 +96,18 @@ def test_sigterm_to_the_deepspeed_runner_stops_saves_and_resumes_exactly(tmp_pat
     assert [r["loss"] for r in got] == [r["loss"] for r in want]  # 6 decimals: fp32 print precision
 
 
-@pytest.mark.parametrize("target,signum,save", [("launch", signal.SIGINT, True), ("rank", signal.SIGTERM, False)])
+@pytest.mark.launcher
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("target,signum,save", [("launch", signal.SIGINT, True), ("rank", signal.SIGTERM, False),
+                                                ("launch", signal.SIGKILL, True)])
 def test_signal_to_launch_py_or_one_rank_stops_every_process(tmp_path, data, target, signum, save):
     """SIGINT to ``launch.py`` (it terminates rank 0 first: rank 1 learns from the per-step flag),
-    or SIGTERM to rank 1 alone with ``save_on_signal`` off: every process ends, non-zero, after
-    one line saying what was (or was not) saved."""
+    SIGTERM to rank 1 alone with ``save_on_signal`` off, or SIGKILL to ``launch.py`` (its ranks get
+    SIGTERM from the kernel: PR_SET_PDEATHSIG): every process ends after one line saying what was
+    (or was not) saved."""
     line, code, step = _stop(str(tmp_path), data, target, signum, save)
-    assert code != 0
+    if signum != signal.SIGKILL:  # DeepSpeed's runner exits 0 when launch.py died of a signal
+        assert code != 0
     ckpts = os.path.join(str(tmp_path), "run", "checkpoints")
     if save:
         assert f"checkpoint saved in {os.path.join(ckpts, f'step{step}')}" in line, line
@@ -108,3 +115,18 @@ def test_signal_to_launch_py_or_one_rank_stops_every_process(tmp_path, data, tar
     else:
         assert "not saved (training.save_on_signal is off)" in line, line
         assert not os.path.exists(os.path.join(ckpts, "latest"))
+
+
+def test_a_stop_that_cannot_finish_ends_the_rank_after_the_grace(tmp_path):
+    """The backstop: a rank whose stop cannot finish (here: a main thread that never returns to the
+    loop) exits 128 + signal with one line once ``grace_s`` has passed since the request."""
+    code = ("import os, signal, time\n"
+            "from ds_mp.training.signals import StopFlag\n"
+            "StopFlag(grace_s=1.0, poll_s=0.1).install()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(60)\n")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert time.time() - t0 < 50
+    assert "stop requested by SIGTERM" in proc.stderr and "exiting without a save" in proc.stderr, proc.stderr

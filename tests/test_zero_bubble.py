@@ -119,7 +119,7 @@ def play(K: int, M: int, posted_sends: bool = False) -> list[list[tuple[str, int
             assert grad[peer] is None, f"stage {peer}: gradient slot overwritten before its B"
             grad[peer] = micro
 
-    play_compiled(streams, compute, sent, received, posted_sends)
+    play_compiled(streams, compute, sent, received, posted_sends, acks=[x.acknowledged() for x in scheds])
     for s, x in enumerate(streams):
         assert [type(c) for c in x[-1][-3:]] == [ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep]
         assert scheds[s].num_pipe_buffers() <= min(K, M) + 1

@@ -27,6 +27,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("engine", "_reserve_pipe_buffers", "grows pipe_buffers to num_pipe_buffers() slots"),
     Assumption("engine", "_exec_load_micro_batch", "loads the next micro-batch into inputs/labels[buffer_id]"),
     Assumption("engine", "_exec_recv_activations", "receives the previous stage's activations into a buffer"),
+    Assumption("engine", "_exec_recv_grads", "receives the next stage's gradient into the engine's grad_layer"),
     Assumption("engine", "_exec_send_activations", "sends a buffer's outputs to the next stage through p2p.send"),
     Assumption("engine", "_exec_send_grads", "sends a buffer's input gradients to the previous stage through "
                "p2p.send, then drops the buffer's inputs"),

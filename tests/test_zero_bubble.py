@@ -12,6 +12,9 @@
   bf16 (TP=2×PP=2 with ZeRO-1, PP=2) within a stated tolerance of HF's fp32 run and of the
   same bf16 config under 1F1B; at TP=2×PP=2 the column-parallel fused backward computes dX and dW
   as often as under 1F1B (B only dX, W only dW: no work done twice);
+* ``"bf16": {"immediate_grad_update": true}`` (W moves its gradients into the fp32 masters itself):
+  zb-h1 on tied GPT-2 and untied Qwen2, interleaved and token-sliced 1F1B equal the deferred update
+  bit for bit and HF within the bf16 tolerance;
 * config refusals (ZeRO-2, fp16) in one line.
 """
 from __future__ import annotations

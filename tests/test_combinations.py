@@ -18,7 +18,9 @@ of GPT-2 (:data:`MODELS`), chosen so the family meets every layout, schedule, pr
 wrapper and GPT-2 still does too.  Awkward sizes: vocab 203; GPT-2 n_embd 48, 4 heads, 4
 layers; the Llama family hidden 72, 2 layers (4 for interleaved), 6 heads (head dim 12) with 2 or 3 key/value heads
 (split or replicated at TP = 2), intermediate 128 (``test_llama.tiny_llama``); seq 16 (TeraPipe
-slices 6 + 10 with activation checkpointing, and sequence parallelism where TP > 1).
+slices 6 + 10, and sequence parallelism where TP > 1).  Activation checkpointing every 1 (TeraPipe),
+2 or 3 pipeline layers in 16 cases (:data:`CHECKPOINT`): every schedule meets intervals 2 and 3 on
+GPT-2, whose token lookup then shares a checkpoint segment with the position embedding.
 
 The same spawns also check (cheaply, on the engines already built) that every tensor ds_mp
 hands to a collective was made on a device (:class:`CollectiveDeviceGuard`), and that
@@ -71,14 +73,27 @@ MODELS = {("tp2", "1f1b"): "qwen2", ("pp2", "terapipe"): "mistral", ("tp2pp2", "
           ("tp2pp2", "1f1b"): "llama", ("tp2dp2", "gpipe"): "llama", ("pp2dp2", "1f1b"): "mistral",
           ("tp2pp2", "zb-h1"): "qwen2", ("pp2dp2", "interleaved"): "llama"}
 FAMILY_MODELS = {"qwen2": (2, False), "llama": (3, True), "mistral": (2, True)}  # (KV heads, tied)
+# (layout, schedule) -> pipeline.activation_checkpoint_interval (every other case: 1 for TeraPipe, else
+# off).  At 2 and 3 a GPT-2 stage's first segment holds the token lookup with other layers: it must run
+# plainly (a reentrant checkpoint of token ids returns no graph); every schedule on GPT-2 meets both.
+CHECKPOINT = {("tp2", "terapipe"): 2, ("pp2", "1f1b"): 2, ("pp2", "gpipe"): 3, ("tp2pp2", "1f1b"): 3,
+              ("tp2pp2", "gpipe"): 2, ("tp2dp2", "1f1b"): 3, ("pp2dp2", "terapipe"): 3, ("pp2", "zb-h1"): 2,
+              ("tp2pp2", "zb-h1"): 3, ("pp2dp2", "zb-h1"): 3, ("pp2", "interleaved"): 2,
+              ("tp2pp2", "interleaved"): 3, ("pp2dp2", "interleaved"): 2}
 FACTORS = {"family": ("gpt2", "llama"), "precision": ("fp32", "bf16"), "wrapper": ("none", "zero1"),
            "layout": tuple(LAYOUTS), "schedule": ("1f1b", "gpipe", "terapipe", *PIPELINE_ONLY)}
 
 
+def checkpoint_interval(case: tuple) -> int:
+    """The case's ``pipeline.activation_checkpoint_interval`` (:data:`CHECKPOINT`)."""
+    return CHECKPOINT.get(case[:2], int(case[1] == "terapipe"))
+
+
 def case_values(case: tuple) -> dict[str, str]:
     layout, schedule, (precision, wrapper) = case
+    every = checkpoint_interval(case)
     return {"model": MODELS.get((layout, schedule), "gpt2"), "precision": precision, "wrapper": wrapper,
-            "layout": layout, "schedule": schedule}
+            "layout": layout, "schedule": schedule, "activation checkpoint": f"every {every}" if every else "off"}
 
 
 def case_name(case: tuple) -> str:
@@ -100,10 +115,12 @@ def config(case: tuple, one_rank: bool = False) -> dict:
     tp, pp, gas = (1, 1, 2 * dp) if one_rank else (tp, pp, 2)  # one rank accumulates every replica's share
     schedule = "1f1b" if one_rank and v["schedule"] in PIPELINE_ONLY else v["schedule"]
     extra: dict = {"pipeline": {"virtual_stages": 2}} if schedule == "interleaved" else {}
-    if v["schedule"] == "terapipe":  # with activation checkpointing, and sequence parallelism where TP > 1
-        extra = {"terapipe": {"slices": [6, 10]}, "pipeline": {"activation_checkpoint_interval": 1}}
+    if v["schedule"] == "terapipe":  # sequence parallelism where TP > 1
+        extra = {"terapipe": {"slices": [6, 10]}}
         if tp > 1:
             extra["tensor_parallel"] = {"sequence_parallel": True}
+    if checkpoint_interval(case):
+        extra.setdefault("pipeline", {})["activation_checkpoint_interval"] = checkpoint_interval(case)
     return ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=LR, clip=CLIP, schedule=schedule, seq=SEQ,
                      bf16=v["precision"] == "bf16", zero=int(v["wrapper"] == "zero1"), **extra)
 
@@ -256,6 +273,9 @@ def test_cases_cover_every_pair() -> None:
         have = {(r[f1], r[f2]) for r in rows}
         assert want <= have, f"{f1} × {f2}: missing {sorted(want - have)}"
     assert len({case_name(c) for c in CASES}) == len(CASES) == 21
+    for every in (2, 3):  # the intervals where GPT-2's token lookup shares a checkpoint segment
+        met = {r["schedule"] for r in rows if r["model"] == "gpt2" and r["activation checkpoint"] == f"every {every}"}
+        assert met == set(FACTORS["schedule"]), f"GPT-2 at activation checkpoint interval {every}: only {met}"
 
 
 @pytest.fixture(scope="module")

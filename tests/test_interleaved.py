@@ -93,7 +93,8 @@ def play(K: int, M: int, v: int, forward_only: bool = False, weights: list[float
             grad[peer] = unit
 
     streams = [list(x.steps()) for x in scheds]
-    play_compiled(streams, compute, sent, received, posted_sends, ring=True)
+    play_compiled(streams, compute, sent, received, posted_sends, ring=True,
+                  acks=[x.acknowledged() for x in scheds])
     for kind in "FB"[:1 if forward_only else 2]:
         assert {(s, m, c) for k, s, m, c in done if k == kind} == \
             {(s, m, c) for s in range(K) for m in range(M) for c in range(v)}, kind

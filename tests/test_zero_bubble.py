@@ -12,6 +12,9 @@
   bf16 (TP=2×PP=2 with ZeRO-1, PP=2) within a stated tolerance of HF's fp32 run and of the
   same bf16 config under 1F1B; at TP=2×PP=2 the column-parallel fused backward computes dX and dW
   as often as under 1F1B (B only dX, W only dW: no work done twice);
+* ``"bf16": {"immediate_grad_update": true}`` (W moves its gradients into the fp32 masters itself):
+  zb-h1 on tied GPT-2 and untied Qwen2, interleaved and token-sliced 1F1B equal the deferred update
+  bit for bit and HF within the bf16 tolerance;
 * config refusals (ZeRO-2, fp16) in one line.
 """
 from __future__ import annotations
@@ -119,7 +122,7 @@ def play(K: int, M: int, posted_sends: bool = False) -> list[list[tuple[str, int
             assert grad[peer] is None, f"stage {peer}: gradient slot overwritten before its B"
             grad[peer] = micro
 
-    play_compiled(streams, compute, sent, received, posted_sends)
+    play_compiled(streams, compute, sent, received, posted_sends, acks=[x.acknowledged() for x in scheds])
     for s, x in enumerate(streams):
         assert [type(c) for c in x[-1][-3:]] == [ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep]
         assert scheds[s].num_pipe_buffers() <= min(K, M) + 1
@@ -231,6 +234,57 @@ def _check(world: int, results: list[dict]) -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_zb_h1_equals_hf(world: int) -> None:
     _check(world, run_ranks(_rank, world, world, timeout=600))
+
+
+# ------------------------------------------------------------------ bf16.immediate_grad_update
+
+IMMEDIATE = {"zb-h1": {}, "interleaved": {"pipeline": {"virtual_stages": 2}},
+             "terapipe": {"terapipe": {"slices": [6, 10], "order": "1f1b"}}}  # token-sliced 1F1B
+# tied GPT-2 (its tied-gradient all-reduce) under each; untied Qwen2 under the schedule with a W pass
+IMMEDIATE_CASES = [("gpt2", "zb-h1"), ("gpt2", "interleaved"), ("gpt2", "terapipe"), ("qwen2", "zb-h1")]
+
+
+def _immediate_model(name: str):
+    from test_llama import tiny_llama
+
+    return tiny_gpt2() if name == "gpt2" else tiny_llama("qwen2", 2, False, n_layer=4, inner=128, hidden=72,
+                                                          vocab=VOCAB)
+
+
+def _immediate_rank(rank: int) -> dict:
+    import ds_mp
+
+    out = {}
+    for model, schedule in IMMEDIATE_CASES:
+        for immediate in (False, True):
+            cfg = ds_config(pp=2, micro=2, gas=4, lr=0.1, clip=0.5, schedule=schedule, seq=SEQ, bf16=True,
+                            **IMMEDIATE[schedule])
+            cfg["bf16"]["immediate_grad_update"] = immediate
+            engine, *_ = ds_mp.initialize(model=_immediate_model(model), config=cfg)
+            losses, norms = [], []
+            for step in _steps(2, 4, seed=60):
+                losses.append(float(engine.train_batch(iter(step))))
+                norms.append(float(engine.get_global_grad_norm()))
+            out[(model, schedule, immediate)] = (losses, norms, gather_weights(engine)[0])
+    return out
+
+
+def test_bf16_immediate_grad_update_trains_like_the_deferred_update() -> None:
+    """``"bf16": {"immediate_grad_update": true}``: DeepSpeed's hooks move each gradient into its fp32
+    master as autograd accumulates it, and ``update_hp_grads()`` is a no-op.  ZB-H1's W pass sets
+    ``.grad`` by hand: it must move them itself (else stages >= 1 lose every weight gradient: tied
+    GPT-2 hangs in the tied-gradient all-reduce, untied Qwen2 fails in the optimizer step).  With the
+    setting, zb-h1, interleaved and token-sliced 1F1B give the very losses, norms and weights of the
+    deferred update, within the bf16 tolerance of HF's fp32 run."""
+    results = run_ranks(_immediate_rank, 2, timeout=500)
+    for model, schedule in IMMEDIATE_CASES:
+        hf_losses, hf_norms, _ = hf_train(_immediate_model(model), _steps(2, 4, seed=60), 0.1, 0.5)
+        for rank, res in enumerate(results):
+            (losses, norms, w), (d_losses, d_norms, d_w) = res[(model, schedule, True)], res[(model, schedule, False)]
+            where = f"{model} {schedule} rank {rank}: {losses} {norms} vs HF {hf_losses} {hf_norms}"
+            assert (losses, norms) == (d_losses, d_norms) and max_diff(w, d_w) == 0, f"{where}; deferred {d_losses}"
+            assert all(abs(a - b) <= BF16_VS_HF * b for a, b in zip(losses, hf_losses)), where
+            assert abs(norms[0] - hf_norms[0]) <= BF16_NORM_VS_HF * hf_norms[0], where
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -27,6 +27,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("engine", "_reserve_pipe_buffers", "grows pipe_buffers to num_pipe_buffers() slots"),
     Assumption("engine", "_exec_load_micro_batch", "loads the next micro-batch into inputs/labels[buffer_id]"),
     Assumption("engine", "_exec_recv_activations", "receives the previous stage's activations into a buffer"),
+    Assumption("engine", "_exec_recv_grads", "receives the next stage's gradient into the engine's grad_layer"),
     Assumption("engine", "_exec_send_activations", "sends a buffer's outputs to the next stage through p2p.send"),
     Assumption("engine", "_exec_send_grads", "sends a buffer's input gradients to the previous stage through "
                "p2p.send, then drops the buffer's inputs"),
@@ -62,7 +63,8 @@ ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
     Assumption("engine", "pipe_buffers", "dict 'inputs'/'labels'/'outputs' -> list of per-buffer slots"),
     Assumption("engine", "is_pipe_partitioned", "p2p sends 1/TP of an activation and all-gathers it"),
     Assumption("engine", "using_bf16_optimizer", "True when the optimizer is DeepSpeed's BF16_Optimizer, whose "
-               "update_hp_grads() copies bf16 .grad into its fp32 gradient buffers"),
+               "update_hp_grads() copies bf16 .grad into its fp32 gradient buffers (a no-op with "
+               "immediate_grad_update, where accumulate_hp_grads_and_remove_lp(p, group, index) moves one)"),
     Assumption("engine", "is_grad_partitioned", "p2p sends 1/TP of a gradient and all-gathers it"),
     Assumption("engine", "pipe_partition_input_meta_cache", "shape cache of partitioned activations"),
     Assumption("engine", "pipe_partition_output_meta_cache", "shape cache of partitioned outputs"),
@@ -153,8 +155,21 @@ def set_global_grad_norm(engine: Any, norm: float) -> None:
 
 
 def copy_bf16_grads_to_master(engine: Any) -> None:
-    """BF16_Optimizer: add the bf16 ``.grad`` of every parameter into its fp32 master gradient."""
-    engine.optimizer.update_hp_grads(clear_lp_grads=False)
+    """BF16_Optimizer: add the bf16 ``.grad`` of every parameter into its fp32 master gradient.
+
+    With ``"bf16": {"immediate_grad_update": true}`` DeepSpeed's ``update_hp_grads()`` returns at
+    once: there hooks on autograd's gradient accumulation move each gradient into its master (and
+    drop the bf16 one) as a backward produces it, and a gradient set on ``.grad`` by hand (ZB-H1's
+    W pass) never reaches them.  Such gradients go through the hooks' own per-parameter move
+    (``accumulate_hp_grads_and_remove_lp``), which leaves ``.grad`` None as the hooks do."""
+    opt = engine.optimizer
+    if not opt.immediate_grad_update:
+        opt.update_hp_grads(clear_lp_grads=False)
+        return
+    for i, group in enumerate(opt.bf16_groups):
+        for j, lp in enumerate(group):
+            if lp.grad is not None:
+                opt.accumulate_hp_grads_and_remove_lp(lp, i, j)
 
 
 def output_hook_managers(tensor: Any) -> list:

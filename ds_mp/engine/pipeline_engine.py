@@ -21,6 +21,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
+from ds_mp.engine.posted_sends import PostedSends
 from ds_mp.schedules.registry import ENGINE_SUPPORT, resolve
 
 
@@ -56,7 +57,7 @@ class DsMpPipelineEngine(PipelineEngine):
         self._loaded_micro: dict[int, int] = {}
         self._recv_micro: dict[int, int] = {}
         self._n_loaded = self._n_recv = 0
-        self._posted: list = []  # (work, tensor) of sends in flight; the tensors stay referenced until done
+        self.posted = PostedSends()  # sends in flight, waited for once received
         super().__init__(*args, **kwargs)
         compat.check_engine(self)
         if torch.device(self.device).type == "cpu":  # no page faults re-acquiring freed memory every micro-batch
@@ -98,6 +99,7 @@ class DsMpPipelineEngine(PipelineEngine):
         self._loaded_micro.clear()
         self._recv_micro.clear()
         self._n_loaded = self._n_recv = 0
+        self.posted.start(pipe_schedule)
         for step_cmds in pipe_schedule:
             for cmd in step_cmds:
                 method = self._INSTRUCTION_MAP.get(type(cmd))
@@ -116,12 +118,10 @@ class DsMpPipelineEngine(PipelineEngine):
                     self.trace.append((name, cmd.kwargs.get("buffer_id", -1), start, time.perf_counter()))
         self.wait_posted_sends()
 
-    # --- p2p sends: posted, completed by the end of the schedule ------------------------
+    # --- p2p sends: posted, waited for once received (engine/posted_sends.py) ---------------
     def wait_posted_sends(self) -> None:
         """Wait until every posted send has left (its tensor may then change or be freed)."""
-        for work, _ in self._posted:
-            work.wait()
-        self._posted.clear()
+        self.posted.wait_all()
 
     def sends_overtake_receives(self) -> bool:
         """True when sends are posted and a send never waits behind a receive on the same link:
@@ -131,19 +131,21 @@ class DsMpPipelineEngine(PipelineEngine):
         schedules keep their consumer-time order, the same on both ends of every link."""
         return self.post_sends and dist.get_backend(self.topology.pp_group) == "gloo"
 
-    def _send(self, handler: Callable[[int], None], buffer_id: int) -> None:
-        if not self.post_sends:
+    def _send(self, handler: Callable[[int], None], buffer_id: int, peer: int) -> None:
+        if self.post_sends:
+            self.posted.post(handler, buffer_id, peer)
+        else:
             handler(buffer_id)
-            return
-        with compat.posted_sends(self._posted):
-            handler(buffer_id)
-        self._posted[:] = [(w, t) for w, t in self._posted if not w.is_completed()]  # drop what has left
 
     def _exec_send_activations(self, buffer_id: int) -> None:
-        self._send(super()._exec_send_activations, buffer_id)
+        self._send(super()._exec_send_activations, buffer_id, self.next_stage)
 
     def _exec_send_grads(self, buffer_id: int) -> None:
-        self._send(super()._exec_send_grads, buffer_id)
+        self._send(super()._exec_send_grads, buffer_id, self.prev_stage)
+
+    def _exec_recv_grads(self, buffer_id: int) -> None:
+        super()._exec_recv_grads(buffer_id)
+        self.posted.received_from(self.next_stage)
 
     # --- activation shapes: re-announced only when they change ------------------------
     def _announce_shape(self, data_iter: Any) -> Any:
@@ -214,6 +216,7 @@ class DsMpPipelineEngine(PipelineEngine):
         super()._exec_recv_activations(buffer_id)
         self._recv_micro[buffer_id] = self._n_recv
         self._n_recv += 1
+        self.posted.received_from(self.prev_stage)
 
     def _exec_forward_pass(self, buffer_id: int) -> None:
         if self.is_last_stage() and not self.is_first_stage() and compat.computing_loss(self):

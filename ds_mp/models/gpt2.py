@@ -292,6 +292,9 @@ class GPT2Family(Family):
     lora_modules = tuple(BLOCK_RENAME.values())
     lora_targets = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")
     lead_layers, tail_layers, block_prefix, fan_in_fan_out = 2, 2, "transformer.h.", True
+    # Not the token lookup (fed token ids; a tied layer's forward is a partial, never in the list), so a
+    # segment starting at it runs plainly (DeepSpeed's default checkpoints any segment with parameters)
+    checkpointable = ("Block", "Positions", "FinalNorm")
 
     def config_class(self) -> Any:
         from transformers import GPT2Config

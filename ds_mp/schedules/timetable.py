@@ -24,11 +24,19 @@ steps); round r holds the stage's compute ops before transfer r and transfer r w
 is one of its ends.  The step index is thus the same on both ends of every transfer (what the
 pure-Python unrollers in the tests check).  With posted sends (the engine's default) each send
 then moves up to right after the op computing its value (:func:`sends_early`).
+
+Two more things come with the compiled stream.  **Acknowledgements** (:func:`acknowledgements`):
+for each receive, how many of this stage's sends to that peer the peer had received before it sent
+the message, read off the peer's own compiled program; the engine waits for those sends then, at
+no cost (they are done), instead of pinning every posted send to the end of the step.  **A cache**
+(:data:`COMPILED`): the engine builds a schedule per ``train_batch``, and compiling (a simulation of
+every stage) is the same work while its inputs (:meth:`TimetableSchedule.compile_key`) are.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 from deepspeed.runtime.pipe import schedule as ds
 
@@ -134,7 +142,53 @@ def sends_early(stage: list[list[Item]], producer: Callable[[Transfer], Op]) -> 
     return out
 
 
-__all__ = ["Transfer", "Item", "transfers", "linear_peer", "rounds", "sends_early", "TimetableSchedule"]
+def acknowledgements(stages: Sequence[Sequence[Sequence[Item]]]) -> dict[Transfer, int]:
+    """For each transfer m of the compiled programs ``stages[s][r]``: how many messages from
+    ``m.dst`` the sender ``m.src`` had received when it sends m (its program order).  The receiver
+    of m then knows that its first that-many sends to ``m.src`` have been received (each channel is
+    FIFO): waiting for them once m has arrived returns at once."""
+    out: dict[Transfer, int] = {}
+    for stage in stages:
+        got: dict[int, int] = {}
+        for items in stage:
+            for kind, m in items:
+                if kind == "recv":
+                    got[m.src] = got.get(m.src, 0) + 1
+                elif kind == "send":
+                    out[m] = got.get(m.dst, 0)
+    return out
+
+
+def _freeze(value: Any) -> Hashable:
+    """A hashable stand-in for a schedule attribute (lists, tuples, dicts and sets, nested)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return frozenset(_freeze(v) for v in value)
+    return value
+
+
+#: Compiled streams by :meth:`TimetableSchedule.compile_key`, newest last; at most
+#: :data:`COMPILED_KEPT` (a batch ramp moves through a few micro-batch counts).
+COMPILED: "OrderedDict[Hashable, Compiled]" = OrderedDict()
+COMPILED_KEPT = 8
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One stage's compiled stream: its rounds, the pipe buffer of each item (flat index), the
+    buffer count, and the acknowledgement of each of its receives (in stream order)."""
+
+    rounds: list[list[Item]]
+    buffers: dict[int, int]
+    num_buffers: int
+    acks: list[int]
+
+
+__all__ = ["Transfer", "Item", "transfers", "linear_peer", "rounds", "sends_early", "acknowledgements", "COMPILED",
+           "Compiled", "TimetableSchedule"]
 
 
 # ------------------------------------------------------------------ as a DeepSpeed PipeSchedule
@@ -181,39 +235,63 @@ class TimetableSchedule(ds.PipeSchedule):
             return [ds.BackwardPass(buffer_id=buffer_id)]
         raise ValueError(f"{type(self).__name__}: no instruction for op kind {op.kind!r}")
 
-    def _compiled(self) -> tuple[list[list[Item]], dict[tuple[int, int], int], int]:
-        if getattr(self, "_cache", None) is None:
-            producer = (lambda m: Op("F" if m.kind == "act" else "B", *self.sent_unit(m))) if self.posted_sends else None
-            mine = rounds(self.table(), self.cost, self.deps, self.peer(), producer)[self.stage_id]
-            flat = [(r, item) for r, items in enumerate(mine) for item in items]
-            def unit(item: Item) -> tuple[int, int]:
-                kind, x = item
-                return (x.micro, x.slice) if kind == "compute" else self.sent_unit(x) if kind == "send" else \
-                    (x.op.micro, x.op.slice)
-            last = {unit(item): i for i, (_, item) in enumerate(flat)}
-            free: list[int] = []
-            buffers: dict[tuple[int, int], int] = {}
-            assign: dict[int, int] = {}  # flat index -> buffer
-            count = 0
-            for i, (_, item) in enumerate(flat):
-                u = unit(item)
-                if u not in buffers:
-                    if not free:
-                        free.append(count)
-                        count += 1
-                    buffers[u] = free.pop(0)
-                assign[i] = buffers[u]
-                if last[u] == i:
-                    free.append(buffers.pop(u))
-                    free.sort()
-            self._cache = (mine, assign, max(count, 1))
-        return self._cache
+    def compile_key(self) -> Hashable:
+        """Everything the compiled stream depends on: the class, ``posted_sends`` and the instance's
+        data attributes (micro-batches, stages, this stage, the subclass's options: virtual stages,
+        chunk weights, the slicing plan, …), frozen.  Left out: callables (a schedule's functions,
+        ``deps``, are made from its data attributes) and ``PipeSchedule``'s iteration over its own
+        steps (``it``: None, then the steps generator)."""
+        state = {k: v for k, v in vars(self).items()
+                 if not k.startswith("_") and k != "it" and not callable(v) and not isinstance(v, Iterator)}
+        return type(self), self.posted_sends, _freeze(state)
+
+    def _compiled(self) -> Compiled:
+        key = self.compile_key()
+        if key in COMPILED:
+            COMPILED.move_to_end(key)
+            return COMPILED[key]
+        producer = (lambda m: Op("F" if m.kind == "act" else "B", *self.sent_unit(m))) if self.posted_sends else None
+        every = rounds(self.table(), self.cost, self.deps, self.peer(), producer)
+        mine = every[self.stage_id]
+        flat = [(r, item) for r, items in enumerate(mine) for item in items]
+
+        def unit(item: Item) -> tuple[int, int]:
+            kind, x = item
+            return (x.micro, x.slice) if kind == "compute" else self.sent_unit(x) if kind == "send" else \
+                (x.op.micro, x.op.slice)
+        last = {unit(item): i for i, (_, item) in enumerate(flat)}
+        free: list[int] = []
+        buffers: dict[tuple[int, int], int] = {}
+        assign: dict[int, int] = {}  # flat index -> buffer
+        count = 0
+        for i, (_, item) in enumerate(flat):
+            u = unit(item)
+            if u not in buffers:
+                if not free:
+                    free.append(count)
+                    count += 1
+                buffers[u] = free.pop(0)
+            assign[i] = buffers[u]
+            if last[u] == i:
+                free.append(buffers.pop(u))
+                free.sort()
+        acked = acknowledgements(every)
+        COMPILED[key] = Compiled(mine, assign, max(count, 1), [acked[m] for _, (kind, m) in flat if kind == "recv"])
+        while len(COMPILED) > COMPILED_KEPT:
+            COMPILED.popitem(last=False)
+        return COMPILED[key]
+
+    def acknowledged(self) -> list[int]:
+        """Per receive of this stage's stream, in order: how many of this stage's sends to the
+        sender the sender had received before sending it (:func:`acknowledgements`)."""
+        return self._compiled().acks
 
     def num_pipe_buffers(self) -> int:
-        return self._compiled()[2]
+        return self._compiled().num_buffers
 
     def steps(self) -> Iterator[list]:
-        mine, assign, _ = self._compiled()
+        compiled = self._compiled()
+        mine, assign = compiled.rounds, compiled.buffers
         i = 0
         for r, items in enumerate(mine):
             cmds: list = []

@@ -32,7 +32,7 @@ def tiny_mistral(seed: int = 0, window: int = 4):
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(seed)
-    cfg = MistralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    cfg = MistralConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=64, vocab_size=V, max_position_embeddings=64, sliding_window=window,
                         bos_token_id=0, eos_token_id=0)
     return MistralForCausalLM(cfg).eval()

@@ -66,7 +66,6 @@ def test_per_token_loss_is_invariant_to_the_split() -> None:
     base = losses["8x1"]
     for name, got in losses.items():
         assert max(abs(a - b) for a, b in zip(got, base)) <= INVARIANT, f"{name}: {got} vs 8x1 {base}"
-    assert base[-1] < base[0]
 
 
 def test_mean_of_micro_batch_means_depends_on_the_split() -> None:

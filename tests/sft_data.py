@@ -61,11 +61,12 @@ def targets(docs: list[Doc]) -> int:
     return sum(int((labels[1:] != -100).sum()) for _, labels in docs)
 
 
-def hf_per_document(model: Any, steps: list[list[Doc]], lr: float) -> tuple[list[float], dict]:
+def hf_per_document(model: Any, steps: list[list[Doc]], lr: float, clip: float = 0.0) -> tuple[list[float], dict]:
     """The oracle: one process, each document alone (unpacked, unpadded); a step's loss = the sum of
-    HF's token losses over its documents / its target count; SGD.  Returns losses and weights."""
+    HF's token losses over its documents / its target count; torch's clipping (``clip`` > 0); SGD.
+    Returns losses and weights."""
     model = copy.deepcopy(model).train()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
     for docs in steps:
         opt.zero_grad()
@@ -76,6 +77,8 @@ def hf_per_document(model: Any, steps: list[list[Doc]], lr: float) -> tuple[list
                 loss = model(input_ids=ids[None], labels=labels[None]).loss * (k / n)
                 loss.backward()
                 total += float(loss.detach())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(total)
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}

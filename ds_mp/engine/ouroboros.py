@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.engine.ouroboros_modules import ModuleLayers, accumulate, leaf, module_ranges, replayed
+from ds_mp.engine.ouroboros_modules import ModuleLayers, SampleLayouts, accumulate, leaf, module_ranges, replayed
 from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
@@ -47,8 +47,6 @@ from ds_mp.tensor_parallel.random import rng_state
 
 class OuroborosState:
     """One ring rank's Ouroboros state (see the module docstring) and its engine hooks."""
-
-    takes_layouts = False  # packed documents / padding masks: not yet carried to the delayed replays
 
     def __init__(self, engine: Any) -> None:
         cfg = engine.ds_mp_config
@@ -78,6 +76,7 @@ class OuroborosState:
         self.stash: dict[int, deque[tuple[int, list[tuple[Tensor, dict | None, tuple | None]], list[Tensor] | None]]] = {
             m: deque() for m in self.ranges}
         self.acts: dict[tuple[int, int, int], Tensor] = {}    # (m, s, j) -> input of G_m, micro-batch j of x_s
+        self.layouts = SampleLayouts(ctx, keep=self.K)  # documents / padding of the samples in flight
         self.deltas: dict[tuple[int, int, int], Tensor] = {}  # (m, s, j) -> delta_m^s of micro-batch j
         self.grads: dict[int, list[Tensor]] = {}
         self.loss: Tensor | None = None
@@ -89,17 +88,25 @@ class OuroborosState:
         return t
 
     # --- module maths -------------------------------------------------------------------
-    def run(self, m: int, x: Any, weights: dict[str, Tensor] | None = None) -> Tensor:
+    def run(self, m: int, x: Any, weights: dict[str, Tensor] | None = None, layout: Any = None) -> Tensor:
         """G_m(x): token ids -> hidden for G_0, hidden -> hidden, hidden -> local logits for G_{K-1};
         with ``weights`` (parameter name in ``self.layers[m]`` -> tensor) in place of the module's
-        own parameters (autograd then differentiates with respect to those tensors)."""
-        if weights is None:
-            return self.layers[m](x)
-        return torch.func.functional_call(self.layers[m], weights, (x,))
+        own parameters (autograd then differentiates with respect to those tensors), attending with
+        ``layout`` (``ds_mp.models.batch.Layout``: documents, padding; None = causal)."""
+        ctx = self.engine.module.ds_mp_ctx
+        saved, ctx.layout = ctx.layout, layout
+        try:
+            if weights is None:
+                return self.layers[m](x)
+            return torch.func.functional_call(self.layers[m], weights, (x,))
+        finally:
+            ctx.layout = saved
 
     def forward(self, m: int, s: int, micro: int | None = None) -> None:
         j = micro or 0
         x = self.acts.pop((m, s, j)) if m > 0 else self._load_micro_batch(j)
+        self.layouts.record(s, self.engine.step_info.layouts)  # forwards run the current step's sample
+        layout = self.layouts.of(s, j, [])
         delayed = m < self.K - 1  # G_{K-1} runs forward and backward as one graph in backward()
         if j == 0:
             kept = ([p.detach().clone().requires_grad_() for p in self.params[m]]
@@ -114,13 +121,13 @@ class OuroborosState:
         if self.keep_graph:  # the graph of G_m(x; w^s) against the snapshot w^s = kept, used at t = s + d_m
             x_leaf = leaf(x)
             with torch.enable_grad():
-                out = self.run(m, x_leaf, dict(zip(self.names[m], entry[2])))
+                out = self.run(m, x_leaf, dict(zip(self.names[m], entry[2])), layout)
             entry[1].append((x, rng, (x_leaf, out)))
             self.acts[(m + 1, s, j)] = out.detach()
         else:
             entry[1].append((x, rng, None))
             with torch.no_grad():
-                self.acts[(m + 1, s, j)] = self.run(m, x)
+                self.acts[(m + 1, s, j)] = self.run(m, x, layout=layout)
 
     def backward(self, m: int, s: int, micro: int | None = None) -> None:
         if m == self.K - 1:
@@ -132,8 +139,10 @@ class OuroborosState:
         deltas = [self.deltas.pop((m, s, j)) for j in range(len(chunks))]
         sizes = [d.shape[0] for d in deltas]
         kept_graphs = all(graph is not None for _, _, graph in chunks)  # False after a resume: replay
+        layouts = [self.layouts.of(s, j, []) for j in range(len(chunks))]
         if len(chunks) > 1 and not self.replay_per_micro and not kept_graphs:  # one replay of the whole batch
             chunks, deltas = [(torch.cat([x for x, _, _ in chunks]), chunks[0][1], None)], [torch.cat(deltas)]
+            layouts = [self.layouts.of(s, None, sizes)]
         wrt = kept if kept is not None else self.params[m]  # the snapshot's leaves, or the parameters
         replay_with = None if kept is None or kept_graphs else dict(zip(self.names[m], kept))
         with torch.enable_grad():
@@ -141,7 +150,7 @@ class OuroborosState:
                 if graph is None:
                     x = leaf(x_saved)
                     with replayed(rng if self.repeat_dropout else None):
-                        out = self.run(m, x, replay_with)
+                        out = self.run(m, x, replay_with, layouts[j])
                 else:
                     x, out = graph
                 grads = torch.autograd.grad(out, ([x] if x.requires_grad else []) + wrt,
@@ -167,7 +176,8 @@ class OuroborosState:
             wrt = ([x] if x.requires_grad else []) + self.params[m]
             # labels = (targets, N / (M · dp)) (engine/batches.py): / M makes the M shares sum to this
             # replica's part of the global per-token loss (DP averages the replicas)
-            out = self.engine.module.loss_fn(self.run(m, x), self.labels[j]) / self.engine.micro_batches
+            out = self.engine.module.loss_fn(self.run(m, x, layout=self.layouts.of(s, j, [])), self.labels[j])
+            out = out / self.engine.micro_batches
             grads = torch.autograd.grad(out, wrt, materialize_grads=True)
         if x.requires_grad:
             self.deltas[(m - 1, s, j)], grads = grads[0], grads[1:]
@@ -213,7 +223,8 @@ class OuroborosState:
     def _load_micro_batch(self, j: int) -> Tensor:
         """Ring rank 0: micro-batch j of x_t (its labels kept for G_{K-1})."""
         e = self.engine
-        ids, (targets, denom) = compat.next_batch(e)  # engine/batches.py's form (no layouts: takes_layouts)
+        inputs, (targets, denom) = compat.next_batch(e)  # engine/batches.py's form; positions: from the layout
+        ids = inputs[0] if isinstance(inputs, tuple) else inputs
         labels = (targets.to(e.device), denom.to(e.device))
         self.labels = [labels] if j == 0 else [*self.labels, labels]
         return ids.to(e.device)
@@ -271,17 +282,19 @@ class OuroborosState:
         fed = e._prepare(data_iter, n, training=False)  # labels (targets, N / (n · dp)): the mean below is per token
         e.module.eval()
         try:
-            for _ in range(n):
+            for j in range(n):
+                layout = e.step_info.layouts[j]
                 if r == 0:
-                    ids, (targets, denom) = next(fed)
-                    ids, labels = ids.to(e.device), (targets.to(e.device), denom.to(e.device))
-                    h = self.run(0, ids)
+                    inputs, (targets, denom) = next(fed)
+                    ids = (inputs[0] if isinstance(inputs, tuple) else inputs).to(e.device)
+                    labels = (targets.to(e.device), denom.to(e.device))
+                    h = self.run(0, ids, layout=layout)
                     if self.owner[1] != 0:
                         self.send(h, self.owner[1], header=True)
                         h = self.recv(self.owner[K - 2])
-                    total += e.module.loss_fn(self.run(K - 1, h), labels).float()
+                    total += e.module.loss_fn(self.run(K - 1, h, layout=layout), labels).float()
                 else:
-                    self.send(self.run(r, self.recv(r - 1)), self.owner[r + 1], header=True)
+                    self.send(self.run(r, self.recv(r - 1), layout=layout), self.owner[r + 1], header=True)
                 self.flush()
         finally:
             e.module.train()
@@ -303,7 +316,8 @@ class OuroborosState:
         return {"K": self.K, "delay": self.delay, "iteration": self.iteration,
                 "stash": [[m, [(s, [(x.cpu(), rng) for x, rng, _ in chunks], None if kept is None else [w.cpu() for w in kept])
                                for s, chunks, kept in q]] for m, q in self.stash.items()],
-                "deltas": [[m, s, j, d.cpu()] for (m, s, j), d in self.deltas.items()]}
+                "deltas": [[m, s, j, d.cpu()] for (m, s, j), d in self.deltas.items()],
+                "layouts": self.layouts.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if (state["K"], state["delay"]) != (self.K, self.delay):
@@ -318,6 +332,7 @@ class OuroborosState:
                                 None if kept is None else [w.to(dev).requires_grad_() for w in kept])
                                for s, chunks, kept in q) for m, q in state["stash"]}
         self.deltas = {(m, s, j): d.to(dev) for m, s, j, d in state["deltas"]}
+        self.layouts.load_state_dict(state.get("layouts", []), dev)
 
 
 def attach(engine: Any) -> OuroborosState:

@@ -241,8 +241,11 @@ class TokenEmbedding(nn.Module):
 
 
 def embed_forward(module: TokenEmbedding, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """First stage: ``ids`` or ``(ids, positions)`` -> ``(wte(ids), positions)``."""
+    """First stage: ``ids`` or ``(ids, positions)`` -> ``(wte(ids), positions)`` (without positions:
+    the running micro-batch's layout's, else 0 … T-1)."""
     ids, pos = inputs if isinstance(inputs, (tuple, list)) else (inputs, None)
+    if pos is None and module.ctx.layout is not None:
+        pos = module.ctx.layout.positions
     if pos is None:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     return module.wte(ids), pos

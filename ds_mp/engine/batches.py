@@ -23,6 +23,7 @@ their announced shapes are kept.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -130,6 +131,39 @@ def prepare_step(engine: Any, data_iter: Any, n: int, training: bool) -> tuple[I
     return engine.ds_mp_fed, step
 
 
+@contextlib.contextmanager
+def feeding(engine: Any) -> Iterator[None]:
+    """DeepSpeed reads the normalized micro-batches: its ``batch_fn`` already ran in the read."""
+    batch_fn, engine.batch_fn = engine.batch_fn, None
+    try:
+        yield
+    finally:
+        engine.batch_fn = batch_fn
+
+
+@contextlib.contextmanager
+def micro_layout(engine: Any, buffer_id: int, forward: bool = False) -> Iterator[None]:
+    """Inside: the model attends with the layout of the micro-batch in ``buffer_id`` (documents,
+    padding, window; None = plain causal).  ``forward`` records which micro-batch that is (the
+    loaded one on the first stage, the received one elsewhere) for its backward.  A schedule may
+    answer itself (``layout_of(buffer_id)``, TeraPipe's token slices) or leave it to this rule
+    (``NotImplemented``)."""
+    hook = getattr(engine.schedule_support, "layout_of", None)
+    layout = hook(buffer_id) if hook is not None else NotImplemented
+    if layout is NotImplemented:
+        if forward:
+            held = engine._loaded_micro if engine.is_first_stage() else engine._recv_micro
+            engine._buffer_micro[buffer_id] = held.get(buffer_id, 0)
+        layouts, micro = engine.step_info.layouts, engine._buffer_micro.get(buffer_id, 0)
+        layout = layouts[micro] if micro < len(layouts) else None
+    ctx = engine.module.ds_mp_ctx
+    saved, ctx.layout = ctx.layout, layout
+    try:
+        yield
+    finally:
+        ctx.layout = saved
+
+
 def warn_no_targets(engine: Any) -> torch.Tensor:
     """The step of a global batch without a target: skipped (no update), loss 0, a warning."""
     warnings.warn(f"step {engine.global_steps + 1}: the global batch has no target token (every shifted label is "
@@ -137,4 +171,4 @@ def warn_no_targets(engine: Any) -> torch.Tensor:
     return torch.zeros((), device=engine.device)
 
 
-__all__ = ["Step", "prepare_step", "batch_source", "warn_no_targets"]
+__all__ = ["Step", "prepare_step", "batch_source", "feeding", "micro_layout", "warn_no_targets"]

@@ -6,7 +6,6 @@ DeepSpeed name used here is listed in ``ds_mp.deepspeed_compat``.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
 import os
@@ -21,7 +20,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
-from ds_mp.engine.batches import Step, prepare_step, warn_no_targets
+from ds_mp.engine.batches import Step, feeding, micro_layout, prepare_step, warn_no_targets
 from ds_mp.schedules.registry import ENGINE_SUPPORT, resolve
 
 
@@ -167,15 +166,6 @@ class DsMpPipelineEngine(PipelineEngine):
             self._announced_shape = self.step_info.shape
         return fed
 
-    @contextlib.contextmanager
-    def _feeding(self, fed: Any) -> Any:
-        """DeepSpeed reads the normalized micro-batches (its batch_fn already applied by the read)."""
-        batch_fn, self.batch_fn = self.batch_fn, None
-        try:
-            yield fed
-        finally:
-            self.batch_fn = batch_fn
-
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """DeepSpeed's ``train_batch`` on any accepted batch form (``ds_mp.models.batch``), returning
         the global batch's per-target-token mean loss; a batch without targets skips the step."""
@@ -183,7 +173,7 @@ class DsMpPipelineEngine(PipelineEngine):
         if self.step_info.count == 0:
             self.agg_train_loss = warn_no_targets(self)
             return self.agg_train_loss
-        with self._feeding(fed):
+        with feeding(self):
             return super().train_batch(fed)
 
     def eval_batch(self, data_iter: Any, *args: Any, num_micro_batches: int | None = None, **kwargs: Any) -> Any:
@@ -191,29 +181,13 @@ class DsMpPipelineEngine(PipelineEngine):
         if hook is not None:
             return hook(data_iter, *args, num_micro_batches=num_micro_batches, **kwargs)
         fed = self._prepare(data_iter, num_micro_batches or self.micro_batches, training=False)
-        with self._feeding(fed):
+        with feeding(self):
             return super().eval_batch(fed, *args, num_micro_batches=num_micro_batches, **kwargs)
 
-    @contextlib.contextmanager
     def micro_layout(self, buffer_id: int, forward: bool = False) -> Any:
-        """Inside: the model attends with the layout of the micro-batch in ``buffer_id`` (its documents,
-        padding, window; None = plain causal).  ``forward`` records which micro-batch that is (the
-        loaded one on the first stage, the received one elsewhere) for its backward."""
-        hook = getattr(self.schedule_support, "layout_of", None)  # a schedule's own (TeraPipe: token slices)
-        layout = hook(buffer_id) if hook is not None else NotImplemented
-        if layout is NotImplemented:
-            if forward:
-                held = self._loaded_micro if self.is_first_stage() else self._recv_micro
-                self._buffer_micro[buffer_id] = held.get(buffer_id, 0)
-            layouts = self.step_info.layouts
-            micro = self._buffer_micro.get(buffer_id, 0)
-            layout = layouts[micro] if micro < len(layouts) else None
-        ctx = self.module.ds_mp_ctx
-        saved, ctx.layout = ctx.layout, layout
-        try:
-            yield
-        finally:
-            ctx.layout = saved
+        """Context: the model attends with the layout of the micro-batch in ``buffer_id``
+        (:func:`ds_mp.engine.batches.micro_layout`)."""
+        return micro_layout(self, buffer_id, forward)
 
     def _aggregate_total_loss(self) -> torch.Tensor:
         hook = getattr(self.schedule_support, "aggregate_loss", None)

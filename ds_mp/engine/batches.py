@@ -110,8 +110,10 @@ def prepare_step(engine: Any, data_iter: Any, n: int, training: bool) -> tuple[I
         packed = torch.zeros(n, 2, B, T, dtype=torch.long, device=dev)
         if engine.stage_id == 0:
             for i, mb in enumerate(mbs):
-                lay = layouts[i] or Layout(torch.arange(T).expand(B, T), torch.zeros(B, T, dtype=torch.long))
-                packed[i, 0], packed[i, 1] = lay.positions, lay.docs
+                if layouts[i] is not None:  # else: one document per row, positions 0 … T-1
+                    packed[i, 0], packed[i, 1] = layouts[i].positions, layouts[i].docs
+                else:
+                    packed[i, 0] = torch.arange(T, device=dev)
         dist.broadcast(packed, src=topo.pp_ranks()[0], group=topo.pp_group)
         if not reads:
             layouts = [Layout(p[0], p[1], ctx.window) for p in packed]
@@ -122,7 +124,7 @@ def prepare_step(engine: Any, data_iter: Any, n: int, training: bool) -> tuple[I
     share = max(count, 1) / (n * topo.dp)  # N / (M · dp)
     fed = []
     for mb, lay, c in zip(mbs, layouts, counts):
-        denom = torch.tensor(float(share if tokens else max(c, 1)))
+        denom = torch.tensor(float(share if tokens else max(c, 1)), device=dev)
         inputs = mb.input_ids if lay is None else (mb.input_ids, lay.positions)
         fed.append((inputs, (mb.targets(), denom)))
     step.layouts = [None if lay is None else Layout(lay.positions.to(dev), lay.docs.to(dev), lay.window)

@@ -18,9 +18,10 @@ update is exactly ``OuroborosReference.step`` (``ds_mp.schedules.ouroboros.algor
 
 One ``train_batch`` is one iteration (one update).  Ring rank 0 reads
 ``gradient_accumulation_steps`` = M micro-batches; together they are x_t (the loss is the mean
-over all its tokens), and the locked forward is pipelined over them (``rank_steps``): G_m
-forwards micro-batch j and sends it on while G_{m+1} works on j-1, G_{K-1} adds micro-batch
-j's share (its valid-token fraction) of f_t and of its gradient, a replay runs each stashed
+over the target tokens of the global batch, ``ds_mp.engine.batches``), and the locked forward is
+pipelined over them (``rank_steps``): G_m forwards micro-batch j and sends it on while G_{m+1}
+works on j-1, G_{K-1} adds micro-batch j's share (its token-loss sum over the global target
+count) of f_t and of its gradient, a replay runs each stashed
 micro-batch under its own forward's RNG state and sums their gradients: the update is the
 whole batch's.  Sends are posted asynchronously (``isend``) and completed before the update, so
 a rank computes while its message travels and never waits for its receiver.  The stash, the
@@ -164,8 +165,8 @@ class OuroborosState:
         self.grads[m] = total
 
     def _head_backward(self, s: int, j: int) -> None:
-        """G_{K-1} on micro-batch j of x_s: its share n_j / n of f_s = (1/n) Σ CE over the n valid
-        targets of x_s (n_j of them in j), the gradients of that share, delta_{K-2} of j."""
+        """G_{K-1} on micro-batch j of x_s: its share of f_s = (1/N) Σ CE over the N targets of the
+        global batch (the sum over j's targets), the gradients of that share, delta_{K-2} of j."""
         m, (stashed, chunks, _) = self.K - 1, self.stash[self.K - 1][0]
         assert stashed == s, f"G_{m} backprops sample {s} but holds sample {stashed}"
         x_saved = chunks[j][0]

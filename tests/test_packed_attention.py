@@ -53,8 +53,10 @@ BF16 = 1e-2  # bf16 losses against HF's fp32 (relative)
 
 def _case(name: str, *, model: str = "gpt2", tp: int = 1, pp: int = 1, dp: int = 1, gas: int = 3, n: int = 2,
           schedule: str = "1f1b", padding: str = "", bf16: bool = False, zero: int = 0, clip: float = 0.0,
-          **ds_mp) -> dict:
-    """Packed documents (``padding=""``) or one padded document per row (``"left"``/``"right"``)."""
+          first_labels: bool = False, **ds_mp) -> dict:
+    """Packed documents (``padding=""``) or one padded document per row (``"left"``/``"right"``).
+    ``first_labels``: each document's first token keeps its label (a target only for the token
+    before it, of another document: ds_mp must not count it, as HF per document cannot)."""
     steps, docs = [], []
     for i in range(n):
         seed = len(name) * 10 + i
@@ -62,6 +64,8 @@ def _case(name: str, *, model: str = "gpt2", tp: int = 1, pp: int = 1, dp: int =
             steps.append(padded(dp * gas, ROWS, SEQ, V, seed, padding))
         else:
             mbs, held = micro_batches(dp * gas, ROWS, SEQ, V, seed)
+            if first_labels:
+                mbs = [((ids, pos), torch.where(pos == 0, ids, labels)) for (ids, pos), labels in mbs]
             steps.append(mbs)
             docs.append(held)
     cfg = ds_config(tp=tp, pp=pp, micro=ROWS, gas=gas, lr=LR, schedule=schedule, seq=SEQ, bf16=bf16, zero=zero,
@@ -79,7 +83,7 @@ def oracle(case: dict) -> tuple[list[float], dict]:
 
 def cases(world: int) -> list[dict]:
     if world == 1:
-        return [_case("gpt2_pp1"), _case("qwen2_pp1", model="qwen2", gas=2),
+        return [_case("gpt2_pp1"), _case("qwen2_pp1", model="qwen2", gas=2, first_labels=True),
                 _case("gpt2_left", padding="left"), _case("qwen2_right", model="qwen2", padding="right"),
                 _case("qwen2_left", model="qwen2", padding="left", gas=1),
                 _case("mistral_window4", model="mistral", gas=2)]  # documents up to 8 tokens: the window cuts

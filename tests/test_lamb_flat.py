@@ -8,7 +8,9 @@ weight-decay groups), fed every DP replica's micro-batches.
 
 Measured at TP = 2 × DP = 2, 3 steps, 2 micro-batches per replica and step, weight decay 0.1,
 clipping on (2026-11-25): fp32 ZeRO-1/2 equal it to 1.3e-7; bf16 ZeRO-1/2 losses within 3.1e-5
-and norms within 2.0e-3.  With the trust ratio taken per flat slice (before): fp32 ZeRO-1 at
+and norms within 2.0e-3 (DeepSpeed's mean of micro-batch means); with the per-token loss (the
+default since 2026-11-26, micro-batches weighted by their target counts) bf16 losses within 2.3e-4,
+norms within 3.9e-3.  With the trust ratio taken per flat slice (before): fp32 ZeRO-1 at
 DP = 2 losses 7.6e-4 and step-2 norms 42 % off, bf16 ZeRO-2 5.7e-4 and 35 %.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from test_zero2 import weights_digest
 
 VOCAB, SEQ, LR, WD, CLIP, STEPS = 203, 16, 0.01, 0.1, 0.5, 3
 FP32_TOL = 1e-5
-BF16_LOSS_TOL, BF16_NORM_TOL = 2e-4, 1e-2
+BF16_LOSS_TOL, BF16_NORM_TOL = 5e-4, 1e-2
 CASES = {"fp32_zero1": (False, 1), "fp32_zero2": (False, 2), "bf16_zero1": (True, 1), "bf16_zero2": (True, 2)}
 LAMB = {"type": "Lamb", "params": {"lr": LR, "weight_decay": WD}}
 

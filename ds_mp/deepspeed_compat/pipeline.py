@@ -70,6 +70,9 @@ ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
     Assumption("engine", "pipe_partition_output_meta_cache", "shape cache of partitioned outputs"),
     Assumption("engine", "pipe_partition_grad_meta_cache", "shape cache of partitioned gradients"),
     Assumption("engine", "grad_partition_grad_layer_meta_cache", "shape cache of partitioned grad layers"),
+    Assumption("engine", "data_iterator", "the iterator _next_batch reads (set by set_dataiterator on the first "
+               "and last stage); ds_mp reads a step's micro-batches from it first (engine/batches.py)"),
+    Assumption("engine", "batch_fn", "set_batch_fn's post-processing of each micro-batch, or None"),
     Assumption("engine", "torch_autocast_z0_gradscaler", "torch autocast's grad scaler or None; with it, "
                "DeepSpeedEngine.backward scales the loss itself (read by unapplied_loss_scale)"),
     Assumption("module", "tied_comms", "key -> {'module', 'weight_attr', 'group', 'ranks'} of each tied weight"),

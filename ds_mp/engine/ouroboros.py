@@ -18,9 +18,10 @@ update is exactly ``OuroborosReference.step`` (``ds_mp.schedules.ouroboros.algor
 
 One ``train_batch`` is one iteration (one update).  Ring rank 0 reads
 ``gradient_accumulation_steps`` = M micro-batches; together they are x_t (the loss is the mean
-over all its tokens), and the locked forward is pipelined over them (``rank_steps``): G_m
-forwards micro-batch j and sends it on while G_{m+1} works on j-1, G_{K-1} adds micro-batch
-j's share (its valid-token fraction) of f_t and of its gradient, a replay runs each stashed
+over the target tokens of the global batch, ``ds_mp.engine.batches``), and the locked forward is
+pipelined over them (``rank_steps``): G_m forwards micro-batch j and sends it on while G_{m+1}
+works on j-1, G_{K-1} adds micro-batch j's share (its token-loss sum over the global target
+count) of f_t and of its gradient, a replay runs each stashed
 micro-batch under its own forward's RNG state and sums their gradients: the update is the
 whole batch's.  Sends are posted asynchronously (``isend``) and completed before the update, so
 a rank computes while its message travels and never waits for its receiver.  The stash, the
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.engine.ouroboros_modules import ModuleLayers, accumulate, leaf, module_ranges, replayed, valid_targets
+from ds_mp.engine.ouroboros_modules import ModuleLayers, SampleLayouts, accumulate, leaf, module_ranges, replayed
 from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
@@ -76,6 +77,7 @@ class OuroborosState:
         self.stash: dict[int, deque[tuple[int, list[tuple[Tensor, dict | None, tuple | None]], list[Tensor] | None]]] = {
             m: deque() for m in self.ranges}
         self.acts: dict[tuple[int, int, int], Tensor] = {}    # (m, s, j) -> input of G_m, micro-batch j of x_s
+        self.layouts = SampleLayouts(ctx, keep=self.K)  # documents / padding of the samples in flight
         self.deltas: dict[tuple[int, int, int], Tensor] = {}  # (m, s, j) -> delta_m^s of micro-batch j
         self.grads: dict[int, list[Tensor]] = {}
         self.loss: Tensor | None = None
@@ -87,17 +89,25 @@ class OuroborosState:
         return t
 
     # --- module maths -------------------------------------------------------------------
-    def run(self, m: int, x: Any, weights: dict[str, Tensor] | None = None) -> Tensor:
+    def run(self, m: int, x: Any, weights: dict[str, Tensor] | None = None, layout: Any = None) -> Tensor:
         """G_m(x): token ids -> hidden for G_0, hidden -> hidden, hidden -> local logits for G_{K-1};
         with ``weights`` (parameter name in ``self.layers[m]`` -> tensor) in place of the module's
-        own parameters (autograd then differentiates with respect to those tensors)."""
-        if weights is None:
-            return self.layers[m](x)
-        return torch.func.functional_call(self.layers[m], weights, (x,))
+        own parameters (autograd then differentiates with respect to those tensors), attending with
+        ``layout`` (``ds_mp.models.batch.Layout``: documents, padding; None = causal)."""
+        ctx = self.engine.module.ds_mp_ctx
+        saved, ctx.layout = ctx.layout, layout
+        try:
+            if weights is None:
+                return self.layers[m](x)
+            return torch.func.functional_call(self.layers[m], weights, (x,))
+        finally:
+            ctx.layout = saved
 
     def forward(self, m: int, s: int, micro: int | None = None) -> None:
         j = micro or 0
         x = self.acts.pop((m, s, j)) if m > 0 else self._load_micro_batch(j)
+        self.layouts.record(s, self.engine.step_info.layouts)  # forwards run the current step's sample
+        layout = self.layouts.of(s, j, [])
         delayed = m < self.K - 1  # G_{K-1} runs forward and backward as one graph in backward()
         if j == 0:
             kept = ([p.detach().clone().requires_grad_() for p in self.params[m]]
@@ -112,13 +122,13 @@ class OuroborosState:
         if self.keep_graph:  # the graph of G_m(x; w^s) against the snapshot w^s = kept, used at t = s + d_m
             x_leaf = leaf(x)
             with torch.enable_grad():
-                out = self.run(m, x_leaf, dict(zip(self.names[m], entry[2])))
+                out = self.run(m, x_leaf, dict(zip(self.names[m], entry[2])), layout)
             entry[1].append((x, rng, (x_leaf, out)))
             self.acts[(m + 1, s, j)] = out.detach()
         else:
             entry[1].append((x, rng, None))
             with torch.no_grad():
-                self.acts[(m + 1, s, j)] = self.run(m, x)
+                self.acts[(m + 1, s, j)] = self.run(m, x, layout=layout)
 
     def backward(self, m: int, s: int, micro: int | None = None) -> None:
         if m == self.K - 1:
@@ -130,8 +140,10 @@ class OuroborosState:
         deltas = [self.deltas.pop((m, s, j)) for j in range(len(chunks))]
         sizes = [d.shape[0] for d in deltas]
         kept_graphs = all(graph is not None for _, _, graph in chunks)  # False after a resume: replay
+        layouts = [self.layouts.of(s, j, []) for j in range(len(chunks))]
         if len(chunks) > 1 and not self.replay_per_micro and not kept_graphs:  # one replay of the whole batch
             chunks, deltas = [(torch.cat([x for x, _, _ in chunks]), chunks[0][1], None)], [torch.cat(deltas)]
+            layouts = [self.layouts.of(s, None, sizes)]
         wrt = kept if kept is not None else self.params[m]  # the snapshot's leaves, or the parameters
         replay_with = None if kept is None or kept_graphs else dict(zip(self.names[m], kept))
         with torch.enable_grad():
@@ -139,7 +151,7 @@ class OuroborosState:
                 if graph is None:
                     x = leaf(x_saved)
                     with replayed(rng if self.repeat_dropout else None):
-                        out = self.run(m, x, replay_with)
+                        out = self.run(m, x, replay_with, layouts[j])
                 else:
                     x, out = graph
                 grads = torch.autograd.grad(out, ([x] if x.requires_grad else []) + wrt,
@@ -153,8 +165,8 @@ class OuroborosState:
         self.grads[m] = total
 
     def _head_backward(self, s: int, j: int) -> None:
-        """G_{K-1} on micro-batch j of x_s: its share n_j / n of f_s = (1/n) Σ CE over the n valid
-        targets of x_s (n_j of them in j), the gradients of that share, delta_{K-2} of j."""
+        """G_{K-1} on micro-batch j of x_s: its share of f_s = (1/N) Σ CE over the N targets of the
+        global batch (the sum over j's targets), the gradients of that share, delta_{K-2} of j."""
         m, (stashed, chunks, _) = self.K - 1, self.stash[self.K - 1][0]
         assert stashed == s, f"G_{m} backprops sample {s} but holds sample {stashed}"
         x_saved = chunks[j][0]
@@ -163,9 +175,10 @@ class OuroborosState:
         with torch.enable_grad():  # on the ambient streams, as its forward is this very call
             x = leaf(x_saved)
             wrt = ([x] if x.requires_grad else []) + self.params[m]
-            out = self.engine.module.loss_fn(self.run(m, x), self.labels[j])
-            if len(self.labels) > 1:  # every micro-batch of x_s was read by G_0's forwards
-                out = out * (valid_targets(self.labels[j]) / max(sum(map(valid_targets, self.labels)), 1))
+            # labels = (targets, N / (M · dp)) (engine/batches.py): / M makes the M shares sum to this
+            # replica's part of the global per-token loss (DP averages the replicas)
+            out = self.engine.module.loss_fn(self.run(m, x, layout=self.layouts.of(s, j, [])), self.labels[j])
+            out = out / self.engine.micro_batches
             grads = torch.autograd.grad(out, wrt, materialize_grads=True)
         if x.requires_grad:
             self.deltas[(m - 1, s, j)], grads = grads[0], grads[1:]
@@ -211,9 +224,11 @@ class OuroborosState:
     def _load_micro_batch(self, j: int) -> Tensor:
         """Ring rank 0: micro-batch j of x_t (its labels kept for G_{K-1})."""
         e = self.engine
-        ids, labels = (t.to(e.device) for t in compat.next_batch(e))
+        inputs, (targets, denom) = compat.next_batch(e)  # engine/batches.py's form; positions: from the layout
+        ids = inputs[0] if isinstance(inputs, tuple) else inputs
+        labels = (targets.to(e.device), denom.to(e.device))
         self.labels = [labels] if j == 0 else [*self.labels, labels]
-        return ids
+        return ids.to(e.device)
 
     # --- ring p2p ------------------------------------------------------------------------
     def _peer(self, ring_rank: int) -> int:
@@ -265,18 +280,22 @@ class OuroborosState:
         e, K, r = self.engine, self.K, self.engine.stage_id
         total = torch.zeros((), device=e.device)
         n = num_micro_batches or e.micro_batches
+        fed = e._prepare(data_iter, n, training=False)  # labels (targets, N / (n · dp)): the mean below is per token
         e.module.eval()
         try:
-            for _ in range(n):
+            for j in range(n):
+                layout = e.step_info.layouts[j]
                 if r == 0:
-                    ids, labels = (t.to(e.device) for t in next(data_iter))
-                    h = self.run(0, ids)
+                    inputs, (targets, denom) = next(fed)
+                    ids = (inputs[0] if isinstance(inputs, tuple) else inputs).to(e.device)
+                    labels = (targets.to(e.device), denom.to(e.device))
+                    h = self.run(0, ids, layout=layout)
                     if self.owner[1] != 0:
                         self.send(h, self.owner[1], header=True)
                         h = self.recv(self.owner[K - 2])
-                    total += e.module.loss_fn(self.run(K - 1, h), labels).float()
+                    total += e.module.loss_fn(self.run(K - 1, h, layout=layout), labels).float()
                 else:
-                    self.send(self.run(r, self.recv(r - 1)), self.owner[r + 1], header=True)
+                    self.send(self.run(r, self.recv(r - 1), layout=layout), self.owner[r + 1], header=True)
                 self.flush()
         finally:
             e.module.train()
@@ -298,7 +317,8 @@ class OuroborosState:
         return {"K": self.K, "delay": self.delay, "iteration": self.iteration,
                 "stash": [[m, [(s, [(x.cpu(), rng) for x, rng, _ in chunks], None if kept is None else [w.cpu() for w in kept])
                                for s, chunks, kept in q]] for m, q in self.stash.items()],
-                "deltas": [[m, s, j, d.cpu()] for (m, s, j), d in self.deltas.items()]}
+                "deltas": [[m, s, j, d.cpu()] for (m, s, j), d in self.deltas.items()],
+                "layouts": self.layouts.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if (state["K"], state["delay"]) != (self.K, self.delay):
@@ -313,10 +333,12 @@ class OuroborosState:
                                 None if kept is None else [w.to(dev).requires_grad_() for w in kept])
                                for s, chunks, kept in q) for m, q in state["stash"]}
         self.deltas = {(m, s, j): d.to(dev) for m, s, j, d in state["deltas"]}
+        self.layouts.load_state_dict(state.get("layouts", []), dev)
 
 
 def attach(engine: Any) -> OuroborosState:
     engine.ouroboros = OuroborosState(engine)
+    engine.data_stages = lambda: {0}  # ring rank 0 holds G_0 and G_{K-1}: it alone reads micro-batches
     return engine.ouroboros
 
 

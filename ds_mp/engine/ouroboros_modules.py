@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+import torch
 from torch import Tensor, nn
 
 from ds_mp.schedules.ouroboros.timetable import config_split, ring_layout
@@ -59,9 +60,44 @@ class ModuleLayers(nn.Module):
         return x
 
 
-def valid_targets(labels: Tensor) -> int:
-    """Targets the loss counts: HF's shift (labels[:, 1:]) without the ignored -100."""
-    return int((labels[:, 1:] != -100).sum())
+class SampleLayouts:
+    """The attention layouts (``ds_mp.models.batch.Layout`` or None per micro-batch) of the samples
+    still in flight: a delayed replay of sample s attends as its forward did, iterations later."""
+
+    def __init__(self, ctx: Any, keep: int) -> None:
+        self.ctx, self.keep = ctx, keep  # samples older than the newest - keep are done on every module
+        self.by_sample: dict[int, list] = {}
+
+    def record(self, s: int, layouts: list) -> None:
+        if s not in self.by_sample:
+            self.by_sample[s] = list(layouts)
+            for old in [k for k in self.by_sample if k < s - self.keep]:
+                del self.by_sample[old]
+
+    def of(self, s: int, j: int | None, rows: list[int]) -> Any:
+        """Micro-batch j's layout of sample s, or (j None) the micro-batches' rows concatenated."""
+        from ds_mp.models.batch import Layout
+
+        layouts = self.by_sample.get(s) or [None] * len(rows)
+        if j is not None:
+            return layouts[j] if j < len(layouts) else None
+        given = [lay for lay in layouts if lay is not None]
+        if not given:
+            return None
+        T, dev = given[0].positions.shape[1], given[0].positions.device
+        plain = [lay or Layout(torch.arange(T, device=dev).expand(n, T), torch.zeros(n, T, dtype=torch.long, device=dev))
+                 for lay, n in zip(layouts, rows)]  # a micro-batch without one: one document per row
+        return Layout(torch.cat([lay.positions for lay in plain]), torch.cat([lay.docs for lay in plain]), self.ctx.window)
+
+    def state_dict(self) -> list:
+        return [[s, [None if lay is None else (lay.positions.cpu(), lay.docs.cpu()) for lay in layouts]]
+                for s, layouts in self.by_sample.items()]
+
+    def load_state_dict(self, state: list, device: Any) -> None:
+        from ds_mp.models.batch import Layout
+
+        self.by_sample = {s: [None if lay is None else Layout(lay[0].to(device), lay[1].to(device), self.ctx.window)
+                              for lay in layouts] for s, layouts in state}
 
 
 def module_ranges(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, int]]:
@@ -89,4 +125,4 @@ def param_group_keys(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, 
     return {k: tuple(v) for k, v in keys.items()}
 
 
-__all__ = ["replayed", "leaf", "accumulate", "ModuleLayers", "valid_targets", "module_ranges", "param_group_keys"]
+__all__ = ["replayed", "leaf", "accumulate", "ModuleLayers", "SampleLayouts", "module_ranges", "param_group_keys"]

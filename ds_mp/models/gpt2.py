@@ -190,6 +190,8 @@ class Block(nn.Module):
             k, v, mask = self.kv_extension.extend(self.index, k, v)  # (B, nh_l, ctx+T, hs)
         else:
             mask = None
+        if self.ctx.layout is not None:  # documents / padding: (B, 1, T, ctx+T), causality included
+            mask = self.ctx.layout.mask(T, k.shape[2])
         with parallel_region_rng():  # each rank's own heads: its own dropout mask
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh_l·hs)
@@ -240,9 +242,12 @@ class TokenEmbedding(nn.Module):
 
 
 def embed_forward(module: TokenEmbedding, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """First stage: ``ids`` or ``(ids, positions)`` -> ``(wte(ids), positions)``."""
+    """First stage: ``ids`` or ``(ids, positions)`` -> ``(wte(ids), positions)`` (without positions:
+    the running micro-batch's layout's, else 0 … T-1)."""
     ids, pos = inputs if isinstance(inputs, (tuple, list)) else (inputs, None)
     check_input_ids(ids, module.ctx.vocab)
+    if pos is None and module.ctx.layout is not None:
+        pos = module.ctx.layout.positions
     if pos is None:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     return module.wte(ids), pos

@@ -116,6 +116,8 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
                or not 1 <= ts[0] <= ts[1] <= cfg.training.steps):
         raise ConfigError(f"ds_mp.training.trace_steps: {ts} must be [first, last] steps with 1 <= first <= last <= "
                           f"training.steps={cfg.training.steps} (e.g. [10, 12]), or [] for no trace")
+    if cfg.data.overlong not in ("truncate", "drop"):
+        raise ConfigError(f"ds_mp.data.overlong: must be 'truncate' or 'drop', got {cfg.data.overlong!r}")
     if cfg.training.on_nan not in ("stop", "skip"):
         raise ConfigError(f"ds_mp.training.on_nan: must be 'stop' or 'skip', got {cfg.training.on_nan!r}")
     if pp.schedule not in SCHEDULES:

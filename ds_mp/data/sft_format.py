@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 
 FORMATS = ("chat", "prompt-completion", "text")
 ROLES = ("system", "user", "assistant", "tool")
+#: ChatML (Qwen2's turn markup) with HF ``{% generation %}`` markers around each assistant turn's
+#: target tokens; needs ``<|im_start|>``/``<|im_end|>`` special tokens. For tokenizers that have no
+#: template (the tests, docs/sft.md's example and benchmarks/sft.py give it to a tiny tokenizer).
+CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+          "{%- if message['role'] == 'assistant' %}{% generation %}{{- message['content'] + '<|im_end|>' }}"
+          "{% endgeneration %}{{- '\\n' }}{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+          "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
 
 
 def check_chat_template(tok: PreTrainedTokenizerBase, source: str) -> None:

@@ -61,21 +61,37 @@ def hf_reference(model, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], lr
 
 def train_one_process(model: Any, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], opt: Any,
                       clip: float = 0.0) -> tuple[list[float], list[float]]:
-    """Train ``model`` in place on one process: per step, the mean loss over its micro-batches
-    (gradient accumulation) and the pre-clip global norm from torch's ``clip_grad_norm_`` (0 when
-    ``clip`` is off), then ``opt.step()``."""
+    """Train ``model`` in place on one process: per step, the per-token loss of its micro-batches
+    (HF's token-loss sums over the step's target count: ds_mp's ``loss.normalization = "tokens"``)
+    and the pre-clip global norm from torch's ``clip_grad_norm_`` (0 when ``clip`` is off), then
+    ``opt.step()``."""
     losses, norms = [], []
     for micro_batches in steps:
         opt.zero_grad()
-        total = 0.0
+        total, count = 0.0, sum(targets(labels) for _, labels in micro_batches)
         for ids, labels in micro_batches:
-            loss = model(input_ids=ids, labels=labels).loss / len(micro_batches)
+            if targets(labels) == 0:
+                continue
+            loss = model(input_ids=ids, labels=labels).loss * (targets(labels) / count)
             loss.backward()
             total += float(loss.detach())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip > 0 else 0.0)
         opt.step()
         losses.append(total)
     return losses, norms
+
+
+def targets(labels: torch.Tensor) -> int:
+    """Targets HF's loss counts in ``labels``: its shift (labels[:, 1:]) without the ignored -100."""
+    return int((labels[:, 1:] != -100).sum())
+
+
+def step_loss(model: Any, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """HF's per-token loss of one step's micro-batches (no gradient): token-loss sums / target count."""
+    count = sum(targets(labels) for _, labels in micro_batches)
+    with torch.no_grad():
+        return sum(float(model(input_ids=ids, labels=labels).loss) * targets(labels)
+                   for ids, labels in micro_batches if targets(labels)) / count
 
 
 def randomise_lora_b(model: Any, seed: int, scale: float = 0.05) -> Any:

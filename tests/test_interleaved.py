@@ -25,7 +25,7 @@ from ds_mp.models.partition import interleaved_layout
 from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B, chunk_weights
 from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable, one_f_one_b_timetable, simulate
 from ds_mp.training.trace import event_label
-from helpers import ds_config, tiny_gpt2
+from helpers import ds_config, step_loss, tiny_gpt2
 from test_tensor_parallel import gather_weights, hf_train, max_diff
 from test_zero_bubble import _steps, resume_across_schedules  # _steps: 2-row micro-batches of 16 tokens
 
@@ -227,8 +227,7 @@ def _check(world: int, results: list[dict]) -> None:
             if evaluated is not None:  # the trained HF model on the first step's micro-batches
                 hf = model.__class__(model.config)
                 hf.load_state_dict({**hf_w, "lm_head.weight": hf_w["transformer.wte.weight"]})
-                with torch.no_grad():
-                    want = sum(float(hf(input_ids=i, labels=y).loss) for i, y in case["steps"][0]) / case["gas"]
+                want = step_loss(hf, case["steps"][0])
                 assert abs(evaluated - want) <= TOL, (evaluated, want)
         assert seen == set(hf_w), f"{case['name']}: {set(hf_w) ^ seen} not covered"
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from helpers import batches, ds_config
+from helpers import batches, ds_config, step_loss
 from test_tensor_parallel import gather_weights, hf_train, max_diff
 
 VOCAB, SEQ, LR, TOL, CLIP = 1003, 16, 0.1, 2e-5, 1.0
@@ -250,6 +250,5 @@ def test_inline_shape_draws_the_family_init_layout_free() -> None:
             assert abs(float(t.std()) - std) < 0.05 * std and abs(float(t.mean())) < 0.1 * std, name
     hf.load_state_dict(got)
     hf.train()
-    with torch.no_grad():
-        want = sum(float(hf(input_ids=ids, labels=labels).loss) for ids, labels in steps[0]) / len(steps[0])
+    want = step_loss(hf, steps[0])
     assert abs(losses[0] - want) < TOL, (losses, want)

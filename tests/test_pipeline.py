@@ -86,7 +86,7 @@ def cases(world: int, out_dir: str = "") -> list[dict]:
                 _case("cost", pipeline={"partition": "cost"}, training={"output_dir": out_dir}),
                 _case("grads_ckpt0", lr=1.0, n=1, gas=1),
                 _case("grads_ckpt1", lr=1.0, n=1, pipeline={"activation_checkpoint_interval": 1}),
-                _case("seq_16_then_24", schedule="gpipe", n=2, seqs=(16, 24)),
+                _case("seq_16_then_24", schedule="gpipe", n=2, seqs=(16, 24), data={"seq_len": 24}),
                 _case("user_schedule", schedule="my_one_at_a_time", clip=1.0)]
         return out
     if world == 3:
@@ -98,7 +98,7 @@ def cases(world: int, out_dir: str = "") -> list[dict]:
     return [_case("tp2_pp2_dp1", tp=2, pp=2, schedule="1f1b", clip=1.0),
             _case("tp1_pp2_dp2", pp=2, dp=2, gas=2, schedule="gpipe", clip=1.0),
             _case("tp2_pp1_dp2", tp=2, pp=1, dp=2, gas=2, clip=1.0),
-            _case("tp2_pp2_sp", tp=2, pp=2, schedule="gpipe", clip=1.0, seqs=(16, 24),
+            _case("tp2_pp2_sp", tp=2, pp=2, schedule="gpipe", clip=1.0, seqs=(16, 24), data={"seq_len": 24},
                   tensor_parallel={"sequence_parallel": True}),
             _case("tp2_pp2_sp_cost", tp=2, pp=2, tensor_parallel={"sequence_parallel": True},  # profiled over TP
                   pipeline={"partition": "cost"}, training={"output_dir": out_dir})]

@@ -27,7 +27,7 @@ from ds_mp.schedules.terapipe.planner import plan_joint
 from ds_mp.schedules.terapipe.kv_cache import KVContext, context_mask
 from ds_mp.schedules.terapipe.schedule import TeraPipeSchedule, plan_units
 from ds_mp.schedules.terapipe.planner import explicit_plan
-from helpers import batches, ds_config, tiny_gpt2
+from helpers import batches, ds_config, tiny_gpt2, train_one_process
 
 SEQ, VOCAB, TOL = 16, 203, 1e-5
 SLICES = [5, 3, 7, 1]
@@ -244,14 +244,7 @@ def test_schedule_is_the_simulators_timetable(K: int, M: int) -> None:
 
 def _hf_steps(steps: list[list], lr: float) -> tuple[list[float], dict]:
     model = copy.deepcopy(tiny_gpt2(n_positions=32, vocab=VOCAB)).train()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for mbs in steps:
-        opt.zero_grad()
-        loss = sum(model(input_ids=ids, labels=labels).loss for ids, labels in mbs) / len(mbs)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
+    losses, _ = train_one_process(model, steps, torch.optim.SGD(model.parameters(), lr=lr))  # per-token loss
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 

@@ -85,10 +85,6 @@ def check_model_family(cfg: DsMpConfig) -> None:
         raise ConfigError(f"ds_mp.lora.target_modules: k_proj/v_proj with tensor_parallel.size={cfg.tp}, which does "
                           f"not divide the {kv} key/value heads (they are replicated); use a TP size dividing {kv} "
                           "or LoRA on q_proj, o_proj and the MLP")
-    window = hf.get("sliding_window") if kind == "mistral" or hf.get("use_sliding_window") else None
-    if window and cfg.data.seq_len > window:
-        raise ConfigError(f"ds_mp.data.seq_len: {cfg.data.seq_len} exceeds the model's sliding_window={window}, "
-                          f"which ds_mp does not apply; use seq_len <= {window}")
 
 
 def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) -> DsMpConfig:
@@ -118,6 +114,8 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
                           f"training.steps={cfg.training.steps} (e.g. [10, 12]), or [] for no trace")
     if cfg.data.overlong not in ("truncate", "drop"):
         raise ConfigError(f"ds_mp.data.overlong: must be 'truncate' or 'drop', got {cfg.data.overlong!r}")
+    if cfg.loss.normalization not in ("tokens", "micro_batch"):
+        raise ConfigError(f"ds_mp.loss.normalization: must be 'tokens' or 'micro_batch', got {cfg.loss.normalization!r}")
     if cfg.training.on_nan not in ("stop", "skip"):
         raise ConfigError(f"ds_mp.training.on_nan: must be 'stop' or 'skip', got {cfg.training.on_nan!r}")
     if pp.schedule not in SCHEDULES:

@@ -141,6 +141,14 @@ class BatchRampConfig:
 
 
 @dataclass
+class LossConfig:
+    # "tokens": a step's loss is the sum of its token losses over every micro-batch and DP replica / the
+    # global batch's target count (HF's and Megatron's per-token loss); "micro_batch": DeepSpeed's mean of
+    # micro-batch means (each divided by its own count; equal to "tokens" when every row is all targets)
+    normalization: str = "tokens"
+
+
+@dataclass
 class DsMpConfig:
     model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir, Hub id, or inline shape
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
@@ -151,6 +159,7 @@ class DsMpConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     # Filled by validate(): the degrees and the model shape actually used.
     world_size: int = field(default=1, repr=False)
     dp: int = field(default=1, repr=False)

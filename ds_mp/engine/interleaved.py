@@ -72,9 +72,10 @@ class InterleavedState:
         """DeepSpeed's ``eval_batch`` with the forward-only interleaved timetable (every chunk of
         every micro-batch, round the ring v times) in place of its linear inference schedule."""
         e = self.engine
-        with compat.inference_schedule(e, lambda n: Interleaved1F1B(n, self.K, self.s, self.v, forward_only=True)):
-            return PipelineEngine.eval_batch(e, e._announce_shape(data_iter), *args,
-                                             num_micro_batches=num_micro_batches, **kwargs)
+        fed = e._prepare(data_iter, num_micro_batches or e.micro_batches, training=False)
+        with compat.inference_schedule(e, lambda n: Interleaved1F1B(n, self.K, self.s, self.v, forward_only=True)), \
+                e._feeding(fed):
+            return PipelineEngine.eval_batch(e, fed, *args, num_micro_batches=num_micro_batches, **kwargs)
 
 
 def attach(engine: Any) -> InterleavedState:

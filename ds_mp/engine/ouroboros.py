@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.engine.ouroboros_modules import ModuleLayers, accumulate, leaf, module_ranges, replayed, valid_targets
+from ds_mp.engine.ouroboros_modules import ModuleLayers, accumulate, leaf, module_ranges, replayed
 from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
@@ -47,6 +47,8 @@ from ds_mp.tensor_parallel.random import rng_state
 
 class OuroborosState:
     """One ring rank's Ouroboros state (see the module docstring) and its engine hooks."""
+
+    takes_layouts = False  # packed documents / padding masks: not yet carried to the delayed replays
 
     def __init__(self, engine: Any) -> None:
         cfg = engine.ds_mp_config
@@ -163,9 +165,9 @@ class OuroborosState:
         with torch.enable_grad():  # on the ambient streams, as its forward is this very call
             x = leaf(x_saved)
             wrt = ([x] if x.requires_grad else []) + self.params[m]
-            out = self.engine.module.loss_fn(self.run(m, x), self.labels[j])
-            if len(self.labels) > 1:  # every micro-batch of x_s was read by G_0's forwards
-                out = out * (valid_targets(self.labels[j]) / max(sum(map(valid_targets, self.labels)), 1))
+            # labels = (targets, N / (M · dp)) (engine/batches.py): / M makes the M shares sum to this
+            # replica's part of the global per-token loss (DP averages the replicas)
+            out = self.engine.module.loss_fn(self.run(m, x), self.labels[j]) / self.engine.micro_batches
             grads = torch.autograd.grad(out, wrt, materialize_grads=True)
         if x.requires_grad:
             self.deltas[(m - 1, s, j)], grads = grads[0], grads[1:]
@@ -211,9 +213,10 @@ class OuroborosState:
     def _load_micro_batch(self, j: int) -> Tensor:
         """Ring rank 0: micro-batch j of x_t (its labels kept for G_{K-1})."""
         e = self.engine
-        ids, labels = (t.to(e.device) for t in compat.next_batch(e))
+        ids, (targets, denom) = compat.next_batch(e)  # engine/batches.py's form (no layouts: takes_layouts)
+        labels = (targets.to(e.device), denom.to(e.device))
         self.labels = [labels] if j == 0 else [*self.labels, labels]
-        return ids
+        return ids.to(e.device)
 
     # --- ring p2p ------------------------------------------------------------------------
     def _peer(self, ring_rank: int) -> int:
@@ -265,11 +268,13 @@ class OuroborosState:
         e, K, r = self.engine, self.K, self.engine.stage_id
         total = torch.zeros((), device=e.device)
         n = num_micro_batches or e.micro_batches
+        fed = e._prepare(data_iter, n, training=False)  # labels (targets, N / (n · dp)): the mean below is per token
         e.module.eval()
         try:
             for _ in range(n):
                 if r == 0:
-                    ids, labels = (t.to(e.device) for t in next(data_iter))
+                    ids, (targets, denom) = next(fed)
+                    ids, labels = ids.to(e.device), (targets.to(e.device), denom.to(e.device))
                     h = self.run(0, ids)
                     if self.owner[1] != 0:
                         self.send(h, self.owner[1], header=True)
@@ -317,6 +322,7 @@ class OuroborosState:
 
 def attach(engine: Any) -> OuroborosState:
     engine.ouroboros = OuroborosState(engine)
+    engine.data_stages = lambda: {0}  # ring rank 0 holds G_0 and G_{K-1}: it alone reads micro-batches
     return engine.ouroboros
 
 

@@ -59,11 +59,6 @@ class ModuleLayers(nn.Module):
         return x
 
 
-def valid_targets(labels: Tensor) -> int:
-    """Targets the loss counts: HF's shift (labels[:, 1:]) without the ignored -100."""
-    return int((labels[:, 1:] != -100).sum())
-
-
 def module_ranges(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, int]]:
     """Module index m -> the range [a, b) of ``net.forward_funcs`` (ring rank ``stage_id``'s
     pipeline layers) that forms G_m: ring rank 0 holds [the family's lead layers (GPT-2: wte, wpe),
@@ -89,4 +84,4 @@ def param_group_keys(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, 
     return {k: tuple(v) for k, v in keys.items()}
 
 
-__all__ = ["replayed", "leaf", "accumulate", "ModuleLayers", "valid_targets", "module_ranges", "param_group_keys"]
+__all__ = ["replayed", "leaf", "accumulate", "ModuleLayers", "module_ranges", "param_group_keys"]

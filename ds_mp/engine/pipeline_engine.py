@@ -6,8 +6,8 @@ DeepSpeed name used here is listed in ``ds_mp.deepspeed_compat``.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
-import itertools
 import math
 import os
 import sys
@@ -21,6 +21,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
+from ds_mp.engine.batches import Step, prepare_step, warn_no_targets
 from ds_mp.schedules.registry import ENGINE_SUPPORT, resolve
 
 
@@ -57,6 +58,10 @@ class DsMpPipelineEngine(PipelineEngine):
         self._recv_micro: dict[int, int] = {}
         self._n_loaded = self._n_recv = 0
         self._posted: list = []  # (work, tensor) of sends in flight; the tensors stay referenced until done
+        self.step_info = Step()  # this step's target count, shape and per-micro-batch layouts (engine/batches.py)
+        self._buffer_micro: dict[int, int] = {}  # pipe buffer -> the micro-batch its forward ran
+        self.ds_mp_source: Any = None  # the data iterator steps read (train_batch's argument, kept)
+        self.ds_mp_fed: Any = None  # the normalized micro-batches handed to DeepSpeed this step
         super().__init__(*args, **kwargs)
         compat.check_engine(self)
         if torch.device(self.device).type == "cpu":  # no page faults re-acquiring freed memory every micro-batch
@@ -145,39 +150,70 @@ class DsMpPipelineEngine(PipelineEngine):
     def _exec_send_grads(self, buffer_id: int) -> None:
         self._send(super()._exec_send_grads, buffer_id)
 
-    # --- activation shapes: re-announced only when they change ------------------------
-    def _announce_shape(self, data_iter: Any) -> Any:
-        """Keep DeepSpeed's cached activation shapes valid when the sequence length changes.
+    # --- a step's micro-batches: read first, counted, shapes re-announced when they change ---------
+    def data_stages(self) -> set[int]:
+        """Pipeline stages that read micro-batches (DeepSpeed's: the first and the last)."""
+        return {0, self.num_stages - 1}
 
-        With ``dynamic_shape`` off (everything but TeraPipe), DeepSpeed sends tensor
-        metadata once.  Once per batch, stage 0 peeks at its first micro-batch and
-        broadcasts the input shape along the pipeline; on a change every stage calls
-        ``reset_activation_shape()`` so the next sends re-announce (DeepSpeed#4777).
-        """
-        if self.num_stages == 1 or self.module.dynamic_shape:
-            return data_iter
-        shape = torch.zeros(2, dtype=torch.long, device=self.device)  # NCCL takes device tensors only
-        it = data_iter if data_iter is not None else self.data_iterator
-        if self.is_first_stage():
-            first = next(it)
-            ids = first[0][0] if isinstance(first[0], (tuple, list)) else first[0]
-            shape[:] = torch.tensor(ids.shape[:2], device=self.device)
-            it = itertools.chain([first], it)
-        dist.broadcast(shape, src=self.topology.pp_ranks()[0], group=self.topology.pp_group)
-        new = tuple(shape.tolist())
-        if getattr(self, "_announced_shape", None) not in (None, new):
-            self.reset_activation_shape()
-        self._announced_shape = new
-        return it
+    def _prepare(self, data_iter: Any, n: int, training: bool) -> Any:
+        """:func:`ds_mp.engine.batches.prepare_step`, then keep DeepSpeed's cached activation
+        shapes valid: with ``dynamic_shape`` off (everything but TeraPipe) DeepSpeed sends tensor
+        metadata once; when the batch shape changes every stage calls ``reset_activation_shape()``
+        so the next sends re-announce (DeepSpeed#4777)."""
+        fed, self.step_info = prepare_step(self, data_iter, n, training)
+        if self.num_stages > 1 and not self.module.dynamic_shape:
+            if getattr(self, "_announced_shape", None) not in (None, self.step_info.shape):
+                self.reset_activation_shape()
+            self._announced_shape = self.step_info.shape
+        return fed
+
+    @contextlib.contextmanager
+    def _feeding(self, fed: Any) -> Any:
+        """DeepSpeed reads the normalized micro-batches (its batch_fn already applied by the read)."""
+        batch_fn, self.batch_fn = self.batch_fn, None
+        try:
+            yield fed
+        finally:
+            self.batch_fn = batch_fn
 
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
-        return super().train_batch(self._announce_shape(data_iter))
+        """DeepSpeed's ``train_batch`` on any accepted batch form (``ds_mp.models.batch``), returning
+        the global batch's per-target-token mean loss; a batch without targets skips the step."""
+        fed = self._prepare(data_iter, self.micro_batches, training=True)
+        if self.step_info.count == 0:
+            self.agg_train_loss = warn_no_targets(self)
+            return self.agg_train_loss
+        with self._feeding(fed):
+            return super().train_batch(fed)
 
-    def eval_batch(self, data_iter: Any, *args: Any, **kwargs: Any) -> Any:
+    def eval_batch(self, data_iter: Any, *args: Any, num_micro_batches: int | None = None, **kwargs: Any) -> Any:
         hook = getattr(self.schedule_support, "eval_batch", None)
         if hook is not None:
-            return hook(data_iter, *args, **kwargs)
-        return super().eval_batch(self._announce_shape(data_iter), *args, **kwargs)
+            return hook(data_iter, *args, num_micro_batches=num_micro_batches, **kwargs)
+        fed = self._prepare(data_iter, num_micro_batches or self.micro_batches, training=False)
+        with self._feeding(fed):
+            return super().eval_batch(fed, *args, num_micro_batches=num_micro_batches, **kwargs)
+
+    @contextlib.contextmanager
+    def micro_layout(self, buffer_id: int, forward: bool = False) -> Any:
+        """Inside: the model attends with the layout of the micro-batch in ``buffer_id`` (its documents,
+        padding, window; None = plain causal).  ``forward`` records which micro-batch that is (the
+        loaded one on the first stage, the received one elsewhere) for its backward."""
+        hook = getattr(self.schedule_support, "layout_of", None)  # a schedule's own (TeraPipe: token slices)
+        layout = hook(buffer_id) if hook is not None else NotImplemented
+        if layout is NotImplemented:
+            if forward:
+                held = self._loaded_micro if self.is_first_stage() else self._recv_micro
+                self._buffer_micro[buffer_id] = held.get(buffer_id, 0)
+            layouts = self.step_info.layouts
+            micro = self._buffer_micro.get(buffer_id, 0)
+            layout = layouts[micro] if micro < len(layouts) else None
+        ctx = self.module.ds_mp_ctx
+        saved, ctx.layout = ctx.layout, layout
+        try:
+            yield
+        finally:
+            ctx.layout = saved
 
     def _aggregate_total_loss(self) -> torch.Tensor:
         hook = getattr(self.schedule_support, "aggregate_loss", None)
@@ -221,12 +257,14 @@ class DsMpPipelineEngine(PipelineEngine):
             if got != want:
                 raise RuntimeError(f"schedule {self.schedule_name!r}: buffer {buffer_id} holds activations "
                                    f"of micro-batch {got} but labels of micro-batch {want}")
-        super()._exec_forward_pass(buffer_id)
+        with self.micro_layout(buffer_id, forward=True):
+            super()._exec_forward_pass(buffer_id)
         if self.is_last_stage():
             self._buffer_loss[buffer_id] = self.loss
 
     def _exec_backward_pass(self, buffer_id: int) -> None:
-        self._backward(buffer_id)
+        with self.micro_layout(buffer_id):  # activation checkpointing recomputes the forward here
+            self._backward(buffer_id)
         if zero2.partitions_gradients(self):  # ZeRO-2: this backward's gradients reduced over DP now
             zero2.close_backward(self)
 

@@ -218,6 +218,11 @@ def _exec_backward_input(self: Any, buffer_id: int) -> None:
 
 
 def _exec_backward_weight(self: Any, buffer_id: int) -> None:
+    with self.micro_layout(buffer_id):  # activation checkpointing recomputes the forward in W too
+        _backward_weight(self, buffer_id)
+
+
+def _backward_weight(self: Any, buffer_id: int) -> None:
     work = self.zero_bubble.pending.pop(buffer_id)
     if self.is_first_stage():
         self.grad_layer = work  # the output gradient B received

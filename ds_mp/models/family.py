@@ -76,6 +76,10 @@ class Family:
         """Residual, embedding and attention-probability dropout of ``cfg`` (0 where it has none)."""
         return 0.0, 0.0, float(getattr(cfg, "attention_dropout", 0.0))
 
+    def sliding_window(self, cfg: Any) -> int | None:
+        """The attention window of ``cfg`` (each query sees its ``window`` latest keys), or None."""
+        return None
+
     def model_class(self, cfg: Any) -> Any:
         """The HF ``…ForCausalLM`` class whose checkpoints this family reads and writes."""
         raise NotImplementedError

@@ -189,6 +189,8 @@ class Block(nn.Module):
             k, v, mask = self.kv_extension.extend(self.index, k, v)  # (B, nh_l, ctx+T, hs)
         else:
             mask = None
+        if self.ctx.layout is not None:  # documents / padding: (B, 1, T, ctx+T), causality included
+            mask = self.ctx.layout.mask(T, k.shape[2])
         with parallel_region_rng():  # each rank's own heads: its own dropout mask
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh_l·hs)

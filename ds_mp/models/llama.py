@@ -140,6 +140,10 @@ class LlamaFamily(Family):
             raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={cfg.num_key_value_heads}")
 
+    def sliding_window(self, cfg: Any) -> int | None:
+        """Mistral's ``sliding_window`` (HF applies it whenever it is set; Qwen2's is refused by check)."""
+        return getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+
     def pipeline_layers(self, cfg: Any) -> list[str]:
         return ["embed_tokens", *(f"layers.{i}" for i in range(cfg.num_hidden_layers)), "norm", "lm_head"]
 

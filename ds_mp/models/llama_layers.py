@@ -132,13 +132,16 @@ class Attention(nn.Module):
         rope = LlamaRotaryEmbedding(cfg)
         self.inv_freq, self.rope_scaling = rope.inv_freq.float(), rope.attention_scaling  # fp32, not a buffer
 
-    def rotate(self, x: torch.Tensor, first: int) -> torch.Tensor:
-        """HF's rotary embedding of ``x`` (B, h, T, hd) at positions ``first … first+T-1``."""
+    def rotate(self, x: torch.Tensor, first: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """HF's rotary embedding of ``x`` (B, h, T, hd) at positions ``first … first+T-1``, or at
+        ``positions`` (B, T) (packed documents restart at 0)."""
         from transformers.models.llama.modeling_llama import rotate_half
 
-        pos = torch.arange(first, first + x.shape[2], device=x.device).float()
-        freqs = pos[:, None] * self.inv_freq.to(x.device)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        pos = torch.arange(first, first + x.shape[2], device=x.device) if positions is None else positions
+        freqs = pos.float()[..., None] * self.inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd) or (B, T, hd)
+        if emb.dim() == 3:
+            emb = emb.unsqueeze(1)  # (B, 1, T, hd): one angle per row and token, shared by the heads
         cos, sin = (emb.cos() * self.rope_scaling).to(x.dtype), (emb.sin() * self.rope_scaling).to(x.dtype)
         return x * cos + rotate_half(x) * sin
 
@@ -151,7 +154,13 @@ class Attention(nn.Module):
         if kv_extension is not None:  # TeraPipe: earlier slices' keys (cached before rotation) and values
             k, v, mask = kv_extension.extend(self.index, k, v)  # (B, nkv_l, c+T, hd): grouped heads
         offset = k.shape[2] - T  # this slice's first position in the sequence (0 without a cache)
-        q, k = self.rotate(q, offset), self.rotate(k, 0)  # every key at its own position, as HF rotates it
+        lay = self.ctx.layout
+        if lay is not None:  # documents / padding / sliding window: positions per token, the layout's mask
+            mask = lay.mask(T, k.shape[2])
+            q = self.rotate(q, 0, lay.positions[:, offset:offset + T])
+            k = self.rotate(k, 0, lay.positions[:, :k.shape[2]])
+        else:
+            q, k = self.rotate(q, offset), self.rotate(k, 0)  # every key at its own position, as HF rotates it
         k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)  # (B, nh_l, ·, hd)
         p = self.ctx.attn_dropout if self.training else 0.0
         with parallel_region_rng():  # each rank's own heads: its own dropout mask

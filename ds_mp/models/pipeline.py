@@ -48,6 +48,10 @@ class Ctx:
         self.lora: Any = None  # a ds_mp.config.LoraConfig with r > 0, or None (set by build_pipeline)
         self.seed = 0  # LoRA factors not in the weight source are initialised from this seed
         self.overlap_comm = True  # column-parallel backward overlaps the dX all-reduce with dW
+        # the running micro-batch's documents/padding/window (ds_mp.models.batch.Layout), set by the engine
+        # around each forward and backward; None = plain causal attention over positions 0 … T-1
+        self.layout: Any = None
+        self.window: int | None = self.family.sliding_window(hf_config)
 
     @property
     def group(self) -> Any:

@@ -1,0 +1,140 @@
+"""A step's micro-batches, read before the step: parsed, counted, their layouts sent along the pipeline.
+
+The loss is per target token over the global batch (``ds_mp.loss.normalization = "tokens"``):
+
+    L = Σ_{replicas d} Σ_{micro-batches i} Σ_{targets t} ℓ_{d,i,t}  /  N,     N = number of targets in the global batch
+
+DeepSpeed averages micro-batch losses over the M micro-batches of a step (its 1/GAS) and over the
+DP replicas (its gradient all-reduce mean), so each micro-batch's loss is its token-loss sum over
+``N / (M · dp)``: the means then give L exactly, and ``train_batch`` returns it.  N is known before
+the step: the ranks that read data (the first and last stage) read the step's M micro-batches up
+front, count their targets (shifted labels != -100) and all-reduce the count over DP; stage 0
+broadcasts it with the batch shape along the pipeline (the shape broadcast DeepSpeed#4777 already
+needs), so every stage agrees to skip a step without a target.  ``"micro_batch"`` divides by each
+micro-batch's own count instead (DeepSpeed's mean of micro-batch means).
+
+Each micro-batch is handed to DeepSpeed as ``(input_ids or (input_ids, positions), (targets, denominator))``:
+:class:`ds_mp.models.pipeline.LMLoss` reads the shifted targets and the denominator; the embedding
+reads the positions.  Micro-batches with documents, padding or a sliding window also have a
+:class:`~ds_mp.models.batch.Layout`; stage 0 broadcasts them (one ``(M, 2, B, T)`` tensor) to the
+stages that read no data, and the engine sets the running micro-batch's layout around each forward
+and backward (:meth:`DsMpPipelineEngine.micro_layout`).  Shapes stay ``(B, T)``: the p2p buffers and
+their announced shapes are kept.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ds_mp.models.batch import Layout, MicroBatch, parse_micro_batch
+
+_REFUSED_ELSEWHERE = "batch: refused on another rank (its error names the problem)"
+
+
+@dataclass
+class Step:
+    """What every stage knows about the step before it runs."""
+
+    count: int = 0  # target tokens in the global batch
+    shape: tuple[int, int] = (0, 0)  # (B, T) of every micro-batch
+    layouts: list[Layout | None] = field(default_factory=list)  # per micro-batch, in order
+
+
+def batch_source(engine: Any, data_iter: Any) -> Any:
+    """The iterator this step reads: ``data_iter``, or the one given last (or DeepSpeed's own)."""
+    if data_iter is not None:
+        engine.ds_mp_source = data_iter
+    elif engine.data_iterator is not None and engine.data_iterator is not engine.ds_mp_fed:
+        engine.ds_mp_source = engine.data_iterator  # set_dataiterator / deepspeed.initialize(training_data=…)
+    if engine.ds_mp_source is None:
+        raise ValueError("train_batch: no data; pass a data iterator (or training_data to the engine)")
+    return engine.ds_mp_source
+
+
+def _read(engine: Any, source: Any, n: int) -> tuple[list[MicroBatch], str]:
+    """Parse ``n`` micro-batches; on a refusal, the message (the step is refused on every rank)."""
+    try:
+        mbs = []
+        for _ in range(n):
+            raw = next(source)
+            mbs.append(parse_micro_batch(engine.batch_fn(raw) if engine.batch_fn else raw))
+        shapes = {tuple(mb.input_ids.shape) for mb in mbs}
+        if len(shapes) > 1:
+            raise ValueError(f"batch: the micro-batches of one step differ in shape {sorted(shapes)}; pad them to one")
+        seq_len = engine.ds_mp_config.data.seq_len if engine.ds_mp_config is not None else None
+        T = mbs[0].input_ids.shape[1]
+        if seq_len is not None and T > seq_len:
+            raise ValueError(f"batch: sequence length {T} exceeds ds_mp.data.seq_len={seq_len}; raise data.seq_len "
+                             f"or cut the batches to {seq_len} tokens")
+        return mbs, ""
+    except ValueError as err:
+        return [], str(err)
+
+
+def prepare_step(engine: Any, data_iter: Any, n: int, training: bool) -> tuple[Iterator | None, Step]:
+    """Read, check and count this step's ``n`` micro-batches (see the module docstring).
+
+    Returns the iterator DeepSpeed reads (the normalized micro-batches; None on stages that read
+    no data) and the :class:`Step`.  Collective over DP (reading ranks) and the pipeline; a
+    refused batch raises on every rank, after the collectives, so no rank is left waiting."""
+    topo, dev = engine.topology, engine.device
+    reads = engine.stage_id in engine.data_stages()
+    mbs, error = _read(engine, batch_source(engine, data_iter) if training else data_iter, n) if reads else ([], "")
+    ctx = engine.module.ds_mp_ctx
+    layouts = [mb.layout(ctx.window) for mb in mbs]
+    counts = [int((mb.targets() != -100).sum()) for mb in mbs]
+    head = torch.zeros(5, dtype=torch.long, device=dev)  # B, T, count, has layouts, refused
+    if reads:
+        head[4] = int(bool(error))
+        if mbs:
+            head[0], head[1] = mbs[0].input_ids.shape
+            head[2], head[3] = sum(counts), int(any(lay is not None for lay in layouts))
+        if topo.dp > 1:
+            both = head[2:5:2].clone()
+            dist.all_reduce(both, group=topo.dp_group)
+            head[2], head[4] = both
+    if engine.num_stages > 1:
+        dist.broadcast(head, src=topo.pp_ranks()[0], group=topo.pp_group)
+    if head[4]:
+        raise ValueError(error or _REFUSED_ELSEWHERE)
+    B, T, count, has_layouts = head[:4].tolist()
+    if has_layouts and not getattr(engine.schedule_support, "takes_layouts", True):
+        raise ValueError(f"batch: documents, padding or a sliding window (position_ids, attention_mask, window < "
+                         f"{T} tokens) are not supported by the {engine.schedule_name!r} schedule; use another schedule")
+    if has_layouts and engine.num_stages > len(engine.data_stages()):  # stages without data get them from stage 0
+        packed = torch.zeros(n, 2, B, T, dtype=torch.long, device=dev)
+        if engine.stage_id == 0:
+            for i, mb in enumerate(mbs):
+                lay = layouts[i] or Layout(torch.arange(T).expand(B, T), torch.zeros(B, T, dtype=torch.long))
+                packed[i, 0], packed[i, 1] = lay.positions, lay.docs
+        dist.broadcast(packed, src=topo.pp_ranks()[0], group=topo.pp_group)
+        if not reads:
+            layouts = [Layout(p[0], p[1], ctx.window) for p in packed]
+    step = Step(count, (B, T), layouts if layouts else [None] * n)
+    if not reads:
+        return None, step
+    tokens = engine.ds_mp_config is None or engine.ds_mp_config.loss.normalization == "tokens"
+    share = max(count, 1) / (n * topo.dp)  # N / (M · dp)
+    fed = []
+    for mb, lay, c in zip(mbs, layouts, counts):
+        denom = torch.tensor(float(share if tokens else max(c, 1)))
+        inputs = mb.input_ids if lay is None else (mb.input_ids, lay.positions)
+        fed.append((inputs, (mb.targets(), denom)))
+    step.layouts = [None if lay is None else Layout(lay.positions.to(dev), lay.docs.to(dev), lay.window)
+                    for lay in layouts]
+    engine.ds_mp_fed = iter(fed)
+    return engine.ds_mp_fed, step
+
+
+def warn_no_targets(engine: Any) -> torch.Tensor:
+    """The step of a global batch without a target: skipped (no update), loss 0, a warning."""
+    warnings.warn(f"step {engine.global_steps + 1}: the global batch has no target token (every shifted label is "
+                  "-100); step skipped, weights unchanged", RuntimeWarning, stacklevel=3)
+    return torch.zeros((), device=engine.device)
+
+
+__all__ = ["Step", "prepare_step", "batch_source", "warn_no_targets"]

@@ -1,0 +1,162 @@
+"""The micro-batches ds_mp accepts, and the attention layout a micro-batch gives the model.
+
+Accepted forms (every tensor ``(B, T)``, integer):
+
+    (input_ids, labels)
+    ((input_ids,), labels)  ((input_ids, position_ids), labels)
+    {"input_ids": …, "labels": …, "position_ids": …, "attention_mask": …}   (HF's key names; the last two optional)
+
+``position_ids`` follow HF's packing convention (``transformers.DataCollatorWithFlattening``): within
+a row they count up by one and restart at 0 where a new document starts; a token attends only to
+earlier tokens of its own document, and its position (GPT-2's absolute embedding, Llama's rotary
+angle) is its place in the document.  ``attention_mask`` is a padding mask (1 = token, 0 = padding,
+left or right): no token attends to a padding key.  A model with a sliding window (Mistral) also
+limits each query to the ``window`` latest keys (itself included), as HF does.  Anything else
+(another key, a third element, a float mask) is refused, naming it: ds_mp never ignores an input.
+
+:class:`Layout` holds a micro-batch's ``positions`` and ``docs`` (document id per token, -1 for a
+padding key); the attention mask it builds is, for query index i and key index j,
+
+    allowed(i, j) = j <= i  and  docs[j] == docs[i]  and  docs[j] >= 0  and  i - j < window
+                    or  j == i   (a padding query attends to itself: finite, and its label is -100)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+HF_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch in ds_mp's terms (see the module docstring)."""
+
+    input_ids: torch.Tensor  # (B, T)
+    labels: torch.Tensor  # (B, T), -100 = not a target; HF's shift applies (logits[t] predicts labels[t+1])
+    position_ids: torch.Tensor | None = None  # (B, T) packed documents, or None (0 … T-1)
+    attention_mask: torch.Tensor | None = None  # (B, T) 1 = token, 0 = padding, or None (all tokens)
+
+    def targets(self) -> torch.Tensor:
+        """Shifted labels: ``targets[:, t] = labels[:, t+1]``, the last position -100, and -100 where
+        token t+1 starts a new document (no prediction crosses a document boundary)."""
+        targets = F.pad(self.labels[:, 1:], (0, 1), value=-100)
+        if self.position_ids is not None:
+            starts = F.pad(self.position_ids.expand_as(self.labels)[:, 1:] == 0, (0, 1), value=False)
+            targets = targets.masked_fill(starts, -100)
+        return targets
+
+    def layout(self, window: int | None = None) -> "Layout | None":
+        """The attention layout, or None when plain causal attention over 0 … T-1 is exact."""
+        B, T = self.input_ids.shape
+        window = window if window is not None and window < T else None
+        if self.position_ids is None and self.attention_mask is None and window is None:
+            return None
+        arange = torch.arange(T, device=self.input_ids.device).expand(B, T)
+        pos = arange if self.position_ids is None else self.position_ids.expand(B, T)
+        docs = torch.cumsum((pos == 0).long(), dim=1)  # a new document wherever the positions restart
+        if self.attention_mask is not None:
+            docs = torch.where(self.attention_mask.bool(), docs, torch.full_like(docs, -1))
+        plain = torch.equal(pos, arange) and bool((docs >= 0).all())
+        if plain and window is None:
+            return None
+        return Layout(pos.contiguous(), docs, window)
+
+
+@dataclass
+class Layout:
+    """A micro-batch's positions and documents (module docstring), rows ``(B, T)``."""
+
+    positions: torch.Tensor  # (B, T) long
+    docs: torch.Tensor  # (B, T) long, -1 = padding key
+    window: int | None = None
+    masks: dict = field(default_factory=dict, repr=False)  # (q_len, k_len) -> mask: built once, read by every block
+
+    def rows(self, r0: int, r1: int) -> "Layout":
+        return Layout(self.positions[r0:r1], self.docs[r0:r1], self.window)
+
+    def mask(self, q_len: int, k_len: int) -> torch.Tensor:
+        """Boolean SDPA mask ``(B, 1, q_len, k_len)`` (True = attend) for the queries at indices
+        ``k_len - q_len … k_len - 1`` against the keys ``0 … k_len - 1`` (a TeraPipe slice attends
+        to its sequence's earlier slices: the keys before its own)."""
+        if (q_len, k_len) not in self.masks:
+            self.masks[(q_len, k_len)] = self._mask(q_len, k_len)
+        return self.masks[(q_len, k_len)]
+
+    def _mask(self, q_len: int, k_len: int) -> torch.Tensor:
+        q0, dev = k_len - q_len, self.docs.device
+        qi = torch.arange(q0, k_len, device=dev)[:, None]
+        kj = torch.arange(k_len, device=dev)[None, :]
+        allowed = kj <= qi  # (q, k)
+        if self.window is not None:
+            allowed = allowed & (qi - kj < self.window)
+        dq, dk = self.docs[:, q0:k_len, None], self.docs[:, None, :k_len]  # (B, q, 1), (B, 1, k)
+        allowed = (allowed & (dq == dk) & (dk >= 0)) | (qi == kj)
+        return allowed.unsqueeze(1)
+
+
+def _tensor(x: Any, what: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"batch: {what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_floating_point() or x.is_complex():
+        raise ValueError(f"batch: {what} must be an integer tensor, got {x.dtype}")
+    return x
+
+
+def parse_micro_batch(batch: Any) -> MicroBatch:
+    """One micro-batch of any accepted form (module docstring) as a :class:`MicroBatch`; anything
+    ds_mp would not use raises ``ValueError`` naming it."""
+    if isinstance(batch, dict):
+        extra = [k for k in batch if k not in HF_KEYS]
+        if extra:
+            raise ValueError(f"batch: key {extra[0]!r} is not used by ds_mp (accepted: {', '.join(HF_KEYS)}); "
+                             "remove it from the batch")
+        for key in ("input_ids", "labels"):
+            if key not in batch:
+                raise ValueError(f"batch: dict batch without {key!r} (accepted keys: {', '.join(HF_KEYS)})")
+        mb = MicroBatch(*(batch.get(k) for k in HF_KEYS))
+    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+        inputs, labels = batch
+        if isinstance(inputs, (tuple, list)):
+            if not 1 <= len(inputs) <= 2:
+                raise ValueError(f"batch: inputs tuple of {len(inputs)} tensors; ds_mp uses (input_ids,) or "
+                                 "(input_ids, position_ids); pass an attention_mask in a dict batch")
+            mb = MicroBatch(inputs[0], labels, inputs[1] if len(inputs) == 2 else None)
+        else:
+            mb = MicroBatch(inputs, labels)
+    else:
+        n = len(batch) if isinstance(batch, (tuple, list)) else None
+        raise ValueError(f"batch: expected (inputs, labels) or a dict with {', '.join(HF_KEYS)}, got "
+                         f"{type(batch).__name__}" + (f" of {n} elements" if n is not None else ""))
+    return _checked(mb)
+
+
+def _checked(mb: MicroBatch) -> MicroBatch:
+    ids, labels = _tensor(mb.input_ids, "input_ids"), _tensor(mb.labels, "labels")
+    if ids.dim() != 2:
+        raise ValueError(f"batch: input_ids must be (batch, seq_len), got shape {tuple(ids.shape)}")
+    if labels.shape != ids.shape:
+        raise ValueError(f"batch: labels of shape {tuple(labels.shape)}, input_ids {tuple(ids.shape)}; they must match")
+    if mb.position_ids is not None:
+        pos = _tensor(mb.position_ids, "position_ids")
+        if pos.dim() != 2 or pos.shape[1] != ids.shape[1] or pos.shape[0] not in (1, ids.shape[0]):
+            raise ValueError(f"batch: position_ids of shape {tuple(pos.shape)}, input_ids {tuple(ids.shape)}")
+        steps = pos[:, 1:]
+        ok = bool((pos >= 0).all()) and bool(((steps == 0) | (steps == pos[:, :-1] + 1)).all())
+        if not ok:
+            raise ValueError("batch: position_ids must count up by 1 within a document and restart at 0 at the next "
+                             "(HF's DataCollatorWithFlattening); a padding mask goes under 'attention_mask' "
+                             "in a dict batch")
+        mb.position_ids = pos
+    if mb.attention_mask is not None:
+        mask = _tensor(mb.attention_mask, "attention_mask")
+        if mask.shape != ids.shape or not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(f"batch: attention_mask must be 0/1 of the shape of input_ids {tuple(ids.shape)} "
+                             "(a padding mask: 1 = token, 0 = padding)")
+    return mb
+
+
+__all__ = ["HF_KEYS", "MicroBatch", "Layout", "parse_micro_batch"]

@@ -33,15 +33,16 @@ def chat_tokenizer(out_dir: str, template: str = CHATML, specials: list[str] = C
     return tok
 
 
-def conversations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
-    """``n`` conversations of uneven length: an optional system turn, 1-3 user/assistant exchanges."""
+def conversations(n: int, seed: int = 0, words: int = 40) -> list[list[dict[str, str]]]:
+    """``n`` conversations of uneven length: an optional system turn, 1-3 user/assistant exchanges of
+    up to ``words`` words (user turns half as long)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         msgs = [{"role": "system", "content": sentence(rng, 4)}] if rng.random() < 0.5 else []
         for _ in range(rng.randint(1, 3)):
-            msgs += [{"role": "user", "content": sentence(rng, rng.randint(2, 20))},
-                     {"role": "assistant", "content": sentence(rng, rng.randint(1, 40))}]
+            msgs += [{"role": "user", "content": sentence(rng, rng.randint(2, max(2, words // 2)))},
+                     {"role": "assistant", "content": sentence(rng, rng.randint(1, words))}]
         out.append(msgs)
     return out
 

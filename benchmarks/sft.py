@@ -8,17 +8,19 @@ multi-turn chat (user: "Write the body of: ...", assistant: the body), so length
 dozen tokens to far over a row, like instruction data. A byte-level BPE with ChatML is trained on
 them; ``prepare_sft_data`` stores the chats (loss on the assistant turns); rows of ``SEQ`` tokens.
 
-Configurations (GPT-2, 2 ranks × 1 thread each, the same ``ROWS`` rows per step, ``STEPS_CYCLE``
-different steps cycled; SGD at lr 0 so every step's loss is at the initial weights):
+Configurations (GPT-2, 2 ranks × 1 thread each, ``ROWS`` rows of ``SEQ`` tokens per step, a cycle
+of steps repeated; SGD at lr 0 so the weights stay the initial ones). The documents are those of
+``STEPS_CYCLE × ROWS`` seeded packed rows in every configuration:
 
-    {tp2,pp2}_packed   best-fit-decreasing rows, ((input_ids, position_ids), labels): document mask
-    {tp2,pp2}_padded   one chat per row, padded (the same batch shape, fewer targets per row)
+    {tp2,pp2}_packed   those best-fit-decreasing rows, ((input_ids, position_ids), labels): document mask
+    {tp2,pp2}_padded   the same documents one per row, padded (more steps per cycle, same batch shape)
     {tp2,pp2}_causal   the packed rows as (input_ids, labels): plain causal attention, same tokens
 
 Reported, each with its 90% bootstrap interval: target tokens/s of packed over padded (target
 >= 1.8x) and the step time of packed over causal (the document mask's cost; target <= 1.15x).
-"Same loss": the target-weighted mean of the cycle's step losses of packed and padded rows over
-the same documents (the per-token loss of those documents at the initial weights) side by side.
+target tokens/s = the cycle's mean target tokens per step / the median step time. "Same loss": the
+target-weighted mean of one untimed pass's step losses, packed and padded, over the same documents
+(their per-token loss at the initial weights) side by side.
 """
 from __future__ import annotations
 
@@ -28,15 +30,16 @@ import os
 import random
 import sys
 import tempfile
+import textwrap
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks.common import Config, bar_chart, fmt_ratio, load_span, run_side_by_side, speedup, summarize, table
+from benchmarks.common import Config, bar_chart, load_span, run_side_by_side, speedup, summarize, table
 from benchmarks.workloads import Bench, Shape, hf_model
 
 DESCRIPTION = "SFT at TP=2 and PP=2: packed vs padded target tokens/s, document mask vs plain causal attention"
 PACKED_TARGET, MASK_TARGET = 1.8, 1.15
-SEQ, ROWS, STEPS_CYCLE = 512, 8, 6
+SEQ, ROWS, STEPS_CYCLE = 1024, 4, 3
 SHAPE = Shape(n_layer=4, n_embd=256, n_head=8, vocab=4096, seq=SEQ, n_positions=SEQ)
 QUICK = Shape(n_layer=2, n_embd=128, n_head=4, vocab=2048, seq=256, n_positions=256)
 
@@ -53,12 +56,12 @@ def stdlib_chats(max_chats: int, seed: int = 0) -> list[dict]:
             tree = ast.parse(src)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        pairs = []
+        lines, pairs = src.splitlines(), []
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) and len(node.body) > 1:
-                seg = ast.get_source_segment(src, node) or ""
-                body = "\n".join(ast.get_source_segment(src, b) or "" for b in node.body[1:])
-                head = seg[:seg.find(ast.get_source_segment(src, node.body[1]) or "\0")].rstrip()
+                first = node.body[1].lineno - 1  # the first statement after the docstring
+                head = textwrap.dedent("\n".join(lines[node.lineno - 1:first])).rstrip()
+                body = textwrap.dedent("\n".join(lines[first:node.end_lineno])).rstrip()
                 if body.strip() and head:
                     pairs.append((head, body))
         while pairs and len(chats) < max_chats:
@@ -89,42 +92,55 @@ def build_dataset(root: str, vocab: int, max_chats: int) -> str:
 
 
 class SftBench(Bench):
-    """ds_mp on ``STEPS_CYCLE`` steps of ``ROWS`` rows of the SFT dataset, cycled; ``mode`` packed /
-    padded / causal (packed rows without position_ids)."""
+    """ds_mp on a cycle of steps of ``ROWS`` rows, repeated. The cycle's documents are those of
+    ``STEPS_CYCLE × ROWS`` seeded packed rows in every mode: ``packed`` trains those rows,
+    ``padded`` the same documents one per row (the last step topped up with empty rows, which hold
+    no target), ``causal`` the packed rows without position_ids (attention crosses documents)."""
 
     def __init__(self, rank: int, world: int, shape: dict, data: str, mode: str, tp: int = 1, pp: int = 1) -> None:
-        import ds_mp
-        from ds_mp.data import SftDataset, SftRows, SftSampler, TokenDataset
+        import numpy as np
+        import torch
 
-        micro, gas = (ROWS, 1) if pp == 1 else (ROWS // 4, 4)
+        import ds_mp
+        from ds_mp.data import SftDataset, SftRows, TokenDataset
+
+        seq = shape["seq"]
+        micro, gas = (ROWS, 1) if pp == 1 else (1, ROWS)
         cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
                "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "gradient_clipping": 0.0,
                "steps_per_print": 10**9, "wall_clock_breakdown": False,
                "ds_mp": {"tensor_parallel": {"size": tp}, "pipeline": {"stages": pp, "schedule": "1f1b"},
-                         "data": {"seq_len": shape["seq"]}}}
+                         "data": {"seq_len": seq}}}
         self.engine, *_ = ds_mp.initialize(model=hf_model(shape), config=cfg)
-        rows = SftRows(SftDataset(TokenDataset(data)), shape["seq"], packing=mode != "padded", seed=0)
-        sampler = SftSampler(rows, micro, gas, seed=0)
+        ds = SftDataset(TokenDataset(data))
+        packed = SftRows(ds, seq, packing=True, seed=0)
+        chosen = np.random.default_rng(0).permutation(len(packed.rows))[:STEPS_CYCLE * ROWS]
+        rows, ids = packed, chosen
+        if mode == "padded":  # the same documents, one per row (document d is row d when packing is off)
+            rows, ids = SftRows(ds, seq, packing=False, seed=0), np.concatenate([packed.rows[r] for r in chosen])
         self.cycle, self.targets = [], []
-        for _ in range(STEPS_CYCLE):
-            step = sampler.next_step()
-            self.targets.append(sampler.step_counts[0])
-            self.cycle.append(step if mode != "causal" else [(ids, labels) for (ids, _), labels in step])
+        for s in range(0, len(ids), ROWS):
+            (x, pos), labels = rows.batch(ids[s:s + ROWS], seq)
+            empty = ROWS - len(x)  # rows of nothing but padding (no target)
+            x = torch.cat([x, torch.full((empty, seq), ds.pad_id)])
+            pos = torch.cat([pos, torch.arange(seq).expand(empty, seq)])
+            labels = torch.cat([labels, torch.full((empty, seq), -100)])
+            self.targets.append(rows.counts(ids[s:s + ROWS])[0])
+            parts = [((x[i:i + micro], pos[i:i + micro]), labels[i:i + micro]) for i in range(0, ROWS, micro)]
+            self.cycle.append(parts if mode != "causal" else [(a, lab) for (a, _), lab in parts])
         self.n = 0
-        self.losses: list[float] = []
 
     def step(self) -> float:
-        loss = float(self.engine.train_batch(iter(self.cycle[self.n % STEPS_CYCLE])))
-        if self.n < STEPS_CYCLE:
-            self.losses.append(loss)
+        loss = float(self.engine.train_batch(iter(self.cycle[self.n % len(self.cycle)])))
         self.n += 1
         return loss
 
     def stats(self) -> dict:
-        """Target tokens per step (mean over the cycle) and the cycle's target-weighted mean loss."""
-        losses = self.losses[:STEPS_CYCLE]
-        return {"targets_per_step": sum(self.targets) / len(self.targets),
-                "cycle_loss": sum(l * t for l, t in zip(losses, self.targets)) / sum(self.targets[:len(losses)])}
+        """Target tokens per step (mean over the cycle) and the per-token loss of the cycle's documents
+        (one untimed pass; SGD at lr 0 leaves the weights as they were)."""
+        losses = [float(self.engine.train_batch(iter(step))) for step in self.cycle]
+        return {"targets_per_step": sum(self.targets) / len(self.targets), "steps_per_cycle": len(self.cycle),
+                "cycle_loss": sum(l * t for l, t in zip(losses, self.targets)) / sum(self.targets)}
 
 
 def setup(rank: int, world: int, **kw: Any) -> SftBench:
@@ -148,7 +164,7 @@ def run(quick: bool, out_dir: str) -> dict:
         for name, g in groups.items():
             stats[name] = g.call("stats")[0]  # rank 0 consumes the data in both layouts
 
-    times, _ = run_side_by_side(cfgs, repeats, steps, warmup=STEPS_CYCLE, extra=collect)
+    times, _ = run_side_by_side(cfgs, repeats, steps, extra=collect)
     res = summarize(times, {n: stats[n]["targets_per_step"] for n in times})
     ratios, rows, summary = {}, [], []
     for lay in layouts:

@@ -106,6 +106,7 @@ def test_packed_sft_resumes_mid_epoch_at_another_layout(world, tmp_path):
     TP=1 x PP=2 x DP=2 with the same global batch: steps 3-4 repeat the uninterrupted losses."""
     model = os.path.join(world["root"], "gpt2")
     full, part = os.path.join(str(tmp_path), "full"), os.path.join(str(tmp_path), "part")
+    os.makedirs(full)
     cfg = sft_config(full, world["data"], lora=False, family="gpt2", steps=4)
     cfg["ds_mp"]["training"]["eval_interval"] = 0
     proc = launch(full, cfg, n=4, script="launch/finetune.py", args=("--model", model), timeout=600)

@@ -31,6 +31,15 @@ def chat_ds(tmp_path_factory, tok_dir) -> DatasetInfo:
     return prepare_sft_data([src], str(root / "ds"), tok_dir, "chat", val_fraction=0.1, show_progress=False)
 
 
+@pytest.fixture(scope="module")
+def text_ds(tmp_path_factory, tok_dir) -> DatasetInfo:
+    """Every token a target: only the row builder keeps a document's first token out of the loss."""
+    root = tmp_path_factory.mktemp("text")
+    rng = random.Random(1)
+    src = write_jsonl(str(root / "t.jsonl"), [{"text": sentence(rng, rng.randint(1, 30))} for _ in range(80)])
+    return prepare_sft_data([src], str(root / "ds"), tok_dir, "text", val_fraction=0, show_progress=False)
+
+
 # --- formats and masks ------------------------------------------------------------------
 @pytest.mark.parametrize("template", ["chatml", "llama3"])
 def test_chat_mask_equals_hf_generation_markers(tmp_path, template):
@@ -204,9 +213,10 @@ def _documents_of(ids, pos, labels, ds: SftDataset, rows: SftRows, row: int) -> 
     assert np.all(ids[t:] == ds.pad_id) and np.all(labels[t:] == -100) and np.array_equal(pos[t:], np.arange(len(ids) - t))
 
 
+@pytest.mark.parametrize("fmt", ["chat", "text"])
 @pytest.mark.parametrize("packing", [True, False])
-def test_rows_hold_whole_documents_apart(chat_ds, packing):
-    ds = SftDataset(TokenDataset(chat_ds.path))
+def test_rows_hold_whole_documents_apart(request, fmt, packing):
+    ds = SftDataset(TokenDataset(request.getfixturevalue(f"{fmt}_ds").path))
     rows = SftRows(ds, 256, packing=packing, seed=5)
     (ids, pos), labels = rows.batch(np.arange(rows.num_chunks(256)), 256)
     assert ids.shape == pos.shape == labels.shape == (len(rows.rows), 256)

@@ -113,6 +113,8 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
                or not 1 <= ts[0] <= ts[1] <= cfg.training.steps):
         raise ConfigError(f"ds_mp.training.trace_steps: {ts} must be [first, last] steps with 1 <= first <= last <= "
                           f"training.steps={cfg.training.steps} (e.g. [10, 12]), or [] for no trace")
+    if cfg.data.overlong not in ("truncate", "drop"):
+        raise ConfigError(f"ds_mp.data.overlong: must be 'truncate' or 'drop', got {cfg.data.overlong!r}")
     if cfg.loss.normalization not in ("tokens", "micro_batch"):
         raise ConfigError(f"ds_mp.loss.normalization: must be 'tokens' or 'micro_batch', got {cfg.loss.normalization!r}")
     if cfg.training.on_nan not in ("stop", "skip"):

@@ -88,6 +88,8 @@ class DataConfig:
     vocab_size: int = 8192  # tokenizer vocab for the embedded default corpus
     seed: int = 1234  # shuffle seed
     cache_dir: str = ""  # default corpus; token-id stats of read-only datasets ("" = ~/.cache/ds_mp)
+    packing: bool = True  # SFT datasets: pack documents into rows (best-fit decreasing); false = one per row, padded
+    overlong: str = "truncate"  # SFT documents longer than seq_len: "truncate" (keep the first seq_len tokens) or "drop"
 
 
 @dataclass

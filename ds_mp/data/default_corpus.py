@@ -67,7 +67,8 @@ def datasets_for(cfg: Any) -> tuple[str, Any, Any]:
     cache = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "ds_mp")
     path = cfg.data.path or ensure_default_dataset(cache, cfg.data.vocab_size)
     train, val = TokenDataset(path, "train"), TokenDataset(path, "val")
-    train.num_chunks(cfg.data.seq_len), val.num_chunks(cfg.data.seq_len)  # DataError if shorter than a sequence
+    if train.info.format == "stream":  # SFT datasets are checked when their rows are planned (ds_mp.data.sft)
+        train.num_chunks(cfg.data.seq_len), val.num_chunks(cfg.data.seq_len)  # DataError if shorter than a sequence
     if train.vocab_size > cfg.shape.vocab_size:
         raise DataError(f"data: tokenizer vocab {train.vocab_size} exceeds the model's vocab_size "
                         f"{cfg.shape.vocab_size}; raise ds_mp.model.vocab_size or use the model's tokenizer")

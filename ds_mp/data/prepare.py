@@ -13,13 +13,14 @@ Within each split documents keep their corpus order and are joined by one eos to
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import dataclasses
 from dataclasses import MISSING, asdict, dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -57,6 +58,8 @@ class DatasetInfo:
     val_fraction: float = 0.0
     seed: int = 0
     format_version: int = FORMAT_VERSION
+    format: str = "stream"  # "stream" (documents joined by eos, cut into chunks) or an SFT format (ds_mp.data.sft)
+    sft: dict[str, Any] | None = None  # SFT datasets: pad id, overlong policy and counts (ds_mp.data.sft_prepare)
 
     @property
     def tokenizer_dir(self) -> str:
@@ -160,13 +163,7 @@ def prepare_data(
     val = _split_documents(stats.num_documents, val_fraction, seed)
 
     out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the result normal permissions
+    with staging_dir(out_dir, overwrite) as tmp:
         tok_dir = os.path.join(tmp, TOKENIZER_DIR)
         if tokenizer is not None:
             tok = load_tokenizer(tokenizer)
@@ -198,6 +195,21 @@ def prepare_data(
         )
         with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
             f.write(info.to_json())
+    return info
+
+
+@contextlib.contextmanager
+def staging_dir(out_dir: str, overwrite: bool) -> Iterator[str]:
+    """A temporary sibling of ``out_dir`` to build a dataset in, renamed onto ``out_dir`` when the
+    block ends without an exception (removed otherwise): the dataset appears whole or not at all."""
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the result normal permissions
+        yield tmp
         _publish(tmp, out_dir, overwrite)
     except OSError as e:  # a full disk, a quota, a read-only mount: nothing is left behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -206,7 +218,6 @@ def prepare_data(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return info
 
 
 def _publish(tmp: str, out_dir: str, overwrite: bool) -> None:

@@ -1,7 +1,7 @@
 """The pictures in docs/img/, each made by a command, never by hand.
 
     python -m ds_mp.tools.docs_plots                     every plot
-    python -m ds_mp.tools.docs_plots --only timelines    a subset: quickstart, finetune, timelines, benchmarks
+    python -m ds_mp.tools.docs_plots --only timelines    a subset: quickstart, finetune, timelines, benchmarks, sft
     python -m ds_mp.tools.docs_plots --rerun             train the quick start / fine-tune again first
 
 * ``quickstart``: loss and validation loss of ``runs/quickstart/log.csv``, the run of
@@ -12,6 +12,9 @@
   tokenised with the model's own tokenizer (``runs/docs_finetune``).
 * ``timelines``: ``ds-mp timeline`` of the traces the benchmarks recorded
   (``benchmarks/results/timeline_*.json``, ``python -m benchmarks.run --only pipeline,terapipe,timelines``).
+* ``sft``: one packed row of a small chat dataset (docs/sft.md): its documents, which tokens
+  are targets, the restarting position ids and the block-diagonal attention they imply
+  (:mod:`ds_mp.tools.sft_plot`).
 * ``benchmarks``: the headline ratios of ``benchmarks/results/*.json`` with their 90 % intervals
   and targets (``python -m benchmarks.run``).
 """
@@ -27,7 +30,7 @@ import sysconfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IMG = os.path.join(REPO, "docs", "img")
-PLOTS = ("quickstart", "finetune", "timelines", "benchmarks")
+PLOTS = ("quickstart", "finetune", "timelines", "benchmarks", "sft")
 
 # benchmarks/results/timeline_<name>.json -> docs/img/timeline_<name>.png, titled with n = the
 # number of forwards on rank 0 read from the trace (micro-batches, or TeraPipe's token slices)
@@ -175,6 +178,12 @@ def benchmarks(rerun: bool) -> list[str]:
     return [png]
 
 
+def sft(rerun: bool) -> list[str]:
+    from ds_mp.tools.sft_plot import packed_row_png
+
+    return [packed_row_png(os.path.join(IMG, "sft_packed_row.png"))]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_mp.tools.docs_plots", description="Regenerate docs/img/*.png.")
     p.add_argument("--only", default=",".join(PLOTS), help=f"comma-separated subset of {', '.join(PLOTS)}")
@@ -186,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"docs_plots: unknown plot(s) {', '.join(unknown)}; choose from {', '.join(PLOTS)}", file=sys.stderr)
         return 2
     os.makedirs(IMG, exist_ok=True)
-    makers = {"quickstart": quickstart, "finetune": finetune, "timelines": timelines, "benchmarks": benchmarks}
+    makers = {"quickstart": quickstart, "finetune": finetune, "timelines": timelines, "benchmarks": benchmarks,
+              "sft": sft}
     for name in PLOTS:
         if name in chosen:
             for png in makers[name](args.rerun):

@@ -15,7 +15,9 @@ Every metric row also goes to DeepSpeed's monitors (the JSON's ``"tensorboard"``
 ``"csv_monitor"``, ``"comet"`` blocks) as ``ds_mp/<column>`` events (:func:`monitor_metrics`).
 
 Metrics (per log interval):
-  tokens/s   = global batch × seq_len / mean step time
+  tokens/s   = global batch × seq_len / mean step time; on SFT datasets target tokens / step time
+  target_tokens, padding_tokens = the step's tokens with a label (shifted labels != -100) and pad tokens,
+               all DP ranks (ds_mp.data.step_tokens)
   TFLOP/s    = F / step time, with Megatron-LM's count for a GPT of l layers, hidden h,
                vocab V, batch B, sequence s (forward + backward, no recomputation):
                F = 72 B s l h² (1 + s/(6h) + V/(12 l h))
@@ -128,7 +130,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     from ds_mp.checkpoint.training import read_latest
     from ds_mp.engine.initialize import init_distributed
     from ds_mp.training.run_dir import check_unlocked, choose_resume, from_rank0, open_run_dir, rotate
-    from ds_mp.data import ChunkSampler, ValidationBatches, datasets_for
+    from ds_mp.data import datasets_for, step_tokens, training_batches
     from ds_mp.hub import resolve_model
     from ds_mp.models.family import model_config
     from ds_mp.training.batch_ramp import BatchRamp, LrScaling
@@ -165,8 +167,10 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     ramp = BatchRamp.from_config(cfg.batch_ramp, micro, topo.dp, ramp_micro_multiple(cfg))  # None: fixed batch
     lr_scaling = LrScaling()
     hf_config = model_config(cfg)  # the FLOPs per step count the family's own block
-    sampler = ChunkSampler(train_ds, cfg.data.seq_len, micro, gas, topo.dp_rank, topo.dp, cfg.data.seed)
-    val = ValidationBatches(val_ds, cfg.data.seq_len, micro, tcfg.eval_batches * gas, topo.dp_rank, topo.dp)
+    sampler, val, report = training_batches(cfg, train_ds, val_ds, micro, gas, topo.dp_rank, topo.dp,
+                                            tcfg.eval_batches * gas)
+    if rank0 and report is not None:
+        print(f"ds_mp: SFT data: {report}", flush=True)
     start_step = 0
     if resume_tag is not None:
         state = load_checkpoint(engine, ckpt_root, resume_tag)
@@ -216,12 +220,13 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
                 sampler.set_grad_accum(engine.gradient_accumulation_steps())
             step_lr = lr_scaling.apply(engine.optimizer.param_groups, ramp.lr_factor)[0]
         batch_size = engine.train_batch_size()
-        tokens_per_step = batch_size * cfg.data.seq_len
         flops_per_step = decoder_flops(hf_config, cfg.data.seq_len, batch_size)
         engine.trace.clear()
         t0 = time.perf_counter()
         loss = float(engine.train_batch(sampler))
         dt = time.perf_counter() - t0
+        counts = step_tokens(sampler, batch_size, cfg.data.seq_len)
+        tokens_per_step = counts.counted
         window.append((dt, tokens_per_step, flops_per_step))
         if ramp is not None:
             ramp.after_step()
@@ -252,7 +257,8 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
                            "grad_norm": None if norm is None else float(norm), "noise_scale": noise,
                            "batch_size": batch_size, "peak_mem_mib": peak_memory_mib(),
                            "skipped": engine.nonfinite_steps + engine.skipped_steps,
-                           "elapsed_s": time.time() - t_start}
+                           "elapsed_s": time.time() - t_start, "target_tokens": counts.targets,
+                           "padding_tokens": counts.padding}
                 log.row(step=step, **{k: _fmt(k, v) for k, v in metrics.items()})
                 monitor_metrics(engine, step, metrics)
                 msg = f"step {step} loss {loss:.4f}"
@@ -309,7 +315,8 @@ def _write_trace(engine: Any, recorded: list, path: str, bar: Any) -> None:
 # log.csv cell format per metric (None -> empty cell)
 _FORMATS = {"loss": "{:.6f}", "val_loss": "{:.6f}", "val_ppl": "{:.4f}", "lr": "{}", "tokens_per_s": "{:.1f}",
             "tflops": "{:.4f}", "bubble": "{:.3f}", "grad_norm": "{:.4f}", "noise_scale": "{:.2f}", "batch_size": "{}",
-            "peak_mem_mib": "{:.0f}", "skipped": "{}", "elapsed_s": "{:.1f}"}
+            "peak_mem_mib": "{:.0f}", "skipped": "{}", "elapsed_s": "{:.1f}", "target_tokens": "{}",
+            "padding_tokens": "{}"}
 
 MONITOR_PREFIX = "ds_mp/"
 

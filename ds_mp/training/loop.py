@@ -161,7 +161,7 @@ def _run(args: argparse.Namespace) -> int:
     probe = getattr(engine, "noise_scale", None)  # the Ouroboros engine has none
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     ramp = BatchRamp.from_config(cfg.batch_ramp, micro, topo.dp, ramp_micro_multiple(cfg))  # None: fixed batch
-    lr_scaling = LrScaling()
+    lr_scaling = LrScaling(engine.optimizer) if ramp is not None else None  # scales inside the step only
     hf_config = model_config(cfg)  # the FLOPs per step count the family's own block
     sampler = ChunkSampler(train_ds, cfg.data.seq_len, micro, gas, topo.dp_rank, topo.dp, cfg.data.seed)
     val = ValidationBatches(val_ds, cfg.data.seq_len, micro, tcfg.eval_batches * gas, topo.dp_rank, topo.dp)
@@ -179,6 +179,10 @@ def _run(args: argparse.Namespace) -> int:
         if rng is not None and state.get("layout") == _layout(topo):  # the same ranks: each its own streams
             set_rng_state(rng[torch.distributed.get_rank()] if isinstance(rng, list) else rng)
     log = CsvLog(os.path.join(tcfg.output_dir, "log.csv"), resume=resume_tag is not None) if rank0 else None
+    note = None if ramp is None or probe is None else ramp.warm_up_note(probe.interval, probe.estimator.beta,
+                                                                       start_step, tcfg.steps)
+    if rank0 and note:  # the noise-scale policy's wait for its EMA, said up front
+        print(note)
 
     def save(step: int, tag: str | None = None) -> None:
         rngs: list = [None] * torch.distributed.get_world_size()  # every rank's streams (they differ over
@@ -204,7 +208,7 @@ def _run(args: argparse.Namespace) -> int:
             if batch != engine.train_batch_size():
                 engine.set_train_batch_size(batch)
                 sampler.set_grad_accum(engine.gradient_accumulation_steps())
-            step_lr = lr_scaling.apply(engine.optimizer.param_groups, ramp.lr_factor)[0]
+            step_lr = lr_scaling.apply(ramp.lr_factor)[0]
         batch_size = engine.train_batch_size()
         tokens_per_step = batch_size * cfg.data.seq_len
         flops_per_step = decoder_flops(hf_config, cfg.data.seq_len, batch_size)

@@ -34,6 +34,8 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
+import torch
+
 __all__ = ["POLICIES", "LR_SCALINGS", "BatchRamp", "LrScaling", "round_to_unit", "min_estimates", "first_noise_decision"]
 
 POLICIES = ("linear", "noise_scale")
@@ -170,10 +172,8 @@ class LrScaling:
 
     def __init__(self, optimizer: Any) -> None:
         """``optimizer``: the engine's optimizer (a torch optimizer, or a DeepSpeed wrapper of one)."""
-        import torch
-
         base = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
-        self.groups = optimizer.param_groups  # the groups a scheduler and engine.get_lr() see
+        self.optimizer = optimizer  # its param_groups: what a scheduler and engine.get_lr() see
         self.factor = 1.0
         self._restore: list[tuple[dict, float]] = []
         base.register_step_pre_hook(self._scale)
@@ -193,7 +193,7 @@ class LrScaling:
         """Scale the next steps by ``factor``; returns the LR per group the next step uses
         (the schedule's LR now × factor, as the pre-step hook computes it)."""
         self.factor = factor
-        return [g["lr"] * factor for g in self.groups]
+        return [g["lr"] * factor for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
         return {"unscaled": True}  # the optimizer's groups (checkpointed with it) hold the schedule
@@ -202,5 +202,5 @@ class LrScaling:
         """Checkpoints from before the hooks saved the scaled LR in the groups and the schedule's
         beside it (``"scheduled"``): put the schedule back."""
         if not state.get("unscaled") and state.get("scheduled") is not None:
-            for g, lr in zip(self.groups, state["scheduled"]):
+            for g, lr in zip(self.optimizer.param_groups, state["scheduled"]):
                 g["lr"] = lr

@@ -14,16 +14,18 @@ a constant LR, no dropout.  Protocol:
 1. seed 0, LR sweeps: the fixed small batch (the ramp's ``start``) at ``lrs["small"]``; the
    noise-scale ramp (start -> at most ``max``, decided every 5 steps, ``lr_scaling`` "none") at
    the small batch's best LR × ``lrs["ramp"]``; B_simple := the median of the best ramp's logged
-   noise scale over the last quarter of its samples, rounded to a size the layout takes; the
-   fixed batch at B_simple and the fixed large batch (``max``) each at its own LR grid.  Best =
-   lowest validation loss at the budget.
+   noise scale over the last quarter of its samples, rounded to a size the layout takes; a fixed
+   batch in between (``mid``), the fixed batch at B_simple and the fixed large batch (``max``),
+   each at its own LR grid.  Best = lowest validation loss at the budget.
 2. seeds 1 .. n−1 (model init and data order): every fixed batch at its best LR, and the ramp.
 
-Every run trains the same ``budget`` of samples (a ramp in chunks through ``--resume``: its
-batch is known only as it goes; the resume is exact, ``tests/test_batch_ramp.py``); validation
-every ~``eval_every`` samples on the same 384 held-out sequences (``val_micro`` micro-batches per rank).  Reported, mean [min, max] over
-seeds: the validation loss at the budget, and the tokens and optimizer steps to reach each
-target validation loss (linear interpolation between passes; "not reached" within the budget).
+Every run trains the same ``budget`` of samples, up to its first validation pass at or past it
+(a ramp in chunks through ``--resume``: its batch is known only as it goes; the resume is exact,
+``tests/test_batch_ramp.py``); the loss at the budget interpolates between passes; validation
+every ~``eval_every`` samples on the same 384 held-out sequences (``val_micro`` micro-batches per
+rank).  Reported, mean [min, max] over seeds: the validation loss at the budget, and the tokens
+and optimizer steps to reach each target validation loss (linear interpolation between passes;
+"not reached" within the budget).
 """
 from __future__ import annotations
 
@@ -39,12 +41,16 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 8192, "n_positions": 64, "dropout": 0.0}
 UNIT = 4  # micro-batch 2 × DP 2: the sizes a step can take
+COLORS = {"fixed small": "C0", "fixed mid": "C4", "fixed B_simple": "C2", "fixed large": "C3"}
 FULL = {"seq_len": 32, "micro": 2, "start": 4, "max": 128, "budget": 3072, "eval_every": 256, "val_micro": 96,
-        "seeds": 3, "beta2": 0.95, "interval": 5, "first_chunk": 40, "targets": [6.5, 6.2, 5.9],
-        "lrs": {"small": [5e-4, 1e-3, 2e-3], "ramp": [1, 2], "bsimple": [1e-3, 2e-3, 4e-3, 8e-3],
+        "seeds": 3, "beta2": 0.95, "interval": 5, "first_chunk": 40, "targets": [7.0, 6.8, 6.6, 6.4, 6.2],
+        "mid": 16,
+        "lrs": {"small": [5e-4, 1e-3, 2e-3], "ramp": [1, 2], "mid": [1e-3, 2e-3, 4e-3],
+                "bsimple": [1e-3, 2e-3, 4e-3, 8e-3],
                 "large": [2e-3, 4e-3, 8e-3, 1.6e-2]}}
 QUICK = {**FULL, "max": 32, "budget": 512, "eval_every": 128, "val_micro": 24, "seeds": 2, "first_chunk": 24,
-         "lrs": {"small": [2e-3], "ramp": [1], "bsimple": [2e-3, 4e-3], "large": [4e-3]}}
+         "mid": 8,
+         "lrs": {"small": [2e-3], "ramp": [1], "mid": [2e-3], "bsimple": [2e-3, 4e-3], "large": [4e-3]}}
 
 
 def ds_json(p: dict, seed: int, lr: float, batch: int, ramp: dict | None, out: str) -> dict:
@@ -85,8 +91,14 @@ def train(p: dict, work: str, rank: int, name: str, seed: int, lr: float, batch:
     path = f"{out}.rank{rank}.json"
     with open(path, "w") as f:
         json.dump(ds_json(p, seed, lr, batch, ramp, out), f)
-    t0, steps, resume = time.time(), (p["budget"] // batch if ramp is None else p["first_chunk"]), False
-    while True:
+    every = ds_json(p, seed, lr, batch, ramp, out)["ds_mp"]["training"]["eval_interval"]
+
+    def passes(n: int) -> int:  # steps up to the next validation pass
+        return every * math.ceil(n / every)
+
+    t0, resume = time.time(), False
+    steps = passes(math.ceil(p["budget"] / batch) if ramp is None else p["first_chunk"])
+    while True:  # until a validation pass at or past the budget (val_at interpolates to the budget)
         if loop.main(["--deepspeed_config", path, "--steps", str(steps)] + ["--resume"] * resume):
             raise RuntimeError(f"batch_ramp: {name} seed {seed} lr {lr:g} failed")
         dist.barrier()  # rank 0's log is complete
@@ -94,8 +106,8 @@ def train(p: dict, work: str, rank: int, name: str, seed: int, lr: float, batch:
         left = p["budget"] - rows[-1]["samples"]
         if left <= 0:
             break
-        more = left / rows[-1]["batch"]  # steps at the current batch; it may still grow: take half of them
-        steps, resume = steps + math.ceil(more if more <= 8 else more / 2), True
+        more = left / rows[-1]["batch"]  # steps at the current batch; it may still grow: at most 48 of them
+        steps, resume = passes(steps + min(48, math.ceil(more))), True
     run = {"name": name, "seed": seed, "lr": lr, "batch": batch, "ramp": ramp, "rows": rows,
            "wall_s": round(time.time() - t0, 1)}
     if rank == 0:
@@ -126,7 +138,8 @@ def protocol(p: dict, work: str, rank: int) -> tuple[list[dict], dict]:
     runs += sweep
     b_simple = measured_b_simple(best(sweep)["rows"], p)
     chosen = {"fixed small": (p["start"], lr_small), "noise-scale ramp": (p["start"], best(sweep)["lr"])}
-    for name, batch, lrs in (("fixed B_simple", b_simple, p["lrs"]["bsimple"]),
+    for name, batch, lrs in (("fixed mid", p["mid"], p["lrs"]["mid"]),
+                             ("fixed B_simple", b_simple, p["lrs"]["bsimple"]),
                              ("fixed large", p["max"], p["lrs"]["large"])):
         sweep = [train(p, work, rank, name, 0, lr, batch) for lr in lrs]
         runs += sweep
@@ -183,7 +196,8 @@ def val_at(rows: list[dict], samples: float) -> float:
     ev = evals(rows)
     for a, b in zip(ev, ev[1:]):
         if b["samples"] >= samples:
-            return a["val_loss"] + (samples - a["samples"]) / (b["samples"] - a["samples"]) * (b["val_loss"] - a["val_loss"])
+            f = (samples - a["samples"]) / (b["samples"] - a["samples"])
+            return a["val_loss"] + f * (b["val_loss"] - a["val_loss"])
     return ev[-1]["val_loss"]
 
 
@@ -256,8 +270,9 @@ def plot(report: dict, path: str) -> str:
         for r in report["runs"]:
             if r["name"] != row["run"] or r["lr"] != row["lr"]:
                 continue
-            ev, kw = evals(r["rows"], p["budget"]), {"label": f"{row['run']} ({row['batch']})" if r["seed"] == 0 else None}
-            color = {"fixed small": "C0", "fixed B_simple": "C2", "fixed large": "C3"}.get(row["run"], "C1")
+            ev = evals(r["rows"], p["budget"])
+            kw = {"label": f"{row['run']} ({row['batch']})" if r["seed"] == 0 else None}
+            color = COLORS.get(row["run"], "C1")
             ax0.plot([x["samples"] * p["seq_len"] / 1e3 for x in ev], [x["val_loss"] for x in ev], color=color, **kw)
             ax1.plot([max(x["step"], 1) for x in ev], [x["val_loss"] for x in ev], color=color, **kw)
             tr = [x for x in r["rows"] if x["samples"] - x["batch"] < p["budget"]]
@@ -266,9 +281,10 @@ def plot(report: dict, path: str) -> str:
         for t, mark in zip(a["targets"], "os^Dv"):
             d = row["to_target"][str(t)]
             if d["tokens"]["mean"] is not None:
-                color = {"fixed small": "C0", "fixed B_simple": "C2", "fixed large": "C3"}.get(row["run"], "C1")
+                color = COLORS.get(row["run"], "C1")
                 ax3.errorbar(d["tokens"]["mean"] / 1e3, d["steps"]["mean"], color=color, marker=mark,
-                             xerr=[[(d["tokens"]["mean"] - d["tokens"]["min"]) / 1e3], [(d["tokens"]["max"] - d["tokens"]["mean"]) / 1e3]],
+                             xerr=[[(d["tokens"]["mean"] - d["tokens"]["min"]) / 1e3],
+                                   [(d["tokens"]["max"] - d["tokens"]["mean"]) / 1e3]],
                              yerr=[[d["steps"]["mean"] - d["steps"]["min"]], [d["steps"]["max"] - d["steps"]["mean"]]])
     for t, mark in zip(a["targets"], "os^Dv"):
         ax3.plot([], [], "k" + mark, linestyle="none", label=f"val loss {t}")

@@ -10,6 +10,10 @@ from ds_mp.config.schema import ConfigError, DsMpConfig, positive
 
 def check_noise_scale(raw: dict, cfg: DsMpConfig, key: str, instead: str) -> None:
     """B_simple compares each replica's gradient before DeepSpeed's DP reduction with the reduced one."""
+    if cfg.dp < 2:  # no pair to compare: the probe would never measure and the column stay empty
+        raise ConfigError(f"{key}: the noise scale compares each DP replica's gradient with the all-reduced one, so "
+                          f"it needs DP >= 2 (this layout has DP = 1) and would never be measured; {instead}, or launch "
+                          "more ranks or lower tensor_parallel.size/pipeline.stages")
     stage = (raw.get("zero_optimization") or {}).get("stage", 0) or 0
     if (raw.get("fp16") or {}).get("enabled") or cfg.pipeline.schedule == "ouroboros" or stage >= 2:
         raise ConfigError(f"{key}: the noise scale is measured in fp32 or bf16 at ZeRO 0/1 around the pipeline engine's "
@@ -57,6 +61,11 @@ def check_batch_ramp(raw: dict, cfg: DsMpConfig) -> None:
             raise ConfigError(f"{key}.{name}: {v} samples is no size this layout can take: a step is a whole number of "
                               f"micro-batches on every DP rank, multiples of train_micro_batch_size_per_gpu ({micro}) "
                               f"× DP ({cfg.dp}){ring} = {unit}; use {lo} or {hi}")
+    zero = raw.get("zero_optimization") or {}
+    if zero.get("cpu_offload") or (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None):
+        raise ConfigError(f"{key}: not with zero_optimization.offload_optimizer: DeepSpeed's ZeRO optimizer stores "
+                          "gradient_accumulation_steps when it is built and branches on it in its CPU-offload path, "
+                          "so a batch change would leave it on the old branch; remove offload_optimizer or the ramp")
     if br.policy == "linear":
         positive(br.ramp_samples, "batch_ramp.ramp_samples")
     elif cfg.dp < 2:

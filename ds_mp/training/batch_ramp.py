@@ -25,16 +25,18 @@ requires it); clamped to [start, max], and the batch never decreases (a decrease
 what the schedule already paid for, and B_simple's noise would otherwise make the batch
 oscillate).
 
-LR scaling (``lr_scaling``): the scheduled LR is multiplied by (B / start)^p, p = 0 (``"none"``),
-½ (``"sqrt"``), 1 (``"linear"``): :class:`LrScaling` keeps each parameter group's scheduled LR
-apart from the scaled one it writes, so it composes with any DeepSpeed LR scheduler (or none).
+LR scaling (``lr_scaling``): each step's LR is the schedule's × (B / start)^p, p = 0 (``"none"``),
+½ (``"sqrt"``), 1 (``"linear"``): :class:`LrScaling` scales the LR only inside the optimizer's
+step, so the schedule (any DeepSpeed or torch LR scheduler, or none) never sees the factor.
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Protocol
 
-__all__ = ["POLICIES", "LR_SCALINGS", "BatchRamp", "LrScaling", "round_to_unit", "min_estimates"]
+import torch
+
+__all__ = ["POLICIES", "LR_SCALINGS", "BatchRamp", "LrScaling", "round_to_unit", "min_estimates", "first_noise_decision"]
 
 POLICIES = ("linear", "noise_scale")
 LR_SCALINGS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}  # lr_scaling -> exponent p of (B / start)^p
@@ -58,6 +60,14 @@ def round_to_unit(batch: float, unit: int, start: int, maximum: int) -> int:
 def min_estimates(beta: float) -> int:
     """Measurements before the noise-scale policy trusts the EMA: its window ⌈1 / (1 − β)⌉."""
     return max(1, math.ceil(1.0 / (1.0 - beta) - 1e-9))
+
+
+def first_noise_decision(interval: int, measure_every: int, beta: float) -> int:
+    """The first step whose batch the noise-scale policy decides.  Decisions come before steps
+    1 + k·interval; B_simple is measured at the end of every ``measure_every``-th step and trusted
+    after :func:`min_estimates` measurements W, so the first decision is at
+    1 + interval·⌈W·measure_every / interval⌉ (step 21 at W = 20, every step, interval 5)."""
+    return 1 + interval * math.ceil(min_estimates(beta) * measure_every / interval)
 
 
 class BatchRamp:
@@ -100,6 +110,23 @@ class BatchRamp:
             return None
         return noise.value
 
+    def warm_up_note(self, measure_every: int, beta: float, from_step: int, steps: int) -> str | None:
+        """The noise-scale policy's wait for its EMA, as one line for the start of a run (None for
+        the linear policy, or once the wait is over): the first step it decides, and whether the
+        run reaches it."""
+        if self.policy != "noise_scale":
+            return None
+        first = first_noise_decision(self.interval, measure_every, beta)
+        if first <= from_step:
+            return None
+        note = (f"ds_mp: batch_ramp: the noise-scale policy keeps the batch at {self.start} until step {first}, its "
+                f"first decision (it trusts B_simple after {min_estimates(beta)} measurements, one every "
+                f"{measure_every} step(s), and decides every {self.interval})")
+        if first > steps:
+            note += (f"; training.steps={steps} ends before it, so the batch never changes: lower "
+                     "training.noise_scale_interval or batch_ramp.interval, or train longer")
+        return note
+
     def before_step(self, step: int, noise: NoiseSource | None = None) -> int:
         """The global batch of optimizer step ``step`` (1-based); re-decided when the step is due."""
         if (step - 1) % self.interval == 0:
@@ -131,32 +158,49 @@ class BatchRamp:
 
 
 class LrScaling:
-    """Writes scheduled LR × factor into optimizer parameter groups, keeping the scheduled LR.
+    """LR used by each optimizer step = the schedule's LR × ``factor``, exactly, with any scheduler.
 
-    Before each step :meth:`apply` reads every group's ``lr``: if it still holds the value this
-    object wrote last, the schedule has not moved it and the scheduled LR is the one kept; any
-    other value was just set by an LR scheduler and is the new scheduled LR.  So it works with a
-    scheduler that sets absolute LRs each step (DeepSpeed's, torch's) and without one.
+    Hooks on the torch optimizer that does the update (the one a bf16/ZeRO wrapper holds): just
+    before its ``step`` every parameter group's ``lr`` is multiplied by ``factor``, just after
+    it the schedule's value is put back (the same float, not divided).  So between steps
+    ``group["lr"]`` is always the unscaled schedule: what an LR scheduler reads and writes
+    (torch's chainable ones, ExponentialLR or StepLR, compute the next LR from it; DeepSpeed's
+    WarmupLR sets absolute values), what ``engine.get_lr()`` and checkpoints hold; the scaling
+    never feeds back into the schedule.  ZeRO steps its base optimizer once per group with
+    ``param_groups`` narrowed to that group: each call scales and restores what it sees.
     """
 
-    def __init__(self) -> None:
-        self.scheduled: list[float] | None = None  # the schedule's LR per group
-        self.written: list[float] | None = None  # what apply() last wrote per group
+    def __init__(self, optimizer: Any) -> None:
+        """``optimizer``: the engine's optimizer (a torch optimizer, or a DeepSpeed wrapper of one)."""
+        base = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+        self.optimizer = optimizer  # its param_groups: what a scheduler and engine.get_lr() see
+        self.factor = 1.0
+        self._restore: list[tuple[dict, float]] = []
+        base.register_step_pre_hook(self._scale)
+        base.register_step_post_hook(self._unscale)
 
-    def apply(self, groups: list[dict], factor: float) -> list[float]:
-        """Set ``group["lr"] = scheduled × factor`` for each group; returns the LRs written."""
-        now = [float(g["lr"]) for g in groups]
-        if self.scheduled is None or len(self.scheduled) != len(now):
-            self.scheduled = now
-        else:
-            self.scheduled = [s if lr == w else lr for s, w, lr in zip(self.scheduled, self.written, now)]
-        self.written = [s * factor for s in self.scheduled]
-        for g, lr in zip(groups, self.written):
+    def _scale(self, opt: Any, *_: Any) -> None:
+        self._restore = [(g, g["lr"]) for g in opt.param_groups]
+        for g, lr in self._restore:
+            g["lr"] = lr * self.factor
+
+    def _unscale(self, *_: Any) -> None:
+        for g, lr in self._restore:
             g["lr"] = lr
-        return self.written
+        self._restore = []
+
+    def apply(self, factor: float) -> list[float]:
+        """Scale the next steps by ``factor``; returns the LR per group the next step uses
+        (the schedule's LR now × factor, as the pre-step hook computes it)."""
+        self.factor = factor
+        return [g["lr"] * factor for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
-        return {"scheduled": self.scheduled, "written": self.written}
+        return {"unscaled": True}  # the optimizer's groups (checkpointed with it) hold the schedule
 
     def load_state_dict(self, state: dict) -> None:
-        self.scheduled, self.written = state["scheduled"], state["written"]
+        """Checkpoints from before the hooks saved the scaled LR in the groups and the schedule's
+        beside it (``"scheduled"``): put the schedule back."""
+        if not state.get("unscaled") and state.get("scheduled") is not None:
+            for g, lr in zip(self.optimizer.param_groups, state["scheduled"]):
+                g["lr"] = lr

@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     probe = getattr(engine, "noise_scale", None)  # the Ouroboros engine has none
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     ramp = BatchRamp.from_config(cfg.batch_ramp, micro, topo.dp, ramp_micro_multiple(cfg))  # None: fixed batch
-    lr_scaling = LrScaling()
+    lr_scaling = LrScaling(engine.optimizer) if ramp is not None else None  # scales inside the step only
     hf_config = model_config(cfg)  # the FLOPs per step count the family's own block
     sampler, val, report = training_batches(cfg, train_ds, val_ds, micro, gas, topo.dp_rank, topo.dp,
                                             tcfg.eval_batches * gas)
@@ -188,6 +188,10 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
         print(note, file=sys.stderr)
     log = CsvLog(os.path.join(tcfg.output_dir, "log.csv"), resume_step=start_step if resume_tag else None) \
         if rank0 else None
+    ramp_note = None if ramp is None or probe is None else ramp.warm_up_note(probe.interval, probe.estimator.beta,
+                                                                             start_step, tcfg.steps)
+    if rank0 and ramp_note:  # the noise-scale policy's wait for its EMA, said up front
+        print(ramp_note)
 
     def save(step: int, tag: str | None = None) -> None:
         """A regular ``stepN`` checkpoint (moves ``latest``), or a named diagnostic one (does not)."""
@@ -218,7 +222,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
             if batch != engine.train_batch_size():
                 engine.set_train_batch_size(batch)
                 sampler.set_grad_accum(engine.gradient_accumulation_steps())
-            step_lr = lr_scaling.apply(engine.optimizer.param_groups, ramp.lr_factor)[0]
+            step_lr = lr_scaling.apply(ramp.lr_factor)[0]
         batch_size = engine.train_batch_size()
         flops_per_step = decoder_flops(hf_config, cfg.data.seq_len, batch_size)
         engine.trace.clear()

@@ -10,7 +10,7 @@ cross-entropy with HF's label shift).  Nothing here names a model.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -120,6 +120,7 @@ class DsMpPipeline(PipelineModule):
         self.family = ctx.family
         self.layer_names = layer_names  # the family's pipeline_layers() entries in this pipeline's order
         super().__init__(layers=layers, topology=topology.topo, loss_fn=LMLoss(ctx), **kw)
+        self.activation_checkpoint_func = inputs_carry_grad(self.activation_checkpoint_func)
 
     def _build(self) -> None:
         self.ds_mp_topology.attach(module_grid(self))  # layers need the TP group at construction
@@ -151,6 +152,23 @@ class DsMpPipeline(PipelineModule):
     def blocks(self) -> list[nn.Module]:
         """This stage's transformer blocks, in order (the layers marked ``is_block``)."""
         return [m for m in self.forward_funcs if getattr(m, "is_block", False)]
+
+
+def inputs_carry_grad(checkpoint: Callable) -> Callable:
+    """``checkpoint(fn, *args)`` whose floating inputs require grad when none does.
+
+    DeepSpeed's reentrant checkpoint backpropagates into its segment only when an input requires
+    grad: a segment fed by a frozen embedding (LoRA freezes ``wte``/``wpe``) would train none of the
+    adapters inside it (and the step's loss would carry no graph).  As HF's
+    ``enable_input_require_grads`` does for PEFT with gradient checkpointing, such inputs become
+    leaves that require grad (nothing upstream had a graph, so nothing is cut).  Outside autograd
+    (eval, ``no_grad``) the inputs pass unchanged."""
+    def run(fn: Callable, *args: Any) -> Any:
+        if torch.is_grad_enabled() and not any(torch.is_tensor(a) and a.requires_grad for a in args):
+            args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
+                         for a in args)
+        return checkpoint(fn, *args)
+    return run
 
 
 def hf_param_name(module_name: str, pipe: DsMpPipeline) -> str:

@@ -28,6 +28,7 @@ import ast
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -150,7 +151,13 @@ def setup(rank: int, world: int, **kw: Any) -> SftBench:
 def run(quick: bool, out_dir: str) -> dict:
     shape = asdict(QUICK if quick else SHAPE)
     tmp = tempfile.mkdtemp(prefix="sft-bench-")
-    data = build_dataset(tmp, shape["vocab"], 400 if quick else 3000)
+    try:
+        return _run(quick, out_dir, shape, build_dataset(tmp, shape["vocab"], 400 if quick else 3000))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(quick: bool, out_dir: str, shape: dict, data: str) -> dict:
     from ds_mp.data import SftDataset, SftRows, TokenDataset
 
     plans = {m: SftRows(SftDataset(TokenDataset(data)), shape["seq"], packing=m, seed=0).report for m in (True, False)}

@@ -181,7 +181,7 @@ def benchmarks(rerun: bool) -> list[str]:
 def sft(rerun: bool) -> list[str]:
     from ds_mp.tools.sft_plot import packed_row_png
 
-    return [packed_row_png(os.path.join(IMG, "sft_packed_row.png"))]
+    return [packed_row_png(os.path.join(IMG, "sft_packed_row.png"), _pyplot())]
 
 
 def main(argv: list[str] | None = None) -> int:

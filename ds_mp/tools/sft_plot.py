@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+from typing import Any
 
 import numpy as np
 
@@ -29,11 +30,11 @@ def _chats(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def packed_row_png(out_png: str) -> str:
-    """Draw the picture (see the module docstring) to ``out_png``; returns its path."""
+def packed_row_png(out_png: str, plt: Any) -> str:
+    """Draw the picture (see the module docstring) to ``out_png`` with ``plt`` (matplotlib.pyplot on a
+    headless backend); returns its path."""
     from ds_mp.data import SftDataset, SftRows, TokenDataset, prepare_sft_data, train_tokenizer
     from ds_mp.data.sft_format import CHATML, CHATML_TOKENS
-    from ds_mp.tools.docs_plots import _pyplot
 
     chats = _chats(60)
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,7 +56,6 @@ def packed_row_png(out_png: str) -> str:
     doc = np.cumsum(pos == 0) - 1  # document index per token; the padding is the last "document"
     padded = len(rows.rows[row])  # index of the padding document
     colours = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"]
-    plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7.2), gridspec_kw={"height_ratios": [1.1, 3]})
     for t in range(SEQ_LEN):
         c = "#BBBBBB" if doc[t] == padded else colours[doc[t] % len(colours)]

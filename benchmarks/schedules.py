@@ -73,6 +73,13 @@ class SchedBench(DsMpPipeBench):
             self.step()
         return m.peak
 
+    def held_peak(self) -> list[int]:
+        """Held memory over one step (:func:`ds_mp.engine.held.held_during`): [peak bytes, bytes held
+        before the step]."""
+        from ds_mp.engine.held import held_during
+
+        return list(held_during(self.engine, self.step))
+
     def traced(self, steps: int) -> list[list[tuple[str, float, float]]]:
         """``steps`` traced steps on this rank: per step the (instruction, start, end) list in order
         (``time.perf_counter``: one monotonic clock for every process of this host)."""

@@ -9,16 +9,40 @@ step), not for training runs.
 """
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable
 
+import torch
+
 from ds_mp.schedules.memory import HeldMemory, static_tensors
+
+
+def source_weights(module: Any) -> list[torch.Tensor]:
+    """The tensors reachable from the layer specs DeepSpeed's ``PipelineModule`` keeps
+    (``_layer_specs``: every stage's layers' constructor arguments, whose weight source references
+    the Hugging Face model's whole state dict): weights, not a schedule's memory.  Found by a walk
+    over ``gc.get_referents`` that does not enter built modules."""
+    seen, out, todo = set(), {}, [a for spec in getattr(module, "_layer_specs", []) for a in
+                                  (*getattr(spec, "module_args", ()), *getattr(spec, "module_kwargs", {}).values())]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (torch.nn.Module, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            out[obj.untyped_storage().data_ptr()] = obj
+            continue
+        todo.extend(gc.get_referents(obj))
+    return list(out.values())
 
 
 def held_during(engine: Any, step: Callable[[], Any]) -> tuple[int, int]:
     """Run ``step()`` (e.g. one ``engine.train_batch``) with a census after every pipeline
     instruction (the engine's instruction map, shadowed on the instance for the call); returns
-    (peak held bytes, bytes held before the step)."""
-    census = HeldMemory(lambda: static_tensors(engine.module, engine.optimizer))
+    (peak held bytes, bytes held before the step).  Weights, their gradients, optimizer state and
+    the source weights the module keeps (:func:`source_weights`) are not charged."""
+    kept = source_weights(engine.module)
+    census = HeldMemory(lambda: static_tensors(engine.module, engine.optimizer) + kept)
 
     def sampled(method: Callable) -> Callable:
         def run(self: Any, **kwargs: Any) -> Any:
@@ -37,4 +61,4 @@ def held_during(engine: Any, step: Callable[[], Any]) -> tuple[int, int]:
     return census.peak, before
 
 
-__all__ = ["held_during"]
+__all__ = ["held_during", "source_weights"]

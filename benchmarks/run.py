@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "schedules": "benchmarks.schedules",
     "llama_tp": "benchmarks.llama_tp",
     "llama_scale": "benchmarks.llama_scale",
+    "peers": "benchmarks.peers",
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -26,10 +26,10 @@ def source_weights(module: Any) -> list[torch.Tensor]:
                                   (*getattr(spec, "module_args", ()), *getattr(spec, "module_kwargs", {}).values())]
     while todo:
         obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, (torch.nn.Module, type)):
+        if id(obj) in seen or issubclass(type(obj), (torch.nn.Module, type)):
             continue
         seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
+        if issubclass(type(obj), torch.Tensor):
             out[obj.untyped_storage().data_ptr()] = obj
             continue
         todo.extend(gc.get_referents(obj))

@@ -252,8 +252,9 @@ def compare(shape: dict, M: int, tag: str, repeats: int, steps: int) -> dict:
 def run(quick: bool, out_dir: str) -> dict:
     import os
 
-    repeats, steps = (2, 2) if quick else (6, 3)
-    shapes = {"gpt2": GPT2, "qwen2": QWEN2}
+    repeats, steps = (2, 2) if quick else (5, 2)
+    shapes = {k: v for k, v in {"gpt2": GPT2, "qwen2": QWEN2}.items()
+              if k in os.environ.get("DS_MP_PEERS_MODELS", "gpt2,qwen2").split(",")}  # one model per run if busy
     if quick:
         shapes = {k: replace(v, **QUICK_SCALE) for k, v in shapes.items()}
     M = 4
@@ -288,11 +289,11 @@ def run(quick: bool, out_dir: str) -> dict:
                        f"{'met' if mem <= 1 else 'NOT met'})")
     plots = []
     if plot[0]:
-        plots.append(os.path.basename(bar_chart(os.path.join(out_dir, "peers.png"), plot[0], plot[1],
+        plots.append(os.path.basename(bar_chart(os.path.join(out_dir, f"peers_{'_'.join(shapes)}.png"), plot[0], plot[1],
                                                 "Speed over torch's best schedule (PP=2, gloo, 2 CPU ranks)",
                                                 "× torch's best", target=GOAL)))
-    return {"workload": f"{Shape(**asdict(shapes['gpt2'])).describe()} and {Shape(**asdict(shapes['qwen2'])).describe()}; "
-                        f"PP=2, M={M} micro-batches of {ROWS} rows",
+    return {"workload": " and ".join(Shape(**asdict(s)).describe() for s in shapes.values())
+                        + f"; PP=2, M={M} micro-batches of {ROWS} rows",
             "repeats": repeats, "steps_per_repeat": steps, "runs": runs, "ratios": ratios, "summary": summary,
             "plots": plots,
             "tables": [table("Speed: tokens/s and the ratio of median step times over torch's best schedule of the "

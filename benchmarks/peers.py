@@ -253,6 +253,8 @@ def run(quick: bool, out_dir: str) -> dict:
     import os
 
     repeats, steps = (2, 2) if quick else (5, 2)
+    if os.environ.get("DS_MP_PEERS_ROUNDS"):  # e.g. "3x2": rounds × steps, for a machine with little time left
+        repeats, steps = map(int, os.environ["DS_MP_PEERS_ROUNDS"].split("x"))
     shapes = {k: v for k, v in {"gpt2": GPT2, "qwen2": QWEN2}.items()
               if k in os.environ.get("DS_MP_PEERS_MODELS", "gpt2,qwen2").split(",")}  # one model per run if busy
     if quick:

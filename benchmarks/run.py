@@ -39,6 +39,8 @@ BENCHMARKS: dict[str, str] = {
     "llama_tp": "benchmarks.llama_tp",
     "llama_scale": "benchmarks.llama_scale",
     "sft": "benchmarks.sft",
+    "peers": "benchmarks.peers",
+    "zb_memory": "benchmarks.zb_memory",
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -115,6 +115,8 @@ BAD = [
      ["ds_mp.pipeline.partition", "'cost'", "ouroboros.split", "remove pipeline.partition"]),
     ("unknown_schedule", _bad(pipeline__schedule="gpipee"), 1,
      ["ds_mp.pipeline.schedule", "'gpipee'", "; did you mean 'gpipe'"]),
+    ("zb_max_pending_w", _bad(pipeline__schedule="zb-h1", pipeline__stages=2, pipeline__zb_max_pending_w="most"), 2,
+     ["ds_mp.pipeline.zb_max_pending_w", "'most'", "'auto', 'paper' or an int >= 0"]),
     ("slices_sum", _bad(terapipe__slices=[8, 8]), 1, ["ds_mp.terapipe.slices", "sums to 16", "sum to 32"]),
     ("ouroboros_k_below_2", _bad(pipeline__schedule="ouroboros", ouroboros__modules=1), 1,
      ["ds_mp.ouroboros.modules", "K=1 < 2"]),

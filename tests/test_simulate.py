@@ -124,3 +124,17 @@ def test_simulate_plan_of_equal_units_is_the_papers_eq5() -> None:
     assert res.iteration_time == pytest.approx((4 + 2) * 0.5)
     gpipe = simulate_plan([(1, [8])] * 4, 2, lambda b, i, j: 1.0)  # no token slicing: GPipe's (M + K − 1)·t
     assert gpipe.iteration_time == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("M", [2, 4, 8])
+def test_zb_h1_deferrals_closed_form(M: int) -> None:
+    """PP = 2, F = B = W = 1: 1F1B takes 3(M + 1); ZB-H1 with the paper's deferral 3M + 1 (the last
+    stage's last W after its last B); with the memory-bounded default (no W deferred at K = 2,
+    1F1B's memory) 3M + 2: only the last stage's sending its input gradient before its W remains."""
+    from ds_mp.schedules.simulate import zb_h1_timetable, zero_bubble_deps
+
+    unit = lambda s, op: 1.0  # noqa: E731
+    one = simulate(one_f_one_b_timetable(2, M), lambda s, op: 2.0 if op.kind == "B" else 1.0).iteration_time
+    auto = simulate(zb_h1_timetable(2, M), unit, deps=zero_bubble_deps).iteration_time
+    paper = simulate(zb_h1_timetable(2, M, "paper"), unit, deps=zero_bubble_deps).iteration_time
+    assert (one, paper, auto) == (3 * (M + 1), 3 * M + 1, 3 * M + 2)

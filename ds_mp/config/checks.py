@@ -234,6 +234,7 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
                           "all backwards) or '1f1b' (each sequence's slices backwarded as soon as possible)")
 
     _validate_interleaved(cfg, shape.n_layer)
+    _validate_zero_bubble(cfg)
     _validate_lora(cfg)
     check_model_family(cfg)
     model_ranks = tp.size * pp.stages
@@ -261,6 +262,13 @@ def _validate_interleaved(cfg: DsMpConfig, n_layer: int) -> None:
     if pp.stages * v > n_layer:
         raise ConfigError(f"ds_mp.pipeline.virtual_stages: {pp.stages} stages × {v} chunks exceed n_layer={n_layer} "
                           "blocks; lower it")
+
+
+def _validate_zero_bubble(cfg: DsMpConfig) -> None:
+    n = cfg.pipeline.zb_max_pending_w
+    if n not in ("auto", "paper") and not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
+        raise ConfigError(f"ds_mp.pipeline.zb_max_pending_w: {n!r}; use 'auto', 'paper' or an int >= 0 "
+                          "(W passes a zb-h1 stage may defer)")
 
 
 def _validate_lora(cfg: DsMpConfig) -> None:

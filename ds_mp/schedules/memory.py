@@ -14,7 +14,8 @@ installs its own hooks inside the checkpointed region; measure with it off.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+import gc
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -75,4 +76,105 @@ class SavedActivations:
         self._ctx.__exit__(*exc)
 
 
-__all__ = ["SavedActivations"]
+
+
+# ------------------------------------------------------------------ every storage held, by census
+
+def _held(tensor: torch.Tensor) -> torch.Tensor:
+    """Pack hook: a saved tensor as a Python tensor object of its own (a heap walk finds it);
+    detached, or a node saving its own output would hold itself (through the tensor's ``grad_fn``)
+    in a cycle through C++ that ``gc`` cannot see, and the census would keep every graph alive."""
+    return tensor.detach()
+
+
+class HeldMemory:
+    """A storage census: the bytes of every tensor storage this process holds, deduplicated by
+    storage, less the static ones (weights, their ``.grad``, optimizer state, module buffers).
+
+    ``with HeldMemory(static) as census: ... census.sample() ...``; ``census.peak`` / ``census.samples``
+    in bytes.  ``static()`` returns the tensors not to charge (evaluated at every sample: gradients
+    appear mid-step).  What a sample counts (``gc`` collects once, on entering the block; garbage in
+    reference cycles made later is charged until the next collection, as it holds memory till then):
+
+    * every ``torch.Tensor`` the Python heap holds (``gc.get_objects``): the pipe buffers, received
+      activations and gradients, posted sends waiting in a list, the gradients a split backward
+      recorded for its W, losses, outputs;
+    * every tensor autograd saved for backward inside the block: a pack hook keeps each as a Python
+      tensor object of its own (:func:`_held`), so the same walk finds the activations the graphs hold.
+
+    A storage is charged once, at its full ``nbytes`` (views of one storage cost it once).  Not
+    seen: tensors only C++ holds outside autograd's saved tensors (none between the pipeline's
+    instructions: autograd and p2p hand theirs back to Python), and an allocator's free-but-cached
+    memory.  Sample between operations, not inside one.
+    """
+
+    def __init__(self, static: Callable[[], Iterable[torch.Tensor]] = lambda: ()) -> None:
+        self.static = static
+        self.samples: list[int] = []
+        self._ctx: Any = None
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples, default=0)
+
+    def held(self) -> int:
+        """Bytes of every non-static storage alive now (one census)."""
+        skip = {t.untyped_storage().data_ptr() for t in self.static() if isinstance(t, torch.Tensor)}
+        sizes: dict[int, int] = {}
+        for obj in gc.get_objects():
+            if not issubclass(type(obj), torch.Tensor) or obj.device.type == "meta":
+                continue
+            storage = obj.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in skip:
+                sizes[key] = storage.nbytes()
+        return sum(sizes.values())
+
+    def sample(self) -> int:
+        """Take a census, record it and return it."""
+        self.samples.append(self.held())
+        return self.samples[-1]
+
+    def __enter__(self) -> "HeldMemory":
+        gc.collect()
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(_held, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def static_tensors(module: torch.nn.Module, optimizer: Any = None) -> list[torch.Tensor]:
+    """What :class:`HeldMemory` does not charge to a schedule: parameters, their gradients, module
+    buffers and every tensor in the optimizer's state (DeepSpeed's wrappers: their ``optimizer``'s)."""
+    out = [t for p in module.parameters() for t in (p, p.grad) if t is not None]
+    out += list(module.buffers())
+    opt = optimizer
+    while opt is not None and not isinstance(opt, torch.optim.Optimizer):
+        opt = getattr(opt, "optimizer", None)
+    if opt is not None:
+        out += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def modelled_peak(ops: Sequence[Any], pending_weight: float = 1.0) -> float:
+    """The most a stage's op order (simulator ``Op``s) holds at once, in forwards' worth: an F adds
+    1 (its activations), a split backward's B turns it into ``pending_weight`` (the activations a
+    pending W keeps plus the gradients B recorded for it), W frees it; a whole backward ``B`` with
+    no W in the order frees it."""
+    split = {(op.micro, op.slice) for op in ops if op.kind == "W"}
+    live = peak = 0.0
+    for op in ops:
+        unit = (op.micro, op.slice)
+        if op.kind == "F":
+            live += 1
+        elif op.kind == "B":
+            live += pending_weight - 1 if unit in split else -1
+        elif op.kind == "W":
+            live -= pending_weight
+        peak = max(peak, live)
+    return peak
+
+
+__all__ = ["SavedActivations", "HeldMemory", "static_tensors", "modelled_peak"]

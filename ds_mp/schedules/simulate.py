@@ -211,30 +211,52 @@ def sliced_one_f_one_b_timetable(K: int, sequences: Sequence[Sequence[Op]]) -> T
     return table
 
 
-def zb_h1_timetable(K: int, M: int) -> Timetable:
+def zb_deferrals(K: int, max_pending_w: int | str = "paper") -> list[int]:
+    """How many W passes each stage defers (keeps pending between its B and its W).
+
+    ``"paper"``: stage s defers s (the paper's ZB-H1: K micro-batches in flight on every stage, counted
+    as if a pending W held what an in-flight forward holds).  ``"auto"``: max(0, ⌊(s − 1)/2⌋), within
+    1F1B's peak (K forwards' worth, its first stage) when a pending W holds up to two forwards' worth
+    (it keeps the forward's activations *and* the gradients B recorded for it: 1.6× on GPT-2's last
+    stage, measured by :class:`~ds_mp.schedules.memory.HeldMemory`): right after a B, stage s holds
+    K − s − 1 forwards and d_s + 1 pending W, (K − s − 1) + 2(d_s + 1) ≤ K
+    (:func:`~ds_mp.schedules.memory.modelled_peak`).  The first stage's B records nothing (it has no
+    input gradient to compute), so its pending W costs one forward.
+    An int n: min(s, n) (0: every W right after its B, 1F1B's order with the dX sent before W)."""
+    if max_pending_w == "paper":
+        return list(range(K))
+    if max_pending_w == "auto":
+        return [max(0, (s - 1) // 2) for s in range(K)]
+    if isinstance(max_pending_w, int) and max_pending_w >= 0:
+        return [min(s, max_pending_w) for s in range(K)]
+    raise ValueError(f"max_pending_w: expected 'auto', 'paper' or an int >= 0, got {max_pending_w!r}")
+
+
+def zb_h1_timetable(K: int, M: int, max_pending_w: int | str = "auto") -> Timetable:
     """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with the backward split
     into B (input gradient, on the critical path) and W (weight gradient, off it).
 
-    Stage s keeps 1F1B's order of F and B and runs W(m) right after B(m + s) (the remaining W
-    at the end): the W of the last s micro-batches is deferred, so the gradient chain B(K−1) →
-    … → B(0) carries no W, and the deferred W fill the bubbles 1F1B leaves at the start of the
-    lower stages and at the end of the upper ones::
+    Stage s keeps 1F1B's order of F and B and runs W(m) right after B(m + d_s) (the remaining W
+    at the end), d_s = :func:`zb_deferrals` (the paper: d_s = s): the W of the last d_s micro-batches
+    is deferred, so the gradient chain B(K−1) → … → B(0) carries no W, and the deferred W fill the
+    bubbles 1F1B leaves at the start of the lower stages and at the end of the upper ones::
 
         K=2, M=4   stage 0: F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3
-                   stage 1: F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3
+        (paper)    stage 1: F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3
 
-    Activations live from F to W: stage s holds at most (K − s) + s = K micro-batches, the peak
-    of 1F1B (its first stage).  With costs F = B = W the step is M(F+B+W) + (K−1)(F+B−W), against
-    1F1B's (M + K − 1)(F+B+W).
+    Activations live from F to W: with d_s = s stage s holds at most (K − s) + s = K micro-batches,
+    the peak of 1F1B (its first stage), each pending one with its recorded gradients on top.  With
+    costs F = B = W and d_s = s the step is M(F+B+W) + (K−1)(F+B−W), against 1F1B's (M + K − 1)(F+B+W).
     """
     table = []
     for s, ops in enumerate(one_f_one_b_timetable(K, M)):
+        d = zb_deferrals(K, max_pending_w)[s]
         out, done_b, done_w = [], 0, 0
         for op in ops:
             out.append(op)
             if op.kind == "B":
                 done_b += 1
-                while done_w < done_b - s:
+                while done_w < done_b - d:
                     out.append(Op("W", done_w))
                     done_w += 1
         table.append(out + [Op("W", m) for m in range(done_w, M)])

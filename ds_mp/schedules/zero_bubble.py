@@ -7,8 +7,10 @@ A backward is two passes with different consumers:
 
 Running W later than B takes it off the critical path of the gradient chain and lets it fill
 the bubbles 1F1B leaves; :func:`ds_mp.schedules.simulate.zb_h1_timetable` is the timetable
-(1F1B's F/B order, stage s defers its W by s micro-batches: peak activations K micro-batches,
-1F1B's peak) and :class:`ds_mp.schedules.timetable.TimetableSchedule` turns it into
+(1F1B's F/B order, stage s defers its W by d_s micro-batches: ``pipeline.zb_max_pending_w``,
+by default ⌊s/2⌋, which keeps every stage's held memory within 1F1B's largest rank although a
+pending W holds its recorded gradients on top of its activations; the paper's d_s = s holds
+K micro-batches' activations plus d_s micro-batches' recorded gradients) and :class:`ds_mp.schedules.timetable.TimetableSchedule` turns it into
 instruction steps.  Engine handlers of the two instructions: ``ds_mp.engine.zero_bubble``.
 
 The first stage has no input gradient to send: its B only keeps the received output gradient,
@@ -52,12 +54,17 @@ class ZeroBubbleH1(TimetableSchedule):
 
     deps = staticmethod(zero_bubble_deps)
 
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, max_pending_w: int | str = "auto") -> None:
+        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+        self.max_pending_w = max_pending_w  # W passes a stage may defer (``pipeline.zb_max_pending_w``)
+
     @classmethod
     def from_engine(cls, engine: Any) -> "ZeroBubbleH1":
-        return cls(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id)
+        return cls(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id,
+                   max_pending_w=engine.ds_mp_config.pipeline.zb_max_pending_w)
 
     def table(self) -> list[list[Op]]:
-        return zb_h1_timetable(self.stages, self.micro_batches)
+        return zb_h1_timetable(self.stages, self.micro_batches, self.max_pending_w)
 
     def cost(self, stage: int, op: Op) -> float:
         return (FIRST_STAGE_COSTS if stage == 0 else COSTS)[op.kind]

@@ -1,0 +1,64 @@
+"""Held memory of a pipeline step, measured between instructions: the storage census
+(:class:`ds_mp.schedules.memory.HeldMemory`) taken after every instruction a ds_mp engine runs.
+
+Counts every tensor storage alive on this rank other than the weights, their gradients, module
+buffers and optimizer state: the activations autograd saved, the gradients a split backward
+recorded for its W, the pipe buffers (received activations and gradients, outputs), the posted
+sends still in flight, the losses.  A measurement tool (a heap walk per instruction: seconds per
+step), not for training runs.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Any, Callable
+
+import torch
+
+from ds_mp.schedules.memory import HeldMemory, static_tensors
+
+
+def source_weights(module: Any) -> list[torch.Tensor]:
+    """The tensors reachable from the layer specs DeepSpeed's ``PipelineModule`` keeps
+    (``_layer_specs``: every stage's layers' constructor arguments, whose weight source references
+    the Hugging Face model's whole state dict): weights, not a schedule's memory.  Found by a walk
+    over ``gc.get_referents`` that does not enter built modules."""
+    seen, out, todo = set(), {}, [a for spec in getattr(module, "_layer_specs", []) for a in
+                                  (*getattr(spec, "module_args", ()), *getattr(spec, "module_kwargs", {}).values())]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or issubclass(type(obj), (torch.nn.Module, type)):
+            continue
+        seen.add(id(obj))
+        if issubclass(type(obj), torch.Tensor):
+            out[obj.untyped_storage().data_ptr()] = obj
+            continue
+        todo.extend(gc.get_referents(obj))
+    return list(out.values())
+
+
+def held_during(engine: Any, step: Callable[[], Any]) -> tuple[int, int]:
+    """Run ``step()`` (e.g. one ``engine.train_batch``) with a census after every pipeline
+    instruction (the engine's instruction map, shadowed on the instance for the call); returns
+    (peak held bytes, bytes held before the step).  Weights, their gradients, optimizer state and
+    the source weights the module keeps (:func:`source_weights`) are not charged."""
+    kept = source_weights(engine.module)
+    census = HeldMemory(lambda: static_tensors(engine.module, engine.optimizer) + kept)
+
+    def sampled(method: Callable) -> Callable:
+        def run(self: Any, **kwargs: Any) -> Any:
+            out = method(self, **kwargs)
+            census.sample()
+            return out
+        return run
+
+    engine._INSTRUCTION_MAP = {k: sampled(v) for k, v in type(engine)._INSTRUCTION_MAP.items()}
+    try:
+        with census:
+            before = census.sample()
+            step()
+    finally:
+        del engine._INSTRUCTION_MAP
+    return census.peak, before
+
+
+__all__ = ["held_during", "source_weights"]

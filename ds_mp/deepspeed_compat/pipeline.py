@@ -227,6 +227,24 @@ def inference_schedule(engine: Any, build: Any) -> Iterator[None]:
         del engine._inference_schedule
 
 
+def layer_spec_arguments(module: Any) -> list:
+    """The constructor arguments (positional and keyword) of every layer spec the ``PipelineModule``
+    keeps for all stages in its instance attribute ``_layer_specs`` ([] where a DeepSpeed has none)."""
+    return [a for spec in getattr(module, "_layer_specs", [])
+            for a in (*getattr(spec, "module_args", ()), *getattr(spec, "module_kwargs", {}).values())]
+
+
+@contextlib.contextmanager
+def instruction_handlers(engine: Any, wrap: Any) -> Iterator[None]:
+    """Within the body ``engine`` dispatches every pipeline instruction to ``wrap(handler)``: the
+    class's ``_INSTRUCTION_MAP`` shadowed on the instance, removed again on exit."""
+    engine._INSTRUCTION_MAP = {k: wrap(v) for k, v in type(engine)._INSTRUCTION_MAP.items()}
+    try:
+        yield
+    finally:
+        del engine._INSTRUCTION_MAP
+
+
 @contextlib.contextmanager
 def posted_sends(pending: list) -> Iterator[None]:
     """Within the body DeepSpeed's pipeline sends are posted (``isend``), not waited for.

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from ds_mp import deepspeed_compat as compat
 from ds_mp.schedules.memory import HeldMemory, static_tensors
 
 
@@ -22,8 +23,7 @@ def source_weights(module: Any) -> list[torch.Tensor]:
     (``_layer_specs``: every stage's layers' constructor arguments, whose weight source references
     the Hugging Face model's whole state dict): weights, not a schedule's memory.  Found by a walk
     over ``gc.get_referents`` that does not enter built modules."""
-    seen, out, todo = set(), {}, [a for spec in getattr(module, "_layer_specs", []) for a in
-                                  (*getattr(spec, "module_args", ()), *getattr(spec, "module_kwargs", {}).values())]
+    seen, out, todo = set(), {}, compat.layer_spec_arguments(module)
     while todo:
         obj = todo.pop()
         if id(obj) in seen or issubclass(type(obj), (torch.nn.Module, type)):
@@ -51,13 +51,9 @@ def held_during(engine: Any, step: Callable[[], Any]) -> tuple[int, int]:
             return out
         return run
 
-    engine._INSTRUCTION_MAP = {k: sampled(v) for k, v in type(engine)._INSTRUCTION_MAP.items()}
-    try:
-        with census:
-            before = census.sample()
-            step()
-    finally:
-        del engine._INSTRUCTION_MAP
+    with compat.instruction_handlers(engine, sampled), census:
+        before = census.sample()
+        step()
     return census.peak, before
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from deepspeed import checkpointing
 from deepspeed.pipe import PipelineModule
 
 from ds_mp.deepspeed_compat import module_grid, module_topology, set_local_layers, tied_weights
@@ -119,8 +120,8 @@ class DsMpPipeline(PipelineModule):
         self._ds_mp_parts, self.ds_mp_topology, self.ds_mp_ctx = parts, topology, ctx
         self.family = ctx.family
         self.layer_names = layer_names  # the family's pipeline_layers() entries in this pipeline's order
-        super().__init__(layers=layers, topology=topology.topo, loss_fn=LMLoss(ctx), **kw)
-        self.activation_checkpoint_func = inputs_carry_grad(self.activation_checkpoint_func)
+        super().__init__(layers=layers, topology=topology.topo, loss_fn=LMLoss(ctx),
+                         activation_checkpoint_func=inputs_carry_grad(checkpointing.checkpoint), **kw)
 
     def _build(self) -> None:
         self.ds_mp_topology.attach(module_grid(self))  # layers need the TP group at construction

@@ -207,9 +207,33 @@ def copy_tokenizer(tokenizer_dir: str, out: str) -> None:
         shutil.copy2(os.path.join(tokenizer_dir, f), os.path.join(out, f))
 
 
+def generation_config(cfg: Any, tokenizer_dir: str | None = None) -> Any:
+    """The model's ``GenerationConfig``; when the tokenizer in ``tokenizer_dir`` has a chat template,
+    its end-of-turn token(s) (``<|im_end|>``, ``<|eot_id|>``: :func:`ds_mp.data.sft_format.end_of_turn_ids`)
+    come first in ``eos_token_id``, the model's eos after them (a list when several), so
+    ``generate()`` stops where a fine-tuned model was trained to end its turn."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from ds_mp.data.sft_format import end_of_turn_ids
+
+    gen = GenerationConfig.from_model_config(cfg)
+    if not tokenizer_dir:
+        return gen
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError):  # no loadable tokenizer: the model's eos as it is
+        return gen
+    ends = end_of_turn_ids(tok)
+    if ends:
+        base = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+        ids = list(dict.fromkeys([*ends, *(i for i in base if i is not None)]))
+        gen.eos_token_id = ids[0] if len(ids) == 1 else ids
+    return gen
+
+
 def write_hf_files(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokenizer_dir: str | None = None) -> None:
-    """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` into ``out``
-    from full tensors (true vocab) by HF name.
+    """Write ``config.json``, ``generation_config.json`` (:func:`generation_config`) and
+    ``model.safetensors`` into ``out`` from full tensors (true vocab) by HF name.
 
     A tied head is omitted, as ``save_pretrained`` does; a GPT-2 config with
     ``tie_word_embeddings`` false gets ``lm_head.weight`` as a copy of ``wte`` (ds_mp ties it).
@@ -217,7 +241,6 @@ def write_hf_files(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokeniz
     import copy
 
     from safetensors.torch import save_file
-    from transformers import GenerationConfig
 
     want = expected_shapes(cfg)
     if want.keys() != tensors.keys():
@@ -232,7 +255,7 @@ def write_hf_files(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokeniz
     cfg.architectures = [family.architecture(cfg)]
     cfg.dtype = str(state[embedding].dtype).removeprefix("torch.")
     cfg.save_pretrained(out)
-    GenerationConfig.from_model_config(cfg).save_pretrained(out)
+    generation_config(cfg, tokenizer_dir).save_pretrained(out)
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     if tokenizer_dir:
         copy_tokenizer(tokenizer_dir, out)
@@ -243,8 +266,6 @@ def write_hf_streaming(reader: Any, cfg: Any, out: str, tokenizer_dir: str | Non
     at a time: ``model.safetensors`` is streamed, so peak memory is one full tensor."""
     import copy
 
-    from transformers import GenerationConfig
-
     shapes, family = expected_shapes(cfg), family_of(cfg)
     head, embedding = family.head_and_embedding()
     specs = {n: (shape, reader.dtype_of(n)) for n, shape in shapes.items()}
@@ -254,7 +275,7 @@ def write_hf_streaming(reader: Any, cfg: Any, out: str, tokenizer_dir: str | Non
     cfg.architectures = [family.architecture(cfg)]
     cfg.dtype = str(specs[embedding][1]).removeprefix("torch.")
     cfg.save_pretrained(out)
-    GenerationConfig.from_model_config(cfg).save_pretrained(out)
+    generation_config(cfg, tokenizer_dir).save_pretrained(out)
     write_safetensors_streaming(os.path.join(out, "model.safetensors"), specs,
                                 lambda n: reader.get(embedding if n == head and head not in shapes else n))
     if tokenizer_dir:

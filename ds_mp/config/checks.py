@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 
 from ds_mp.config.batching import check_batch_ramp, check_noise_scale
@@ -108,6 +109,12 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
                    ("pipeline.activation_checkpoint_interval", pp.activation_checkpoint_interval)):
         if v < 0:
             raise ConfigError(f"ds_mp.{key}: must be >= 0, got {v}")
+    if not 0 <= cfg.training.epochs < math.inf:
+        raise ConfigError(f"ds_mp.training.epochs: must be a number >= 0 (0 = use training.steps), got "
+                          f"{cfg.training.epochs!r}")
+    if cfg.training.epochs and cfg.batch_ramp.policy == "noise_scale":
+        raise ConfigError("ds_mp.training.epochs: the noise_scale batch ramp decides its batches while training, so "
+                          "the steps of an epoch are not known up front; set training.steps instead of epochs")
     ts = cfg.training.trace_steps
     if ts and (len(ts) != 2 or any(isinstance(n, bool) or not isinstance(n, int) for n in ts)
                or not 1 <= ts[0] <= ts[1] <= cfg.training.steps):

@@ -91,14 +91,16 @@ class DataConfig:
     cache_dir: str = ""  # default corpus; token-id stats of read-only datasets ("" = ~/.cache/ds_mp)
     packing: bool = True  # SFT datasets: pack documents into rows (best-fit decreasing); false = one per row, padded
     overlong: str = "truncate"  # SFT documents longer than seq_len: "truncate" (keep the first seq_len tokens) or "drop"
+    val_path: str = ""  # SFT: a held-out records file (.jsonl/.parquet/.arrow) to validate on ("" = the dataset's val split)
 
 
 @dataclass
 class TrainingConfig:
     steps: int = 100  # optimizer steps
+    epochs: float = 0.0  # > 0: train this many passes over the training rows (steps derived; overrides steps)
     log_interval: int = 10  # steps between log lines / CSV rows
     eval_interval: int = 50  # steps between validation passes (0 = off)
-    eval_batches: int = 4  # micro-batches per validation pass
+    eval_batches: int = 0  # validation reads the whole held-out split (0), or its first N passes of GA micro-batches
     checkpoint_interval: int = 50  # steps between checkpoints (0 = only at the end)
     output_dir: str = "runs/ds_mp"  # checkpoints, logs, exported model
     seed: int = 1234  # model init / dropout seed

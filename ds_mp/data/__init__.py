@@ -19,7 +19,8 @@ from .dataset import Batch, ChunkSampler, TokenDataset, ValidationBatches
 from .default_corpus import DEFAULT_CACHE_DIR, DEFAULT_MAX_BYTES, datasets_for, ensure_default_dataset, stdlib_files
 from .errors import DataError
 from .prepare import DatasetInfo, prepare_data
-from .sft import SftDataset, SftRows, SftSampler, StepTokens, step_tokens, training_batches
+from .sft import SftDataset, SftRows, SftSampler, StepTokens, step_tokens
+from .training_data import training_batches
 from .sft_prepare import prepare_sft_data
 from .tokenizer import EOS_TOKEN, load_tokenizer, train_tokenizer
 

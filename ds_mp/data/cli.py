@@ -9,7 +9,7 @@ from .default_corpus import (DEFAULT_CACHE_DIR, DEFAULT_MAX_BYTES, DEFAULT_VOCAB
 from .errors import DataError
 from .prepare import DatasetInfo, prepare_data
 from .sft_format import FORMATS
-from .sft_prepare import OVERLONG, prepare_sft_data
+from .sft_prepare import BAD_RECORDS, OVERLONG, prepare_sft_data
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--max-tokens", type=int, default=None, help="longest record kept, in tokens (default: no limit)")
     sft.add_argument("--overlong", choices=OVERLONG, default="truncate",
                      help="records over --max-tokens: keep their first tokens (truncate) or drop them")
+    sft.add_argument("--bad-records", choices=BAD_RECORDS, default="error",
+                     help="a record that cannot be used (invalid JSON, a missing field, a chat without an assistant "
+                          "turn): stop naming file:line (error, the default) or skip and count it (skip)")
     return p
 
 
@@ -64,7 +67,8 @@ def prepare_data_cli(argv: list[str] | None = None) -> int:
             info = prepare_sft_data(args.inputs, args.out, args.tokenizer, args.format,
                                     chat_template=args.chat_template, max_tokens=args.max_tokens,
                                     overlong=args.overlong, val_fraction=args.val_fraction, seed=args.seed,
-                                    overwrite=args.overwrite, show_progress=not args.no_progress)
+                                    overwrite=args.overwrite, show_progress=not args.no_progress,
+                                    bad_records=args.bad_records)
         else:
             if args.out is None:
                 raise DataError("--out is required; pass --out DIR for the dataset")
@@ -80,5 +84,8 @@ def prepare_data_cli(argv: list[str] | None = None) -> int:
         c = info.sft
         print(f"{info.format}: {c['train_targets']} train target tokens; {c['records']} records read, "
               f"{c['truncated']} truncated and {c['dropped']} dropped over --max-tokens={c['max_tokens']} "
-              f"({c['overlong']}), {c['no_target']} dropped without a target token")
+              f"({c['overlong']}), {c['no_target']} dropped without a target token"
+              + (f", {c['bad']} bad records skipped" if c.get("bad") else ""))
+        for example in c.get("bad_examples", []):
+            print(f"  skipped: {example}")
     return 0

@@ -68,7 +68,9 @@ def datasets_for(cfg: Any) -> tuple[str, Any, Any]:
     path = cfg.data.path or ensure_default_dataset(cache, cfg.data.vocab_size)
     train, val = TokenDataset(path, "train"), TokenDataset(path, "val")
     if train.info.format == "stream":  # SFT datasets are checked when their rows are planned (ds_mp.data.sft)
-        train.num_chunks(cfg.data.seq_len), val.num_chunks(cfg.data.seq_len)  # DataError if shorter than a sequence
+        train.num_chunks(cfg.data.seq_len)  # DataError if shorter than a sequence
+        if len(val):  # an empty val split (--val-fraction 0): no validation (ds_mp.data.validation)
+            val.num_chunks(cfg.data.seq_len)
     if train.vocab_size > cfg.shape.vocab_size:
         raise DataError(f"data: tokenizer vocab {train.vocab_size} exceeds the model's vocab_size "
                         f"{cfg.shape.vocab_size}; raise ds_mp.model.vocab_size or use the model's tokenizer")

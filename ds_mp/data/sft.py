@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .dataset import ChunkSampler, TokenDataset, ValidationBatches
+from .dataset import ChunkSampler, TokenDataset
 from .errors import DataError
 from .packing import best_fit_decreasing, one_per_row
 from .sft_prepare import DOC_FILES, MASK_FILES, OVERLONG
@@ -53,6 +53,15 @@ class SftDataset:
         if len(self.offsets) < 1 or self.offsets[0] != 0 or self.offsets[-1] != n or np.any(np.diff(self.offsets) < 1):
             raise DataError(f"{doc_file} does not hold the document offsets of {n} tokens; rebuild the dataset")
 
+    @classmethod
+    def from_arrays(cls, info: Any, split: str, tokens: np.ndarray, mask: np.ndarray,
+                    offsets: np.ndarray) -> "SftDataset":
+        """A split held in memory (a held-out records file encoded at start-up,
+        :func:`ds_mp.data.validation.records_split`): ``info`` its dataset's, ``split`` its name."""
+        self = cls.__new__(cls)
+        self.info, self.split, self.tokens, self.mask, self.offsets = info, split, tokens, mask, offsets
+        return self
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
@@ -63,7 +72,7 @@ class SftDataset:
 
 class SftRows:
     """The documents of ``dataset`` planned into rows of ``seq_len``: what :class:`SftSampler` and
-    :class:`ValidationBatches` draw from (``num_chunks`` rows, ``batch(row_ids, seq_len)``)."""
+    :class:`~ds_mp.data.validation.HeldOutBatches` draw from (``num_chunks`` rows, ``batch(row_ids, seq_len)``)."""
 
     def __init__(self, dataset: SftDataset, seq_len: int, packing: bool = True, overlong: str = "truncate",
                  seed: int = 0) -> None:
@@ -157,22 +166,6 @@ class StepTokens(NamedTuple):
     counted: int  # the tokens tokens/s counts: target tokens (SFT) or batch × seq_len (stream)
     targets: int  # tokens whose shifted label is not -100, all DP ranks
     padding: int  # pad tokens in the step's rows, all DP ranks
-
-
-def training_batches(cfg: Any, train: TokenDataset, val: TokenDataset, micro_batch: int, grad_accum: int,
-                     dp_rank: int, dp_size: int, eval_batches: int) -> tuple[ChunkSampler, ValidationBatches, dict | None]:
-    """``(sampler, validation batches, report)`` for a validated ds_mp config: chunks of a stream
-    dataset, or rows of an SFT dataset (``report``: its overlong/packing counts, None for stream)."""
-    seq_len, seed = cfg.data.seq_len, cfg.data.seed
-    if train.info.format == "stream":
-        return (ChunkSampler(train, seq_len, micro_batch, grad_accum, dp_rank, dp_size, seed),
-                ValidationBatches(val, seq_len, micro_batch, eval_batches, dp_rank, dp_size), None)
-    plan = dict(packing=cfg.data.packing, overlong=cfg.data.overlong, seed=seed)
-    rows = SftRows(SftDataset(train), seq_len, **plan)
-    val_rows = SftRows(SftDataset(val), seq_len, **plan)
-    return (SftSampler(rows, micro_batch, grad_accum, dp_rank, dp_size, seed),
-            ValidationBatches(val_rows, seq_len, micro_batch, eval_batches, dp_rank, dp_size),  # type: ignore[arg-type]
-            rows.report)
 
 
 def step_tokens(sampler: ChunkSampler, batch_size: int, seq_len: int) -> StepTokens:

@@ -34,6 +34,7 @@ from .tokenizer import load_tokenizer
 MASK_FILES = ("loss_mask.bin", "val_loss_mask.bin")  # (train, val)
 DOC_FILES = ("documents.bin", "val_documents.bin")
 OVERLONG = ("truncate", "drop")
+BAD_RECORDS = ("error", "skip")
 TABLE_SUFFIXES = (".parquet", ".arrow")
 
 
@@ -54,18 +55,22 @@ def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
             try:
                 line = raw.decode("utf-8").strip().lstrip("\ufeff")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start}); convert the file to UTF-8") from None
+                yield f"{path}:{lineno}", DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start}); convert the "
+                                                    "file to UTF-8")
+                continue
             if not line:
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line") from None
+                record = DataError(f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno}); fix or remove the line")
+            yield f"{path}:{lineno}", record
 
 
 def iter_records(inputs: Sequence[str] | Iterable[dict]) -> Iterator[tuple[str, Any]]:
     """``(where, record)`` of every record: files (``.jsonl``, ``.parquet``, ``.arrow``, or folders of
-    ``.jsonl``), or the rows of a list of dicts / ``datasets.Dataset`` (``where`` = ``record N``)."""
+    ``.jsonl``), or the rows of a list of dicts / ``datasets.Dataset`` (``where`` = ``record N``).
+    A JSONL line that cannot be read yields its :class:`DataError` as the record."""
     items = list(inputs) if isinstance(inputs, (list, tuple)) else None
     if items is not None and all(isinstance(x, str) for x in items):
         for path in find_files(items):
@@ -92,6 +97,55 @@ def _split(n: int, val_fraction: float, seed: int) -> np.ndarray:
     return held
 
 
+def encode_documents(inputs: Sequence[str] | Iterable[dict], tok: Any, fmt: str, max_tokens: int | None = None,
+                     overlong: str = "truncate", bad_records: str = "error", counts: dict | None = None,
+                     show_progress: bool = False) -> Iterator[tuple[str, Any, list[int], list[int]]]:
+    """``(where, record, ids, mask)`` of every record kept: encoded (:func:`encode_record`), cut or
+    dropped over ``max_tokens`` (``overlong``), dropped without a target token.  A bad record (no
+    assistant turn, a missing field, invalid JSON, ...) raises its :class:`DataError` naming
+    file:line, or with ``bad_records="skip"`` is skipped; ``counts`` (filled in place) holds
+    records read, truncated, dropped, no_target, bad, and the first few bad records' messages."""
+    if bad_records not in BAD_RECORDS:
+        raise DataError(f"bad_records={bad_records!r} is unknown; use 'error' or 'skip' (--bad-records)")
+    counts = {} if counts is None else counts
+    counts.update(records=0, truncated=0, dropped=0, no_target=0, bad=0, bad_examples=[])
+    for where, record in tqdm(iter_records(inputs), desc="encoding", unit=" records", disable=not show_progress):
+        counts["records"] += 1
+        try:
+            if isinstance(record, DataError):
+                raise record
+            ids, mask = encode_record(tok, fmt, record, where)
+        except DataError as e:
+            if bad_records == "error":
+                raise
+            counts["bad"] += 1
+            if len(counts["bad_examples"]) < 3:
+                counts["bad_examples"].append(str(e))
+            continue
+        if max_tokens is not None and len(ids) > max_tokens:
+            if overlong == "drop" or not any(mask[:max_tokens]):
+                counts["dropped"] += 1
+                continue
+            ids, mask, counts["truncated"] = ids[:max_tokens], mask[:max_tokens], counts["truncated"] + 1
+        if not any(mask[1:]):  # the first token of a document is never a target
+            counts["no_target"] += 1
+            continue
+        yield where, record, ids, mask
+
+
+def load_sft_tokenizer(tokenizer: str, fmt: str, chat_template: str | None = None) -> Any:
+    """``tokenizer`` (an HF directory) with ``chat_template`` (Jinja text, or a file holding it)
+    in place of its own; for ``fmt="chat"`` its template is checked (:func:`check_chat_template`)."""
+    if fmt not in FORMATS:
+        raise DataError(f"format {fmt!r} is unknown; use one of {', '.join(FORMATS)} (--format)")
+    tok = load_tokenizer(tokenizer)
+    if chat_template is not None:
+        tok.chat_template = open(chat_template).read() if os.path.isfile(chat_template) else chat_template
+    if fmt == "chat":
+        check_chat_template(tok, tokenizer)
+    return tok
+
+
 def prepare_sft_data(
     inputs: Sequence[str] | Iterable[dict],
     out_dir: str,
@@ -105,16 +159,20 @@ def prepare_sft_data(
     seed: int = 0,
     overwrite: bool = False,
     show_progress: bool = True,
+    bad_records: str = "error",
 ) -> DatasetInfo:
     """Encode SFT records into a dataset at ``out_dir`` (layout in the module docstring).
 
     ``tokenizer`` is an HF checkpoint/tokenizer directory; ``chat_template`` (Jinja text, or a
     file holding it) replaces or supplies its chat template. Contract: deterministic for the
     same inputs and arguments; the output appears atomically; a bad record raises
-    :class:`DataError` naming its file and line (or row / record index).
+    :class:`DataError` naming its file and line (or row / record index), unless
+    ``bad_records="skip"``: then it is skipped and counted (meta.json's ``sft.bad``).
     """
     if fmt not in FORMATS:
         raise DataError(f"format {fmt!r} is unknown; use one of {', '.join(FORMATS)} (--format)")
+    if bad_records not in BAD_RECORDS:
+        raise DataError(f"bad_records={bad_records!r} is unknown; use 'error' or 'skip' (--bad-records)")
     if overlong not in OVERLONG:
         raise DataError(f"overlong={overlong!r} is unknown; use 'truncate' or 'drop' (--overlong)")
     if max_tokens is not None and max_tokens < 2:
@@ -122,31 +180,19 @@ def prepare_sft_data(
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction={val_fraction} must be in [0, 1); e.g. --val-fraction 0.01")
     _check_out_dir(out_dir, overwrite)
-    tok = load_tokenizer(tokenizer)
-    if chat_template is not None:
-        tok.chat_template = open(chat_template).read() if os.path.isfile(chat_template) else chat_template
-    if fmt == "chat":
-        check_chat_template(tok, tokenizer)
-    docs, counts, h, sources = [], {"records": 0, "truncated": 0, "dropped": 0, "no_target": 0}, hashlib.sha256(), []
-    for where, record in tqdm(iter_records(inputs), desc="encoding", unit=" records", disable=not show_progress):
-        ids, mask = encode_record(tok, fmt, record, where)
-        counts["records"] += 1
+    tok = load_sft_tokenizer(tokenizer, fmt, chat_template)
+    docs, counts, h, sources = [], {}, hashlib.sha256(), []
+    for where, record, ids, mask in encode_documents(inputs, tok, fmt, max_tokens, overlong, bad_records, counts,
+                                                     show_progress):
         src = where.rsplit(":", 1)[0] if ":" in where else None
         if src and (not sources or sources[-1] != src):
             sources.append(src)
         h.update(json.dumps(record, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8"))
-        if max_tokens is not None and len(ids) > max_tokens:
-            if overlong == "drop" or not any(mask[:max_tokens]):
-                counts["dropped"] += 1
-                continue
-            ids, mask, counts["truncated"] = ids[:max_tokens], mask[:max_tokens], counts["truncated"] + 1
-        if not any(mask[1:]):  # the first token of a document is never a target
-            counts["no_target"] += 1
-            continue
         docs.append((ids, mask))
     if not docs:
         raise DataError(f"no record left after filtering ({counts['records']} read, {counts['dropped']} dropped as "
-                        f"over --max-tokens={max_tokens}, {counts['no_target']} without a target token); raise --max-tokens or check the data")
+                        f"over --max-tokens={max_tokens}, {counts['no_target']} without a target token, {counts['bad']} "
+                        "bad); raise --max-tokens or check the data")
     held = _split(len(docs), val_fraction, seed)
     vocab, eos = len(tok), int(tok.eos_token_id)
     dtype = np.uint16 if vocab < 65536 else np.uint32

@@ -19,6 +19,15 @@ context with more compute (Megatron's ``--overlapping-eval``).
     ppl = exp(total_nll / scored_tokens)        (per BPE token)
     ppl = exp(total_nll / original_token_count)  (per original token: Megatron's WikiText-103
                                                   number, comparable across tokenizers)
+
+SFT records (``--format chat|prompt-completion|text``, prepare-data's formats and flags): each
+record is encoded with its template and loss mask (ds_mp.data.sft_format), cut to its first
+``window`` tokens (training's ``data.overlong: truncate`` at ``data.seq_len``), run on its own, and
+
+    loss = Σ_documents Σ_targets -log p(x_t | x_<t)  /  Σ_documents targets,   ppl = exp(loss)
+
+the per-target-token loss over the whole file: training's ``val_loss`` for the same documents
+(``data.val_path`` = the file, ``--window`` = ``data.seq_len``; ds_mp.data.validation).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import numpy as np
 import torch
 
 __all__ = ["LogitsFn", "sliding_window_nll", "perplexity", "cloze_predictions",
-           "cloze_accuracy", "load_jsonl_texts", "hf_logits_fn", "eval_cli"]
+           "cloze_accuracy", "load_jsonl_texts", "hf_logits_fn", "sft_nll", "eval_cli"]
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]   # input_ids[1, T] -> logits[1, T, V]
 
@@ -76,6 +85,50 @@ def perplexity(logits_fn: LogitsFn, tokens: torch.Tensor, window: int, stride: i
     if denom <= 0:
         raise ValueError(f"perplexity: token count must be > 0, got {denom}")
     return math.exp(total / denom)
+
+
+@torch.no_grad()
+def sft_nll(logits_fn: LogitsFn, docs: Any, window: int) -> tuple[float, int, int]:
+    """``(total_nll, targets, truncated)`` over ``docs`` (``(ids, mask)`` pairs, mask[t] = 1: token t
+    is a target; a document's first token never is): each cut to ``window`` tokens, run alone."""
+    total, count, cut = 0.0, 0, 0
+    for ids, mask in docs:
+        cut += len(ids) > window
+        ids, mask = torch.as_tensor(ids[:window]).long(), torch.as_tensor(mask[:window]).bool()
+        keep = mask[1:]
+        if len(ids) < 2 or not keep.any():
+            continue
+        logits = logits_fn(ids[None, :-1])[0].float()  # position t-1 predicts token t
+        total += float(torch.nn.functional.cross_entropy(logits[keep], ids[1:][keep].to(logits.device), reduction="sum"))
+        count += int(keep.sum())
+    return total, count, cut
+
+
+def _records_kind(path: Path) -> str | None:
+    """The SFT format a JSON-lines file's first record looks like (None: not JSON records)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        record = json.loads(first)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    return "chat" if "messages" in record else "prompt-completion" if "prompt" in record else "text"
+
+
+def _sft_eval(args: argparse.Namespace, logits_fn: LogitsFn, tok: Any, window: int) -> dict[str, Any]:
+    from ds_mp.data.sft_prepare import encode_documents
+
+    counts: dict = {}
+    docs = ((ids, mask) for _, _, ids, mask in encode_documents([args.data], tok, args.format,
+                                                                bad_records=args.bad_records, counts=counts))
+    total, targets, cut = sft_nll(logits_fn, docs, window)
+    if not targets:
+        raise ValueError(f"{args.data}: no target token in any record; check --format and the data")
+    return {"data": args.data, "format": args.format, "records": counts["records"], "bad_records": counts["bad"],
+            "window": window, "truncated": cut, "targets": targets, "loss": total / targets,
+            "ppl": math.exp(total / targets)}
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -173,6 +226,13 @@ def eval_cli(argv: Sequence[str] | None = None) -> int:
                         " of the text file, as Megatron does for WikiText-103")
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
     p.add_argument("--cloze", default=None, help="LAMBADA-format JSONL (field 'text')")
+    p.add_argument("--format", choices=("chat", "prompt-completion", "text"), default=None,
+                   help="--data holds SFT records (.jsonl/.parquet/.arrow): score the targets of each record with its "
+                        "template and loss mask (prints loss and ppl per target token, training's val_loss)")
+    p.add_argument("--chat-template", metavar="FILE", default=None, help="with --format chat: Jinja chat template to "
+                   "use instead of the tokenizer's (the one the data was prepared with)")
+    p.add_argument("--bad-records", choices=("error", "skip"), default="error",
+                   help="with --format: stop at a bad record (error) or skip and count it")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     if args.data is None and args.cloze is None:
@@ -185,6 +245,15 @@ def eval_cli(argv: Sequence[str] | None = None) -> int:
 
     from ds_mp.tools.generate import resolve_model
 
+    if args.format is None and args.data is not None and Path(args.data).suffix == ".jsonl":
+        kind = _records_kind(Path(args.data))
+        if kind is not None:
+            print(f"ds-mp eval: {args.data} holds {kind} records; pass --format {kind} to score their targets with "
+                  "the template and loss mask (without --format a file is scored as plain text)", file=sys.stderr)
+            return 2
+    if args.format is not None and args.data is None:
+        print("ds-mp eval: --format needs --data FILE of records", file=sys.stderr)
+        return 2
     needs_tok = args.cloze is not None or (
         args.data is not None and Path(args.data).suffix not in (".npy", ".bin"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -194,7 +263,17 @@ def eval_cli(argv: Sequence[str] | None = None) -> int:
         model_dir, tok_dir = dirs
         model = AutoModelForCausalLM.from_pretrained(model_dir).to(args.device)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(tok_dir) if needs_tok else None
+            if args.format is not None:  # the tokenizer with its (or --chat-template's) template, checked
+                from ds_mp.data import DataError
+                from ds_mp.data.sft_prepare import load_sft_tokenizer
+
+                try:
+                    tokenizer = load_sft_tokenizer(tok_dir, args.format, args.chat_template)
+                except DataError as e:
+                    print(f"ds-mp eval: {e}", file=sys.stderr)
+                    return 2
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(tok_dir) if needs_tok else None
         except (OSError, ValueError) as e:
             print(f"ds-mp eval: no tokenizer in {tok_dir!r} ({e}); pass --tokenizer DIR", file=sys.stderr)
             return 2
@@ -202,7 +281,15 @@ def eval_cli(argv: Sequence[str] | None = None) -> int:
     max_len = args.window or getattr(model.config, "max_position_embeddings", None) or 1024  # GPT-2: n_positions
     out: dict[str, Any] = {"model": args.model}
 
-    if args.data is not None:
+    if args.format is not None:
+        from ds_mp.data import DataError
+
+        try:
+            out.update(_sft_eval(args, logits_fn, tokenizer, max_len))
+        except (DataError, ValueError) as e:
+            print(f"ds-mp eval: {e}", file=sys.stderr)
+            return 2
+    elif args.data is not None:
         path = Path(args.data)
         tokens = _load_tokens(path, tokenizer, args.token_dtype)
         if args.max_tokens is not None:

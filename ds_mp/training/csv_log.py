@@ -11,7 +11,7 @@ from ds_mp.training.run_dir import RunDirError
 
 
 class CsvLog:
-    FIELDS = ["step", "loss", "val_loss", "val_ppl", "lr", "tokens_per_s", "tflops", "bubble", "grad_norm",
+    FIELDS = ["step", "epoch", "loss", "val_loss", "val_ppl", "lr", "tokens_per_s", "tflops", "bubble", "grad_norm",
               "noise_scale", "batch_size", "peak_mem_mib", "skipped", "elapsed_s", "target_tokens", "padding_tokens"]
 
     def __init__(self, path: str, resume_step: int | None = None) -> None:

@@ -23,7 +23,10 @@ Metrics (per log interval):
                F = 72 B s l h² (1 + s/(6h) + V/(12 l h))
   bubble     = 1 − (forward + backward time) / step time on this rank (pipeline idle share)
   peak_mem   = peak resident memory of this rank (CPU) or peak allocated (GPU), MiB
-  val_ppl    = exp(val_loss), per BPE token of the validation split
+  val_loss   = loss per target token over the whole held-out split (or its first training.eval_batches
+               passes; data.val_path names a held-out records file): ds_mp.data.validation
+  val_ppl    = exp(val_loss)
+  epoch      = samples consumed / rows per epoch after the step (ds_mp.training.epochs)
   noise_scale = EMA-smoothed gradient noise scale B_simple in samples (ds_mp.training.metrics),
                when training.noise_scale_interval > 0 (or the noise_scale batch ramp) and DP > 1
   batch_size = global samples of that optimizer step (changes under ds_mp.batch_ramp; with a ramp,
@@ -82,22 +85,19 @@ def _apply_overrides(raw: dict, args: argparse.Namespace) -> dict:
         block["model"] = args.model
     if args.data:
         block.setdefault("data", {})["path"] = args.data
-    if args.steps is not None:
-        block.setdefault("training", {})["steps"] = args.steps
+    if args.steps is not None:  # an explicit step count wins over training.epochs
+        block.setdefault("training", {}).update(steps=args.steps, epochs=0)
     if args.output_dir:
         block.setdefault("training", {})["output_dir"] = args.output_dir
     return raw
 
 
-def evaluate(engine: Any, val_batches: Any, per_pass: int | None = None) -> float:
-    """Mean validation loss over ``val_batches`` in passes of ``per_pass`` micro-batches (default:
-    the engine's micro-batches per step; a batch ramp changes those, so the loop fixes it); every
-    rank returns the same value."""
-    per_pass = per_pass or engine.micro_batches
-    it = iter(val_batches)
-    n = max(1, len(val_batches) // per_pass)
-    losses = [float(engine.eval_batch(it, num_micro_batches=per_pass)) for _ in range(n)]
-    return sum(losses) / len(losses)
+def evaluate(engine: Any, val_batches: Any) -> float:
+    """The per-target-token loss over every row of ``val_batches`` (a
+    :class:`ds_mp.data.validation.HeldOutBatches`); every rank returns the same value."""
+    from ds_mp.data.validation import held_out_loss
+
+    return held_out_loss(engine, val_batches)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +134,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     from ds_mp.hub import resolve_model
     from ds_mp.models.family import model_config
     from ds_mp.training.batch_ramp import BatchRamp, LrScaling
+    from ds_mp.training.epochs import epoch_note, epoch_steps
     from ds_mp.training.metrics import NoiseScaleProbe, bubble, decoder_flops
     from ds_mp.training.nan_guard import NanGuard
     from ds_mp.tensor_parallel.random import rng_state, set_rng_state
@@ -167,10 +168,12 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     ramp = BatchRamp.from_config(cfg.batch_ramp, micro, topo.dp, ramp_micro_multiple(cfg))  # None: fixed batch
     lr_scaling = LrScaling(engine.optimizer) if ramp is not None else None  # scales inside the step only
     hf_config = model_config(cfg)  # the FLOPs per step count the family's own block
-    sampler, val, report = training_batches(cfg, train_ds, val_ds, micro, gas, topo.dp_rank, topo.dp,
-                                            tcfg.eval_batches * gas)
+    sampler, val, report = training_batches(cfg, train_ds, val_ds, micro, gas, topo.dp_rank, topo.dp)
     if rank0 and report is not None:
         print(f"ds_mp: SFT data: {report}", flush=True)
+    if rank0 and val is None and tcfg.eval_interval:
+        print("ds_mp: no validation: the dataset has no held-out split (--val-fraction 0); name a held-out file "
+              "with data.val_path to validate", flush=True)
     start_step = 0
     if resume_tag is not None:
         state = load_checkpoint(engine, ckpt_root, resume_tag)
@@ -184,6 +187,11 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
         rng = state.get("rng")
         if rng is not None and state.get("layout") == _layout(topo):  # the same ranks: each its own streams
             set_rng_state(rng[torch.distributed.get_rank()] if isinstance(rng, list) else rng)
+    if tcfg.epochs:  # the steps those epochs take from here (ds_mp.training.epochs)
+        tcfg.steps = epoch_steps(tcfg.epochs, sampler.num_chunks, sampler.consumed_samples, start_step,
+                                 engine.train_batch_size(), ramp)
+    if rank0:
+        print(epoch_note(sampler.num_chunks, engine.train_batch_size(), tcfg.steps, tcfg.epochs, ramp), flush=True)
     for note in notes if rank0 else []:
         print(note, file=sys.stderr)
     log = CsvLog(os.path.join(tcfg.output_dir, "log.csv"), resume_step=start_step if resume_tag else None) \
@@ -208,7 +216,6 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
             rotate(ckpt_root, tcfg.keep_last)
 
     nan_guard = NanGuard(tcfg.on_nan, tcfg.max_consecutive_skips)
-    eval_per_pass = gas  # validation passes keep the JSON's micro-batches per step, whatever the ramp does
     bar = _progress(rank0, start_step, tcfg.steps)
     engine.trace_enabled = True
     trace_first, trace_last = tcfg.trace_steps or (0, 0)
@@ -243,8 +250,8 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
             raise NonFiniteLoss(nan_guard.stop_message(step, loss, os.path.join(ckpt_root, f"nan-step{step}"),
                                                        read_latest(ckpt_root)))
         val_loss = None
-        if tcfg.eval_interval and step % tcfg.eval_interval == 0:
-            val_loss = evaluate(engine, val, eval_per_pass)
+        if val is not None and tcfg.eval_interval and step % tcfg.eval_interval == 0:
+            val_loss = evaluate(engine, val)
         if rank0:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
@@ -263,7 +270,8 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
                            "skipped": engine.nonfinite_steps + engine.skipped_steps,
                            "elapsed_s": time.time() - t_start, "target_tokens": counts.targets,
                            "padding_tokens": counts.padding}
-                log.row(step=step, **{k: _fmt(k, v) for k, v in metrics.items()})
+                log.row(step=step, epoch=f"{sampler.consumed_samples / sampler.num_chunks:.4f}",
+                        **{k: _fmt(k, v) for k, v in metrics.items()})
                 monitor_metrics(engine, step, metrics)
                 msg = f"step {step} loss {loss:.4f}"
                 if val_loss is not None:

@@ -1,0 +1,117 @@
+"""The held-out data training validates on: every row of the split once, and its per-token loss.
+
+``val_loss`` is the loss per target token over the whole held-out split (or the first rows of
+it, ``training.eval_batches`` > 0):
+
+    val_loss = Σ_rows Σ_targets ℓ  /  Σ_rows targets
+
+The rows (chunks of a stream dataset, planned rows of an SFT split) are read in order, in passes
+of ``per_pass`` micro-batches on each of the ``dp_size`` replicas, laid out like a training step
+(``[pass, per_pass, dp_size, micro_batch]``); the last pass is filled with empty rows (labels all
+-100), so no row is read twice and none is left out, whatever the split's size.  The engine's
+``eval_batch`` returns a pass's per-target-token mean over all replicas (``loss.normalization =
+"tokens"``, ds_mp.engine.batches) and ``step_info.count`` its target count N_p; the passes are
+summed as Σ_p L_p · N_p / Σ_p N_p (:func:`held_out_loss`), the same number ``ds-mp eval --format``
+prints for the same documents (:func:`ds_mp.tools.evaluate.sft_nll`).
+
+The held-out split is the dataset's own (``--val-fraction``), or a records file named by
+``data.val_path`` (encoded at start-up with the dataset's tokenizer, format and chat template),
+or none (``--val-fraction 0`` and no ``data.val_path``: no validation).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .errors import DataError
+from .sft import IGNORE, SftDataset, SftRows
+
+
+class HeldOutBatches:
+    """Every row of ``rows`` (a :class:`~ds_mp.data.TokenDataset` or :class:`SftRows`) once, as this
+    DP rank's micro-batches in passes of ``per_pass`` (module docstring); ``max_passes`` > 0 reads
+    only the first ``max_passes`` passes' rows.  Re-iterable: each ``iter()`` starts again."""
+
+    def __init__(self, rows: Any, seq_len: int, micro_batch: int, per_pass: int, dp_rank: int = 0, dp_size: int = 1,
+                 max_passes: int = 0) -> None:
+        if min(micro_batch, per_pass, dp_size) < 1 or not 0 <= dp_rank < dp_size:
+            raise DataError(f"held-out batches: micro_batch={micro_batch}, per_pass={per_pass}, dp_size={dp_size} "
+                            f"must be >= 1 and dp_rank={dp_rank} in [0, dp_size)")
+        self.rows, self.seq_len, self.micro_batch, self.per_pass = rows, seq_len, micro_batch, per_pass
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        per = micro_batch * per_pass * dp_size
+        self.num_rows = rows.num_chunks(seq_len)
+        if max_passes > 0:
+            self.num_rows = min(self.num_rows, max_passes * per)
+        self.passes = math.ceil(self.num_rows / per)
+
+    def __len__(self) -> int:
+        """Micro-batches this rank reads in all passes."""
+        return self.passes * self.per_pass
+
+    def __iter__(self) -> Iterator[Any]:
+        for p in range(self.passes):
+            for k in range(self.per_pass):
+                first = ((p * self.per_pass + k) * self.dp_size + self.dp_rank) * self.micro_batch
+                ids = first + np.arange(self.micro_batch)
+                real = ids < self.num_rows
+                batch = self.rows.batch(np.where(real, ids, 0), self.seq_len)
+                if not real.all():  # the last pass's filler rows: read as row 0, no target
+                    batch[-1][torch.from_numpy(~real)] = IGNORE
+                yield batch
+
+
+def held_out_loss(engine: Any, batches: HeldOutBatches) -> float:
+    """The per-target-token loss over ``batches`` (module docstring); collective like
+    ``engine.eval_batch``, every rank returns the same value."""
+    it = iter(batches)
+    total = count = 0.0
+    for _ in range(batches.passes):
+        loss = float(engine.eval_batch(it, num_micro_batches=batches.per_pass))
+        n = int(engine.step_info.count)
+        total, count = total + loss * n, count + n
+    return total / count if count else math.nan
+
+
+def records_split(path: str, info: Any) -> SftDataset:
+    """The records file ``path`` (.jsonl/.parquet/.arrow) as a held-out SFT split, encoded like the
+    dataset ``info`` describes: its saved tokenizer (with its chat template) and format.  Bad
+    records raise (one line naming file:line); deterministic, so every rank builds the same."""
+    from .sft_prepare import encode_documents, load_sft_tokenizer
+
+    if info.format == "stream":
+        raise DataError(f"ds_mp.data.val_path: {path} needs an SFT dataset (prepare-data --format); "
+                        f"{info.path} is a pretraining stream")
+    if not os.path.exists(path):
+        raise DataError(f"ds_mp.data.val_path: {path} does not exist; name a .jsonl/.parquet/.arrow file of "
+                        f"{info.format} records")
+    tok = load_sft_tokenizer(info.tokenizer_dir, info.format)
+    docs = [(ids, mask) for _, _, ids, mask in encode_documents([path], tok, info.format)]
+    if not docs:
+        raise DataError(f"ds_mp.data.val_path: {path} holds no record with a target token; check the file")
+    lengths = np.array([len(i) for i, _ in docs], dtype=np.int64)
+    dtype = np.dtype(info.dtype)
+    return SftDataset.from_arrays(info, f"held-out file {path}",
+                                  np.concatenate([np.asarray(i, dtype=dtype) for i, _ in docs]),
+                                  np.concatenate([np.asarray(m, dtype=np.uint8) for _, m in docs]),
+                                  np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+
+
+def validation_rows(cfg: Any, train: Any, val: Any) -> Any:
+    """What validation reads for a validated ds_mp config: ``data.val_path``'s records, the dataset's
+    val split, or None when there is no held-out split (``--val-fraction 0``)."""
+    val_path = getattr(cfg.data, "val_path", "")
+    if train.info.format == "stream":
+        if val_path:
+            records_split(val_path, train.info)  # raises: stream datasets take no records file
+        return val if len(val) >= cfg.data.seq_len else None
+    plan = dict(packing=cfg.data.packing, overlong=cfg.data.overlong, seed=cfg.data.seed)
+    if val_path:
+        return SftRows(records_split(val_path, train.info), cfg.data.seq_len, **plan)
+    if val.info.val_documents == 0 or len(val) == 0:
+        return None
+    return SftRows(SftDataset(val), cfg.data.seq_len, **plan)

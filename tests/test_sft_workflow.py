@@ -151,20 +151,27 @@ def test_eval_recognises_chat_records_given_as_text(world, capsys):
     assert "chat records; pass --format chat" in err and len(err.strip().splitlines()) == 1
 
 
-def test_no_held_out_split_trains_by_epochs_and_export_stops_at_end_of_turn(world, tmp_path):
-    """--val-fraction 0 with validation on: trains (no refusal), by training.epochs (steps derived,
-    printed, an epoch column); the export's generation_config stops at <|im_end|> and at eos."""
+def test_no_held_out_split_trains_without_validation(world, tmp_path):
+    """--val-fraction 0 with validation on (eval_interval 1): trains, says so once, logs no val_loss."""
+    rows, out = run_training(str(tmp_path), world["data0"], world["model"], steps=2, eval_interval=1)
+    assert [int(r["step"]) for r in rows] == [1, 2] and all(r["val_loss"] == "" for r in rows)
+    assert out.count("ds_mp: no validation: the dataset has no held-out split") == 1
+
+
+def test_epochs_derive_steps_and_export_stops_at_end_of_turn(world, tmp_path):
+    """training.epochs: steps derived, printed, an epoch column; the export (base tokenizer + ChatML
+    --chat-template) has generation_config.eos_token_id = [<|im_end|>, eos]."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    train = SftRows(SftDataset(TokenDataset(world["data0"])), SEQ, seed=1234)
-    n = len(train.rows)
-    rows, out = run_training(str(tmp_path), world["data0"], world["model"], steps=1000, epochs=1.5,
-                             eval_interval=1, export_hf=True, lr=1e-3)
+    n = len(SftRows(SftDataset(TokenDataset(world["data"])), SEQ, seed=1234).rows)
+    rows, out = run_training(str(tmp_path), world["data"], world["model"], steps=1000, epochs=1.5,
+                             eval_interval=0, export_hf=True, lr=1e-3)
     steps = math.ceil(1.5 * n / 4)
     assert [int(r["step"]) for r in rows] == list(range(1, steps + 1))
-    assert all(r["val_loss"] == "" for r in rows) and "no validation" in out
-    assert f"epoch = {n} rows; {n / 4:.1f} steps per epoch at global batch 4" in out
+    assert f"ds_mp: epoch = {n} rows; {n / 4:.1f} steps per epoch at global batch 4; training.epochs=1.5 -> " \
+           f"{steps} steps" in out
     assert float(rows[-1]["epoch"]) == pytest.approx(steps * 4 / n, abs=1e-3) and float(rows[-1]["epoch"]) >= 1.5
+    assert float(rows[0]["epoch"]) == pytest.approx(4 / n, abs=1e-3)
     hf = os.path.join(str(tmp_path), "run", "hf")
     tok = AutoTokenizer.from_pretrained(hf)
     eos = GenerationConfig.from_pretrained(hf).eos_token_id

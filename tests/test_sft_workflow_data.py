@@ -10,7 +10,7 @@ import os
 import pytest
 
 from ds_mp.data import prepare_data_cli
-from ds_mp.data.sft_format import CHATML, end_of_turn_ids, encode_record
+from ds_mp.data.sft_format import CHATML, encode_record
 from sft_utils import LLAMA3, LLAMA3_TOKENS, chat_tokenizer, write_jsonl
 
 # ChatML with a tools block and <tool_call> rendering of assistant tool calls (Qwen2.5's scheme, shortened),
@@ -105,5 +105,7 @@ def test_chat_records_given_as_text_are_recognised(tmp_path, capsys):
 @pytest.mark.parametrize("template,specials,end", [(CHATML, None, "<|im_end|>"), (LLAMA3, LLAMA3_TOKENS, "<|eot_id|>"),
                                                    (None, None, None)])
 def test_end_of_turn_tokens_of_a_template(tmp_path, template, specials, end):
+    from ds_mp.data.sft_format import end_of_turn_ids
+
     tok = chat_tokenizer(str(tmp_path / "t"), template, *([specials] if specials else []))
     assert end_of_turn_ids(tok) == ([tok.convert_tokens_to_ids(end)] if end else [])

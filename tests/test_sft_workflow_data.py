@@ -109,3 +109,37 @@ def test_end_of_turn_tokens_of_a_template(tmp_path, template, specials, end):
 
     tok = chat_tokenizer(str(tmp_path / "t"), template, *([specials] if specials else []))
     assert end_of_turn_ids(tok) == ([tok.convert_tokens_to_ids(end)] if end else [])
+
+
+class _Rows:
+    """A split of ``n`` rows whose row r is the token r (label r): which rows a batch read, and as what."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def num_chunks(self, seq_len: int) -> int:
+        return self.n
+
+    def batch(self, ids, seq_len: int):
+        import torch
+
+        t = torch.as_tensor(ids).long()[:, None].repeat(1, seq_len)
+        return (t, torch.zeros_like(t)), t.clone()
+
+
+@pytest.mark.parametrize("n,dp,cap", [(15, 1, 0), (15, 2, 0), (7, 2, 0), (40, 2, 2)])
+def test_held_out_batches_read_every_row_once(n, dp, cap):
+    """Over the DP replicas: each row once (the first cap passes' rows with a cap), filler rows
+    without a target, equal pass counts on every replica (the passes are collectives)."""
+    from ds_mp.data.validation import HeldOutBatches
+
+    micro, per_pass = 2, 2
+    seen, passes = [], set()
+    for rank in range(dp):
+        b = HeldOutBatches(_Rows(n), 3, micro, per_pass, rank, dp, max_passes=cap)
+        passes.add(b.passes)
+        for (ids, _), labels in b:
+            seen += [int(r) for r in labels[:, 0] if r != -100]
+            assert ((labels == -100).all(1) | (labels == ids).all(1)).all()
+    want = min(n, cap * micro * per_pass * dp) if cap else n
+    assert sorted(seen) == list(range(want)) and len(passes) == 1

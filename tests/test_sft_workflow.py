@@ -143,6 +143,18 @@ def test_training_validates_on_a_named_held_out_file_like_ds_mp_eval(world, tmp_
     assert abs(got["loss"] - want) < 1e-5 and abs(got["ppl"] - math.exp(want)) < 1e-3
 
 
+def test_eval_of_a_prepared_dataset_scores_its_held_out_split(world, capsys):
+    """``ds-mp eval --data DATASET_DIR --format chat``: the val split training validates on, the same
+    HF oracle the PP=2 / DP=2 val_loss above equals."""
+    from ds_mp.tools.evaluate import eval_cli
+
+    assert eval_cli(["--model", world["model"], "--data", world["data"], "--format", "chat", "--window", str(SEQ),
+                     "--device", "cpu"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = hf_oracle(world["model"], split_docs(SftDataset(TokenDataset(world["data"], "val"))))
+    assert abs(got["loss"] - want) < 1e-5, (got, want)
+
+
 def test_eval_recognises_chat_records_given_as_text(world, capsys):
     from ds_mp.tools.evaluate import eval_cli
 

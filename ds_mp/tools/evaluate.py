@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -117,12 +118,26 @@ def _records_kind(path: Path) -> str | None:
     return "chat" if "messages" in record else "prompt-completion" if "prompt" in record else "text"
 
 
+def _split_docs(path: str, fmt: str) -> Any:
+    """``(ids, mask)`` of every document of a prepared SFT dataset's val split."""
+    from ds_mp.data import DataError, SftDataset, TokenDataset
+
+    ds = SftDataset(TokenDataset(path, "val"))
+    if ds.info.format != fmt:
+        raise DataError(f"{path} holds {ds.info.format} data, not {fmt}; pass --format {ds.info.format}")
+    o = ds.offsets
+    return ((ds.tokens[o[d]:o[d + 1]].astype(np.int64), np.array(ds.mask[o[d]:o[d + 1]])) for d in range(len(ds)))
+
+
 def _sft_eval(args: argparse.Namespace, logits_fn: LogitsFn, tok: Any, window: int) -> dict[str, Any]:
     from ds_mp.data.sft_prepare import encode_documents
 
-    counts: dict = {}
-    docs = ((ids, mask) for _, _, ids, mask in encode_documents([args.data], tok, args.format,
-                                                                bad_records=args.bad_records, counts=counts))
+    counts: dict = {"records": None, "bad": 0}
+    if os.path.isdir(args.data):  # a prepared dataset: its held-out split, encoded as training reads it
+        docs = _split_docs(args.data, args.format)
+    else:
+        docs = ((ids, mask) for _, _, ids, mask in encode_documents([args.data], tok, args.format,
+                                                                    bad_records=args.bad_records, counts=counts))
     total, targets, cut = sft_nll(logits_fn, docs, window)
     if not targets:
         raise ValueError(f"{args.data}: no target token in any record; check --format and the data")
@@ -217,7 +232,8 @@ def eval_cli(argv: Sequence[str] | None = None) -> int:
                    "checkpoint (<output_dir>/checkpoints[/<tag>]; exported to a temporary HF dir)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's, or a training "
                    "checkpoint's dataset tokenizer)")
-    p.add_argument("--data", default=None, help="text file, or token file (.npy / raw .bin)")
+    p.add_argument("--data", default=None, help="text file, or token file (.npy / raw .bin); with --format a file of "
+                   "SFT records, or a prepared SFT dataset directory (its val split: training's val_loss)")
     p.add_argument("--token-dtype", default="uint16", help="dtype of a raw .bin token file")
     p.add_argument("--window", type=int, default=None, help="tokens per forward (default: n_positions)")
     p.add_argument("--stride", type=int, default=None, help="new targets per window (default: window)")
@@ -268,7 +284,8 @@ def eval_cli(argv: Sequence[str] | None = None) -> int:
                 from ds_mp.data.sft_prepare import load_sft_tokenizer
 
                 try:
-                    tokenizer = load_sft_tokenizer(tok_dir, args.format, args.chat_template)
+                    tokenizer = None if os.path.isdir(args.data) else \
+                        load_sft_tokenizer(tok_dir, args.format, args.chat_template)
                 except DataError as e:
                     print(f"ds-mp eval: {e}", file=sys.stderr)
                     return 2

@@ -12,7 +12,9 @@ of ``per_pass`` micro-batches on each of the ``dp_size`` replicas, laid out like
 ``eval_batch`` returns a pass's per-target-token mean over all replicas (``loss.normalization =
 "tokens"``, ds_mp.engine.batches) and ``step_info.count`` its target count N_p; the passes are
 summed as Σ_p L_p · N_p / Σ_p N_p (:func:`held_out_loss`), the same number ``ds-mp eval --format``
-prints for the same documents (:func:`ds_mp.tools.evaluate.sft_nll`).
+prints for the same documents (:func:`ds_mp.tools.evaluate.sft_nll`).  Under the opt-in
+``loss.normalization = "micro_batch"`` a pass's L_p is DeepSpeed's mean of micro-batch means, and
+so the sum is weighted by target counts but not exactly per token.
 
 The held-out split is the dataset's own (``--val-fraction``), or a records file named by
 ``data.val_path`` (encoded at start-up with the dataset's tokenizer, format and chat template),

@@ -66,8 +66,8 @@ def hf_oracle(model_dir: str, docs: list[tuple[torch.Tensor, torch.Tensor]]) -> 
 
 def split_docs(ds: SftDataset) -> list[tuple[torch.Tensor, torch.Tensor]]:
     o = ds.offsets
-    return [(torch.from_numpy(ds.tokens[o[d]:o[d + 1]].astype("int64")), torch.from_numpy(ds.mask[o[d]:o[d + 1]].copy()))
-            for d in range(len(ds))]
+    return [(torch.from_numpy(ds.tokens[o[d]:o[d + 1]].astype("int64")),
+             torch.from_numpy(ds.mask[o[d]:o[d + 1]].copy())) for d in range(len(ds))]
 
 
 def _held_out_rank(rank: int, model_dir: str, data: str, pp: int, packing: bool) -> float:

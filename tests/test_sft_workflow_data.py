@@ -24,9 +24,11 @@ TOOLS_CHATML = (
     " + '</tool_call>' }}{%- endfor %}{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
     "{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-NO_GENERATION_PROMPT = CHATML.replace("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}", "")
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+NO_GENERATION_PROMPT = CHATML.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}", "")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 CALL = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
 TOOL_CHAT = [{"role": "user", "content": "why is sky blue"},
              {"role": "assistant", "content": None, "tool_calls": CALL},
@@ -99,7 +101,8 @@ def test_chat_records_given_as_text_are_recognised(tmp_path, capsys):
     code = prepare_data_cli([src, "--out", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "tok"), "--format",
                              "text", "--val-fraction", "0", "--no-progress"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and f"{src}:1: a chat record ('messages') where text records are expected; use --format chat" in err
+    want = f"{src}:1: a chat record ('messages') where text records are expected; use --format chat"
+    assert code == 2 and want in err
 
 
 @pytest.mark.parametrize("template,specials,end", [(CHATML, None, "<|im_end|>"), (LLAMA3, LLAMA3_TOKENS, "<|eot_id|>"),

@@ -191,8 +191,8 @@ def prepare_sft_data(
         docs.append((ids, mask))
     if not docs:
         raise DataError(f"no record left after filtering ({counts['records']} read, {counts['dropped']} dropped as "
-                        f"over --max-tokens={max_tokens}, {counts['no_target']} without a target token, {counts['bad']} "
-                        "bad); raise --max-tokens or check the data")
+                        f"over --max-tokens={max_tokens}, {counts['no_target']} without a target token, "
+                        f"{counts['bad']} bad); raise --max-tokens or check the data")
     held = _split(len(docs), val_fraction, seed)
     vocab, eos = len(tok), int(tok.eos_token_id)
     dtype = np.uint16 if vocab < 65536 else np.uint32

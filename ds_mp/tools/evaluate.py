@@ -100,7 +100,8 @@ def sft_nll(logits_fn: LogitsFn, docs: Any, window: int) -> tuple[float, int, in
         if len(ids) < 2 or not keep.any():
             continue
         logits = logits_fn(ids[None, :-1])[0].float()  # position t-1 predicts token t
-        total += float(torch.nn.functional.cross_entropy(logits[keep], ids[1:][keep].to(logits.device), reduction="sum"))
+        targets = ids[1:][keep].to(logits.device)
+        total += float(torch.nn.functional.cross_entropy(logits[keep], targets, reduction="sum"))
         count += int(keep.sum())
     return total, count, cut
 

@@ -262,7 +262,8 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
             if log is not None:
                 noise = None if probe is None else probe.value
                 norm = engine.get_global_grad_norm()
-                metrics = {"loss": loss, "val_loss": val_loss, "val_ppl": None if val_loss is None else _ppl(val_loss),
+                metrics = {"epoch": sampler.consumed_samples / sampler.num_chunks, "loss": loss, "val_loss": val_loss,
+                           "val_ppl": None if val_loss is None else _ppl(val_loss),
                            "lr": engine.get_lr()[0] if step_lr is None else step_lr, "tokens_per_s": tok_s,
                            "tflops": flop_s / 1e12, "bubble": bubble(times, dt),
                            "grad_norm": None if norm is None else float(norm), "noise_scale": noise,
@@ -270,8 +271,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
                            "skipped": engine.nonfinite_steps + engine.skipped_steps,
                            "elapsed_s": time.time() - t_start, "target_tokens": counts.targets,
                            "padding_tokens": counts.padding}
-                log.row(step=step, epoch=f"{sampler.consumed_samples / sampler.num_chunks:.4f}",
-                        **{k: _fmt(k, v) for k, v in metrics.items()})
+                log.row(step=step, **{k: _fmt(k, v) for k, v in metrics.items()})
                 monitor_metrics(engine, step, metrics)
                 msg = f"step {step} loss {loss:.4f}"
                 if val_loss is not None:
@@ -325,7 +325,8 @@ def _write_trace(engine: Any, recorded: list, path: str, bar: Any) -> None:
 
 
 # log.csv cell format per metric (None -> empty cell)
-_FORMATS = {"loss": "{:.6f}", "val_loss": "{:.6f}", "val_ppl": "{:.4f}", "lr": "{}", "tokens_per_s": "{:.1f}",
+_FORMATS = {"epoch": "{:.4f}", "loss": "{:.6f}", "val_loss": "{:.6f}", "val_ppl": "{:.4f}", "lr": "{}",
+            "tokens_per_s": "{:.1f}",
             "tflops": "{:.4f}", "bubble": "{:.3f}", "grad_norm": "{:.4f}", "noise_scale": "{:.2f}", "batch_size": "{}",
             "peak_mem_mib": "{:.0f}", "skipped": "{}", "elapsed_s": "{:.1f}", "target_tokens": "{}",
             "padding_tokens": "{}"}

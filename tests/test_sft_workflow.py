@@ -110,7 +110,8 @@ def run_training(tmp: str, data: str, model: str, world_size: int = 1, pp: int =
     """``ds_mp.training.loop.main`` on ``world_size`` ranks (micro 2 × GA 2); returns log.csv and rank 0's output."""
     import csv
 
-    cfg = ds_config(pp=pp, micro=2, gas=2, seq=SEQ, lr=lr, data={"path": data, "seq_len": SEQ, "val_path": val_path},
+    cfg = ds_config(pp=pp, micro=2, gas=2, seq=SEQ, lr=lr, data={"path": data, "seq_len": SEQ,
+                                                                **({"val_path": val_path} if val_path else {})},
                     training={"output_dir": os.path.join(tmp, "run"), "log_interval": 1, "checkpoint_interval": 0,
                               "export_hf": False, **training})
     path = os.path.join(tmp, "cfg.json")

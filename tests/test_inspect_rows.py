@@ -29,13 +29,15 @@ def chat_ds(tmp_path_factory) -> tuple[str, list]:
 def test_show_rows_prints_documents_and_targets_as_trained(chat_ds, capsys) -> None:
     path, chats = chat_ds
     rows = SftRows(SftDataset(TokenDataset(path)), SEQ, seed=1234)  # ds_mp.data's defaults: the same plan
-    last = len(rows.rows) - 1  # best-fit decreasing: the last rows hold the short documents and the padding
-    assert ds_mp_main(["show-rows", "--data", path, "--seq-len", str(SEQ), "--row", "0", "--row", str(last),
+    multi = max(range(len(rows.rows)), key=lambda r: len(rows.rows[r]))  # boundaries between documents
+    last = int(np.argmax(rows.row_padding))  # a row with padding
+    assert len(rows.rows[multi]) > 1 and rows.row_padding[last] > 0
+    assert ds_mp_main(["show-rows", "--data", path, "--seq-len", str(SEQ), "--row", str(multi), "--row", str(last),
                        "--mark", "⟦,⟧", "--tokens"]) == 0
     out = capsys.readouterr().out
     tok = load_tokenizer(f"{path}/tokenizer")
     rendered = {tok.apply_chat_template(m, tokenize=False) for m in chats}
-    for r, text in zip((0, last), out.split("\n\nrow ")):
+    for r, text in zip((multi, last), out.split("\n\nrow ")):
         (ids_t, pos_t), labels_t = rows.batch(np.array([r]), SEQ)
         ids, pos, labels = ids_t[0].numpy(), pos_t[0].numpy(), labels_t[0].numpy()
         docs = re.findall(r"--- document (\d+) of (\d+): dataset document \d+, tokens \[(\d+), (\d+)\), (\d+) targets"
@@ -56,7 +58,6 @@ def test_show_rows_prints_documents_and_targets_as_trained(chat_ds, capsys) -> N
         assert [t[3] == "T" for t in table] == (labels != -100).tolist()
         assert [int(t[1]) for t in table] == pos.tolist() and [int(t[2]) for t in table] == ids.tolist()
         assert [json.loads(t[4]) for t in table] == [tok.decode([i]) for i in ids]
-    assert len(rows.rows[last]) > 1  # boundaries between documents shown
     assert f"--- padding: tokens [{int(rows.lengths[rows.rows[last]].sum())}, {SEQ})" in out
 
 

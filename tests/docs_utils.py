@@ -119,6 +119,17 @@ def marking_errors(page: str, text: str | None = None) -> list[str]:
     return errors
 
 
+DS_CONFIG = re.compile(r"""["']optimizer["']\s*:""")  # a block that writes a DeepSpeed JSON (or its dict)
+
+
+def clipping_errors(page: str, text: str | None = None) -> list[str]:
+    """DeepSpeed configs in ``page``'s blocks without ``gradient_clipping``: DeepSpeed then clips
+    at 1.0 silently (docs/config.md), so every example says which clipping it trains with."""
+    return [f"{b.where}: a DeepSpeed config without \"gradient_clipping\" (DeepSpeed's default 1.0 applies "
+            "silently); name it (0.0 = unclipped)" for b in blocks(page, text)
+            if DS_CONFIG.search(b.code) and "gradient_clipping" not in b.code]
+
+
 # ------------------------------------------------------------------ links, anchors, names
 
 def _unfenced(text: str) -> str:

@@ -50,11 +50,12 @@ def ds_config(tp: int = 1, pp: int = 1, micro: int = 2, gas: int = 2, lr: float 
 
 
 def hf_reference(model, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], lr: float = 0.05,
-                 clip: float = 0.0, optimizer: str = "SGD") -> tuple[list[float], Any]:
-    """Single-process HF training: per step, mean loss over the micro-batches (GAS)."""
+                 clip: float = 0.0, optimizer: str = "SGD", eps: float = 1e-8) -> tuple[list[float], Any]:
+    """Single-process HF training: per step, mean loss over the micro-batches (GAS); ``eps`` is
+    Adam's (a weight comparison wants one comparable to the gradients: test_ouroboros.ADAM_ATOL)."""
     model = copy.deepcopy(model).train()
     opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "SGD"
-           else torch.optim.Adam(model.parameters(), lr=lr))
+           else torch.optim.Adam(model.parameters(), lr=lr, eps=eps))
     losses, _ = train_one_process(model, steps, opt, clip)
     return losses, model
 

@@ -178,3 +178,25 @@ def test_hf_model_dir_and_defaults(tmp_path) -> None:
     assert (cfg.shape.n_layer, cfg.shape.n_head, cfg.tp, cfg.pp, cfg.dp) == (2, 12, 4, 1, 2)
     cfg, raw = load_config({}, 1)  # no ds_mp block at all: plain single-rank defaults
     assert (cfg.tp, cfg.pp, cfg.dp, cfg.pipeline.schedule) == (1, 1, 1, "1f1b") and raw == {}
+
+
+def test_absent_gradient_clipping_warns_with_deepspeeds_default(monkeypatch) -> None:
+    """DeepSpeed clips at 1.0 without the key (issue 43 item 15): rank 0 says so in one line;
+    a config that names the key (any value, 0.0 included) is silent."""
+    import warnings
+
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    from ds_mp.config.checks import DEEPSPEED_CLIPPING_DEFAULT
+
+    assert DEEPSPEED_CLIPPING_DEFAULT == GRADIENT_CLIPPING_DEFAULT  # the number the warning states is DeepSpeed's
+    absent = {k: v for k, v in copy.deepcopy(DEFAULT).items() if k != "gradient_clipping"}
+    monkeypatch.setenv("RANK", "0")
+    with pytest.warns(UserWarning, match=r"gradient_clipping: absent, so DeepSpeed's default 1.0 applies") as caught:
+        load_config(absent, 8)
+    assert all("\n" not in str(w.message) for w in caught)
+    for raw, rank in ((absent, "1"), ({**absent, "gradient_clipping": 0.0}, "0")):
+        monkeypatch.setenv("RANK", rank)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            load_config(raw, 8)

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -27,8 +28,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from docs_utils import (MATRICES, OTHERS_PAGES, REPO, Block, blocks, generated_blocks, link_errors,
-                        marking_errors, matrix_table, named_thing_errors, pages, read, write_generated)
+from docs_utils import (MATRICES, OTHERS_PAGES, REPO, Block, blocks, clipping_errors, generated_blocks,
+                        link_errors, marking_errors, matrix_table, named_thing_errors, pages, read, write_generated)
 
 LINKED = ("ds_configs", "launch", "benchmarks", "scripts")  # symlinked into every page's scratch dir
 CORPUS = ("textwrap", "shlex", "fnmatch", "glob", "colorsys", "bisect", "heapq")  # stdlib modules as "your text"
@@ -153,6 +154,20 @@ def test_marking_check_catches_what_it_should() -> None:
     errors = marking_errors("docs/x.md", text)
     assert len(errors) == 3, errors
     assert "docs/x.md:6" in errors[0] and "needs a reason" in errors[1] and "lanucher" in errors[2]
+
+
+def test_every_deepspeed_config_example_names_gradient_clipping() -> None:
+    """Issue 43 item 15: without the key DeepSpeed clips at 1.0, so no example leaves it out."""
+    errors = [e for p in pages() for e in clipping_errors(p)]
+    for path in sorted(glob.glob(os.path.join(REPO, "ds_configs", "*.json"))):
+        with open(path) as f:
+            if "gradient_clipping" not in json.load(f):
+                errors.append(f"{os.path.relpath(path, REPO)}: no \"gradient_clipping\"")
+    assert not errors, "\n".join(errors)
+    missing = '<!-- runnable -->\n```python\nconfig = {"optimizer": {"type": "SGD"}}\n```\n```json\n{"optimizer": {}}\n```\n'
+    assert [e.split(":")[1] for e in clipping_errors("docs/x.md", missing)] == ["2", "5"]
+    assert not clipping_errors("docs/x.md", missing.replace('"SGD"}', '"SGD"}, "gradient_clipping": 0.0'
+                                                           ).replace('{"optimizer": {}}', '{}'))
 
 
 def test_relative_links_resolve() -> None:

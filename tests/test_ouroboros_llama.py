@@ -18,7 +18,7 @@ import torch
 from dist_utils import run_ranks
 from helpers import batches
 from test_llama import tiny_llama
-from test_ouroboros import ADAM_ATOL, assert_same, ds_cfg, full_weights
+from test_ouroboros import ADAM_ATOL, EPS, assert_same, ds_cfg, full_weights
 from test_tensor_parallel import hf_train
 
 SEQ, VOCAB, STEPS = 16, 1003, 4
@@ -186,7 +186,7 @@ def test_ring_equals_reference(ring, name):
     reference over HF's modules: every iteration's loss and every final weight, fp32."""
     (kind, kv, tied), cfg = JOBS[name]
     adam = cfg["optimizer"]["type"] == "Adam"
-    make = (lambda p: torch.optim.Adam(p, lr=0.01)) if adam else sgd
+    make = (lambda p: torch.optim.Adam(p, lr=0.01, eps=EPS)) if adam else sgd  # ADAM_ATOL: well-conditioned
     K = cfg["ds_mp"]["pipeline"]["stages"] + 1
     split = cfg["ds_mp"]["ouroboros"].get("split")
     losses, weights = reference(model_for(kind, kv, tied), K, make, data(), split=split)

@@ -55,13 +55,19 @@ def _case(name: str, *, model: str = "gpt2", tp: int = 1, pp: int = 1, dp: int =
           schedule: str = "1f1b", padding: str = "", bf16: bool = False, zero: int = 0, clip: float = 0.0,
           first_labels: bool = False, **ds_mp) -> dict:
     """Packed documents (``padding=""``) or one padded document per row (``"left"``/``"right"``).
-    ``first_labels``: each document's first token keeps its label (a target only for the token
-    before it, of another document: ds_mp must not count it, as HF per document cannot)."""
+    ``first_labels``: each document's first token keeps its label.  Packed: a target only for the
+    token before it, of another document: ds_mp must not count it, as HF per document cannot.
+    Left padding: a target for the last padding position, as in HF with the mask (its attention
+    sees no key: output 0, HF's sdpa and torch's convention for a fully masked row)."""
     steps, docs = [], []
     for i in range(n):
         seed = len(name) * 10 + i
         if padding:
-            steps.append(padded(dp * gas, ROWS, SEQ, V, seed, padding))
+            mbs = padded(dp * gas, ROWS, SEQ, V, seed, padding)
+            for mb in mbs if first_labels else []:
+                rows, first = torch.arange(ROWS), mb["attention_mask"].argmax(1)
+                mb["labels"][rows, first] = mb["input_ids"][rows, first]
+            steps.append(mbs)
         else:
             mbs, held = micro_batches(dp * gas, ROWS, SEQ, V, seed)
             if first_labels:
@@ -86,6 +92,8 @@ def cases(world: int) -> list[dict]:
         return [_case("gpt2_pp1"), _case("qwen2_pp1", model="qwen2", gas=2, first_labels=True),
                 _case("gpt2_left", padding="left"), _case("qwen2_right", model="qwen2", padding="right"),
                 _case("qwen2_left", model="qwen2", padding="left", gas=1),
+                _case("gpt2_left_first", padding="left", first_labels=True),  # issue 43 item 13
+                _case("qwen2_left_first", model="qwen2", padding="left", gas=2, first_labels=True),
                 _case("mistral_window4", model="mistral", gas=2)]  # documents up to 8 tokens: the window cuts
     if world == 2:
         return [_case("gpt2_pp2_1f1b", pp=2), _case("qwen2_tp2", model="qwen2", tp=2),
@@ -97,7 +105,7 @@ def cases(world: int) -> list[dict]:
                 _case("qwen2_pp2_terapipe_1f1b", model="qwen2", pp=2, schedule="terapipe", gas=2,
                       terapipe={"slices": [7, 4, 5], "order": "1f1b"}),
                 _case("qwen2_pp2_gpipe_ckpt", model="qwen2", pp=2, schedule="gpipe", padding="left",
-                      pipeline={"activation_checkpoint_interval": 1}),
+                      first_labels=True, pipeline={"activation_checkpoint_interval": 1}),
                 _case("gpt2_pp2_zbh1_ckpt_right", pp=2, schedule="zb-h1", padding="right",
                       pipeline={"activation_checkpoint_interval": 1}),
                 _case("gpt2_lora_pp2", model="gpt2_lora", pp=2, lora=LORA),  # against PEFT

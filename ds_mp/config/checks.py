@@ -8,6 +8,7 @@ import difflib
 import json
 import math
 import os
+import warnings
 
 from ds_mp.config.batching import check_batch_ramp, check_noise_scale
 from ds_mp.config.schema import (LLAMA_SCHEDULES, MODEL_TYPES, ConfigError, DsMpConfig, InlineModel, parse_config,
@@ -343,6 +344,18 @@ def _check_combination(raw: dict, cfg: DsMpConfig) -> None:
                               "support on this machine; use bf16 or fp32")
 
 
+DEEPSPEED_CLIPPING_DEFAULT = 1.0  # DeepSpeed's GRADIENT_CLIPPING_DEFAULT (runtime/constants.py), tested equal
+
+
+def _warn_default_clipping(raw: dict) -> None:
+    """DeepSpeed clips the global gradient norm at 1.0 when ``gradient_clipping`` is absent: say so
+    once per process (rank 0), since a user comparing with an unclipped loop sees smaller updates."""
+    if "gradient_clipping" not in raw and os.environ.get("RANK", "0") == "0":
+        warnings.warn(f"gradient_clipping: absent, so DeepSpeed's default {DEEPSPEED_CLIPPING_DEFAULT} applies (the "
+                      "global gradient norm is clipped to it); set \"gradient_clipping\" in the JSON (0.0 = no "
+                      "clipping) to silence this", UserWarning, stacklevel=3)
+
+
 def load_config(config: str | dict, world_size: int, hf_config: dict | None = None) -> tuple[DsMpConfig, dict]:
     """Return the validated ds_mp block and the full DeepSpeed dict (with ``ds_mp`` kept)."""
     raw = read_json(config)
@@ -381,4 +394,5 @@ def load_config(config: str | dict, world_size: int, hf_config: dict | None = No
     if cfg.training.noise_scale_interval:  # measured on fp32/bf16 gradients around DeepSpeed's DP reduction
         check_noise_scale(raw, cfg, "ds_mp.training.noise_scale_interval", "set it to 0")
     check_batch_ramp(raw, cfg)
+    _warn_default_clipping(raw)
     return cfg, raw

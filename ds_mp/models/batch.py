@@ -10,7 +10,13 @@ Accepted forms (every tensor ``(B, T)``, integer):
 a row they count up by one and restart at 0 where a new document starts; a token attends only to
 earlier tokens of its own document, and its position (GPT-2's absolute embedding, Llama's rotary
 angle) is its place in the document.  ``attention_mask`` is a padding mask (1 = token, 0 = padding,
-left or right): no token attends to a padding key.  A model with a sliding window (Mistral) also
+left or right): no token attends to a padding key, and a padding query attends to nothing (its
+attention output is 0, torch's SDPA convention for a fully masked row, which HF's default ``sdpa``
+attention relies on).  Labels are HF's, shifted: with left padding and the first real token's label
+a target, the last padding position predicts it from its own embedding (attention output 0), exactly
+as HF's model does with the same ``attention_mask``; put -100 there to train as HF on the unpadded
+row (HF's ``eager`` attention instead averages such a query over the whole row, later tokens
+included: another number, and one that sees the answer).  A model with a sliding window (Mistral) also
 limits each query to the ``window`` latest keys (itself included), as HF does.  Anything else
 (another key, a third element, a float mask) is refused, naming it: ds_mp never ignores an input.
 
@@ -18,7 +24,8 @@ limits each query to the ``window`` latest keys (itself included), as HF does.  
 padding key); the attention mask it builds is, for query index i and key index j,
 
     allowed(i, j) = j <= i  and  docs[j] == docs[i]  and  docs[j] >= 0  and  i - j < window
-                    or  j == i   (a padding query attends to itself: finite, and its label is -100)
+
+so a padding query (docs[i] = -1) has no key: SDPA gives it 0, as HF with the mask (see above).
 """
 from __future__ import annotations
 
@@ -94,7 +101,7 @@ class Layout:
         if self.window is not None:
             allowed = allowed & (qi - kj < self.window)
         dq, dk = self.docs[:, q0:k_len, None], self.docs[:, None, :k_len]  # (B, q, 1), (B, 1, k)
-        allowed = (allowed & (dq == dk) & (dk >= 0)) | (qi == kj)
+        allowed = allowed & (dq == dk) & (dk >= 0)  # a padding query: no key (SDPA's output 0, HF's)
         return allowed.unsqueeze(1)
 
 

@@ -1,6 +1,7 @@
 """``ds-mp``: the command-line tools around training.
 
     ds-mp prepare-data INPUTS... --out DIR      text/jsonl -> BPE tokenizer + token file
+    ds-mp show-rows --data DIR [--row N]        a packed SFT training row decoded, its targets marked
     ds-mp convert hf-to-ds IN OUT --tp N --pp M / ds-to-hf IN OUT
     ds-mp plan --config X.json [--profile]      TeraPipe slicing plan and predicted speedup
     ds-mp eval --model DIR --data FILE          sliding-window perplexity, cloze accuracy
@@ -20,6 +21,7 @@ import sys
 # subcommand -> (module, function taking argv and returning an exit code, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "prepare-data": ("ds_mp.data", "prepare_data_cli", "tokenize text/jsonl files into a token file"),
+    "show-rows": ("ds_mp.data.inspect_rows", "show_rows_cli", "print a packed SFT row: documents and targets"),
     "convert": ("ds_mp.checkpoint", "convert_cli", "convert checkpoints between HF and ds_mp layouts"),
     "plan": ("ds_mp.tools.plan", "plan_cli", "TeraPipe slicing plan for a config"),
     "eval": ("ds_mp.tools.evaluate", "eval_cli", "perplexity and cloze accuracy of a checkpoint"),

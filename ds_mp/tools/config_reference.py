@@ -190,6 +190,12 @@ def render(rows: list[Key] | None = None) -> str:
         "ds_mp's own LAMB ([recipe](recipe.md)). World size = TP × PP × DP, DP inferred",
         "([layouts](layouts.md)).",
         "",
+        "**`gradient_clipping` defaults to 1.0**: without the key DeepSpeed clips the global gradient",
+        "norm at 1.0 (ds_mp computes that norm over every TP shard and stage and applies DeepSpeed's",
+        "value), and ds_mp warns once. Set it explicitly: `0.0` trains unclipped (HF's plain",
+        "`loss.backward(); opt.step()` loop; HF's `Trainer` clips at its `max_grad_norm`, also 1.0).",
+        "Every example in these pages and in `ds_configs/` names the key.",
+        "",
     ]
     return "\n".join(out)
 

@@ -83,6 +83,11 @@ class PipelineTrainerMixin:
         shard, topo = getattr(loader, "batch_sampler", None), self.ds_mp_topology
         if hasattr(shard, "num_processes"):  # Accelerate's BatchSamplerShard: replicas, not processes
             shard.num_processes, shard.process_index = topo.dp, topo.dp_rank
+        sampler = getattr(getattr(shard, "batch_sampler", shard), "sampler", None)
+        if hasattr(sampler, "initial_seed") and self.args.data_seed is None:
+            # Accelerate's SeedableRandomSampler seeds its order with torch.initial_seed(): the Trainer's
+            # set_seed(args.seed) on one process, but ds_mp reseeds each pipeline stage (seed + 100·stage)
+            sampler.initial_seed = self.args.seed
         elif torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and topo.dp > 1:
             raise ConfigError(f"{description} dataloader: not sharded by Accelerate's BatchSamplerShard; ds_mp.hf "
                               "cannot split it over DP replicas")

@@ -12,18 +12,26 @@ AdamW runs with ``adam_epsilon=1e-6``: the attention's key bias has an exactly z
 (softmax is shift-invariant per query), so its computed gradient is rounding noise (~1e-10) whose
 order of summation differs between layouts; with eps 1e-8 Adam turns that noise into updates of
 ~lr, which no two summation orders agree on (1.5e-5 apart after 5 steps at PP = 2).
+
+The last test launches an ordinary Trainer script whose only ds_mp line is the import for real, three
+ways (``deepspeed --num_gpus 2``, ``torchrun --nproc_per_node 2``, ``accelerate launch --use_deepspeed``): each
+trains the same model.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import free_port, run_ranks
 from helpers import tiny_gpt2
+from launcher_utils import REPO
 
 SEQ = 16
 
@@ -271,3 +279,64 @@ def test_resume_at_another_layout_equals_the_uninterrupted_run(gpt2_dir: str, tm
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
     with open(os.path.join(out, "checkpoint-5", "trainer_state.json")) as f:
         assert json.load(f)["global_step"] == 5
+
+
+SCRIPT = '''
+import json, os, sys
+import torch
+from transformers import TrainingArguments
+from ds_mp.hf import Trainer  # the only ds_mp line
+
+SEQ = {seq}
+{rows}
+{collate}
+model_dir, out, config = sys.argv[1], sys.argv[2], sys.argv[3]
+args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                         learning_rate=1e-2, optim="adamw_torch", adam_epsilon=1e-6, warmup_steps=1, logging_steps=1,
+                         save_strategy="no", report_to="none", seed=0, use_cpu=True, disable_tqdm=True,
+                         deepspeed=config)
+trainer = Trainer(model=model_dir, args=args, train_dataset=rows(24), data_collator=collate)
+trainer.train()
+trainer.save_model(os.path.join(out, "final"))
+if trainer.is_world_process_zero():
+    with open(os.path.join(out, "losses.json"), "w") as f:
+        json.dump([h["loss"] for h in trainer.state.log_history if "loss" in h], f)
+'''
+
+
+def _launch(kind: str, script: str, argv: list[str]) -> subprocess.CompletedProcess:
+    bin_dir, port = os.path.dirname(sys.executable), str(free_port())
+    cmd = {"deepspeed": [os.path.join(bin_dir, "deepspeed"), "--num_gpus", "2", "--master_port", port],
+           "torchrun": [os.path.join(bin_dir, "torchrun"), "--nproc_per_node", "2", "--master_port", port],
+           "accelerate": [os.path.join(bin_dir, "accelerate"), "launch", "--use_deepspeed", "--num_processes", "2",
+                          "--deepspeed_config_file", argv[2], "--main_process_port", port]}[kind]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_MP_TIMEOUT="120", PYTHONPATH=REPO)
+    return subprocess.run(cmd + [script, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.launcher
+@pytest.mark.slow
+@pytest.mark.timeout(1900)
+def test_three_launchers_train_the_same_model(tmp_path: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_dir, config = str(tmp_path / "model"), str(tmp_path / "ds.json")
+    tiny_gpt2().save_pretrained(model_dir)
+    with open(config, "w") as f:
+        json.dump(ds_json(tp=2), f)
+    script = str(tmp_path / "train.py")
+    with open(script, "w") as f:
+        f.write(SCRIPT.format(seq=SEQ, rows=inspect.getsource(rows), collate=inspect.getsource(collate)))
+    results = {}
+    for kind in ("deepspeed", "torchrun", "accelerate"):
+        out = str(tmp_path / kind)
+        proc = _launch(kind, script, [model_dir, out, config])
+        assert proc.returncode == 0, f"{kind}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        with open(os.path.join(out, "losses.json")) as f:
+            results[kind] = (json.load(f), AutoModelForCausalLM.from_pretrained(os.path.join(out, "final")).state_dict())
+    losses, weights = results["deepspeed"]
+    assert len(losses) == 3
+    for kind, (other_losses, other_weights) in results.items():
+        assert other_losses == pytest.approx(losses, rel=1e-6), kind
+        for k in weights:
+            torch.testing.assert_close(other_weights[k], weights[k], rtol=1e-6, atol=1e-6, msg=f"{kind}: {k}")

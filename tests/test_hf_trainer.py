@@ -102,10 +102,10 @@ def plain_run(model_dir: str, out: str, gas: int, steps: int = 5, n_train: int =
     return {"logs": _logs(trainer.state), "eval_loss": eval_loss, "dir": os.path.join(out, "final")}
 
 
-def _ds_mp_rank(rank: int, model_dir: str, out: str, ds: dict, steps: int) -> dict:
+def _ds_mp_rank(rank: int, model_dir: str, out: str, ds: dict, steps: int, extra: dict | None = None) -> dict:
     from ds_mp.hf import Trainer
 
-    trainer = Trainer(model=model_dir, args=training_args(out, ds, max_steps=steps), train_dataset=rows(24),
+    trainer = Trainer(model=model_dir, args=training_args(out, ds, max_steps=steps, **(extra or {})), train_dataset=rows(24),
                       eval_dataset=rows(8, seed=9), data_collator=collate)
     trainer.train()
     eval_loss = trainer.evaluate()["eval_loss"]
@@ -183,6 +183,14 @@ def test_trainer_equals_plain_trainer(world: int, tp: int, pp: int, schedule: st
     got = run_ranks(_ds_mp_rank, world, gpt2_dir, str(tmp_path), ds_json(tp, pp, schedule), 5, timeout=600)
     assert all(r["logs"] == got[0]["logs"] and r["eval_loss"] == got[0]["eval_loss"] for r in got)
     assert_same_run(got[0], oracle(gpt2_dir, 2 * dp))
+
+
+def test_gradient_checkpointing_is_activation_checkpointing(gpt2_dir: str, oracle: Any, tmp_path: Any) -> None:
+    """``gradient_checkpointing=True`` (TRL's default) runs ds_mp's activation checkpointing at PP = 2:
+    the same numbers as the plain Trainer without it."""
+    got = run_ranks(_ds_mp_rank, 2, gpt2_dir, str(tmp_path), ds_json(pp=2), 5, {"gradient_checkpointing": True},
+                    timeout=600)
+    assert_same_run(got[0], oracle(gpt2_dir, 2))
 
 
 @pytest.mark.parametrize("world,tp,pp", [pytest.param(2, 2, 1, id="tp2"),

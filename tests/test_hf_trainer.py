@@ -102,10 +102,14 @@ def plain_run(model_dir: str, out: str, gas: int, steps: int = 5, n_train: int =
     return {"logs": _logs(trainer.state), "eval_loss": eval_loss, "dir": os.path.join(out, "final")}
 
 
-def _ds_mp_rank(rank: int, model_dir: str, out: str, ds: dict, steps: int, extra: dict | None = None) -> dict:
+def _ds_mp_rank(rank: int, model_dir: str, out: str, ds: dict, steps: int, extra: dict | None = None,
+                as_object: bool = False) -> dict:
+    from transformers import AutoModelForCausalLM
+
     from ds_mp.hf import Trainer
 
-    trainer = Trainer(model=model_dir, args=training_args(out, ds, max_steps=steps, **(extra or {})), train_dataset=rows(24),
+    model = AutoModelForCausalLM.from_pretrained(model_dir) if as_object else model_dir
+    trainer = Trainer(model=model, args=training_args(out, ds, max_steps=steps, **(extra or {})), train_dataset=rows(24),
                       eval_dataset=rows(8, seed=9), data_collator=collate)
     trainer.train()
     eval_loss = trainer.evaluate()["eval_loss"]
@@ -193,6 +197,13 @@ def test_gradient_checkpointing_is_activation_checkpointing(gpt2_dir: str, oracl
     assert_same_run(got[0], oracle(gpt2_dir, 2))
 
 
+def test_a_loaded_model_object_trains_the_same(gpt2_dir: str, oracle: Any, tmp_path: Any) -> None:
+    """``Trainer(model=AutoModelForCausalLM.from_pretrained(dir))`` (weights in memory on every rank)
+    at TP = 2: the plain Trainer's numbers."""
+    got = run_ranks(_ds_mp_rank, 2, gpt2_dir, str(tmp_path), ds_json(tp=2), 5, None, True, timeout=600)
+    assert_same_run(got[0], oracle(gpt2_dir, 2))
+
+
 @pytest.mark.parametrize("world,tp,pp", [pytest.param(2, 2, 1, id="tp2"),
                                          pytest.param(4, 2, 2, id="tp2xpp2", marks=pytest.mark.slow)])
 def test_qwen2_equals_plain_trainer(world: int, tp: int, pp: int, qwen2_dir: str, oracle: Any, tmp_path: Any) -> None:
@@ -241,6 +252,7 @@ def test_argument_mapping(tmp_path: Any) -> None:
     no_len = ds_json()
     del no_len["ds_mp"]["data"]
     assert deepspeed_dict(training_args(str(tmp_path), no_len), cfg)["ds_mp"]["data"]["seq_len"] == cfg.n_positions
+    assert deepspeed_dict(training_args(str(tmp_path), ds_json(), bf16=True), cfg)["bf16"] == {"enabled": True}
 
 
 def test_model_without_a_plan_is_refused(tmp_path: Any) -> None:

@@ -382,3 +382,46 @@ def test_three_launchers_train_the_same_model(tmp_path: Any) -> None:
         assert other_losses == pytest.approx(losses, rel=1e-6), kind
         for k in weights:
             torch.testing.assert_close(other_weights[k], weights[k], rtol=1e-6, atol=1e-6, msg=f"{kind}: {k}")
+
+
+def _early_stopping_run(model_dir: str, out: str, ds: dict | None) -> dict:
+    """Eval and save every step, early stopping (patience 1) on eval_loss, the best model loaded at
+    the end; ``ds`` None: the plain Trainer on one process (one eval batch: the per-token loss)."""
+    from transformers import AutoModelForCausalLM, EarlyStoppingCallback, Trainer as PlainTrainer
+
+    from ds_mp.hf import Trainer as DsMpTrainer
+
+    args = training_args(out, ds, learning_rate=0.1, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                         save_steps=1, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                         per_device_eval_batch_size=8, max_steps=6)
+    model, Trainer = model_dir, DsMpTrainer
+    if ds is None:
+        model, Trainer = AutoModelForCausalLM.from_pretrained(model_dir), PlainTrainer
+        model.loss_type = "ForCausalLM"
+    trainer = Trainer(model=model, args=args, train_dataset=rows(24), eval_dataset=rows(8, seed=9),
+                      data_collator=collate, callbacks=[EarlyStoppingCallback(early_stopping_patience=1)])
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    return {"evals": [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h],
+            "best": os.path.basename(trainer.state.best_model_checkpoint), "dir": os.path.join(out, "final")}
+
+
+def _early_stopping_rank(rank: int, model_dir: str, out: str, ds: dict) -> dict:
+    return _early_stopping_run(model_dir, out, ds)
+
+
+@pytest.mark.slow
+def test_eval_during_training_early_stopping_and_best_model(gpt2_dir: str, tmp_path: Any) -> None:
+    """``eval_strategy``, ``EarlyStoppingCallback`` and ``load_best_model_at_end`` at TP = 2: the same
+    eval losses, the same stopping step and best checkpoint, and the best weights saved, as the plain Trainer."""
+    from transformers import AutoModelForCausalLM
+
+    ref = _early_stopping_run(gpt2_dir, str(tmp_path / "plain"), None)
+    got = run_ranks(_early_stopping_rank, 2, gpt2_dir, str(tmp_path / "ds_mp"), ds_json(tp=2), timeout=900)[0]
+    assert [s for s, _ in got["evals"]] == [s for s, _ in ref["evals"]] and got["best"] == ref["best"]
+    for (_, g), (_, r) in zip(got["evals"], ref["evals"]):
+        assert g == pytest.approx(r, rel=1e-5)
+    a = AutoModelForCausalLM.from_pretrained(got["dir"]).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(ref["dir"]).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)

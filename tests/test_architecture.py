@@ -25,6 +25,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("ds_mp.engine",),
     ("ds_mp.training",),
     ("ds_mp.tools",),
+    ("ds_mp.hf",),
 ]
 
 

@@ -1,0 +1,299 @@
+"""``PipelineTrainerMixin``: a ``transformers.Trainer`` whose optimizer step is ONE ds_mp
+``engine.train_batch`` over the step's micro-batches, at any TP × PP × DP and schedule.
+
+Where it plugs into the Trainer (transformers 5.2x), and nowhere else:
+
+* ``__init__``: refuses what cannot apply (:mod:`ds_mp.hf.args`), then builds ds_mp's engine from
+  the DeepSpeed JSON of ``TrainingArguments(deepspeed=...)`` (each rank reads only its shard of a
+  model named by directory / Hub id or built on the meta device with its ``name_or_path``).
+* ``_get_dataloader``: Accelerate's sampler shard keeps its seeded order but is split over the DP
+  replicas only (TP and PP peers read their replica's rows): in step t, DP rank d's k-th micro-batch
+  is global batch t·GA·DP + k·DP + d — the batches a single process sees, GA·DP per step.
+* ``get_batch_samples``: the step's micro-batches, padded to fixed rows (:mod:`ds_mp.hf.rows`); the
+  first carries the whole step.  ``training_step`` on it runs ``engine.train_batch`` (forward,
+  backward, DP/TP/PP reductions, clipping, optimizer and LR-scheduler step) and returns the global
+  per-token loss; on the step's other micro-batches it returns 0.  The Trainer's own
+  ``optimizer.step()`` / ``lr_scheduler.step()`` are Accelerate's DeepSpeed no-op wrappers.
+* ``_clip_grad_norm`` / ``_get_grad_norm`` / ``_get_learning_rate``: the engine's pre-clip global
+  norm and the LR the step used.
+* ``evaluate``: per-target-token loss over the whole eval set through ``engine.eval_batch``.
+* ``save_model``: an HF directory (``from_pretrained`` loads it) + the tokenizer;
+  ``_save_optimizer_and_scheduler``: ds_mp's layout-free checkpoint (``<checkpoint>/ds_mp``, with
+  the scheduler); ``train(resume_from_checkpoint=...)`` loads it at any layout.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from ds_mp.config import ConfigError
+from ds_mp.hf.args import deepspeed_dict
+from ds_mp.hf.rows import empty_rows, fixed_rows, step_rows
+from ds_mp.hf.schedule import BoundLater, trainer_schedule
+
+#: The tag of ds_mp's layout-free checkpoint inside a Trainer checkpoint directory.
+CHECKPOINT_TAG = "ds_mp"
+
+
+class StepBatch(dict):
+    """A micro-batch as the Trainer's loop sees it; the step's first also carries ``rows``, every
+    micro-batch of the step in ds_mp's fixed shape (None on the others)."""
+
+    rows: list[dict] | None = None
+
+
+class PipelineTrainerMixin:
+    """Mix into a ``transformers.Trainer`` (subclass) ahead of it: ``class T(PipelineTrainerMixin, Trainer)``.
+
+    The public surface beyond the Trainer's: ``ds_mp_engine`` (the engine), ``ds_mp_topology``
+    (TP × PP × DP and this rank's place) and the hook :meth:`step_micro_batches`.
+    """
+
+    def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
+        from ds_mp.deepspeed_compat import skip_op_build
+
+        skip_op_build("deepspeed_shm_comm")  # before Accelerate initialises DeepSpeed's comm (engine/initialize.py)
+        model, source = _model_and_source(model)
+        optimizers = kwargs.get("optimizers", rest[8] if len(rest) > 8 else (None, None))
+        if optimizers is not None and any(o is not None for o in optimizers):
+            raise ConfigError("optimizers: ds_mp builds the optimizer and scheduler from optim / lr_scheduler_type "
+                              "(or the DeepSpeed JSON); remove optimizers=")
+        if kwargs.get("compute_metrics") is not None or (len(rest) > 6 and rest[6] is not None):
+            raise ConfigError("compute_metrics: ds_mp.hf evaluates the per-token loss only; remove compute_metrics")
+        if args is not None:
+            deepspeed_dict(args, model.config)  # refuse before any collective
+        super().__init__(model, args, *rest, **kwargs)
+        raw = deepspeed_dict(self.args, model.config)
+        import ds_mp
+
+        engine, _, _, _ = ds_mp.initialize(model=source, config=raw, lr_scheduler=BoundLater)
+        self.ds_mp_engine = engine
+        self.ds_mp_topology = engine.topology
+        self._ds_mp_lr: float | None = None
+
+    # --- data ---------------------------------------------------------------------------
+    def _get_dataloader(self, dataset: Any, description: str, batch_size: int, *a: Any, **kw: Any) -> Any:
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ConfigError(f"{description} dataset: an IterableDataset cannot be split over DP replicas by ds_mp.hf; "
+                              "pass a map-style dataset (datasets.Dataset, a list)")
+        loader = super()._get_dataloader(dataset, description, batch_size, *a, **kw)
+        shard, topo = getattr(loader, "batch_sampler", None), self.ds_mp_topology
+        if hasattr(shard, "num_processes"):  # Accelerate's BatchSamplerShard: replicas, not processes
+            shard.num_processes, shard.process_index = topo.dp, topo.dp_rank
+        elif torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and topo.dp > 1:
+            raise ConfigError(f"{description} dataloader: not sharded by Accelerate's BatchSamplerShard; ds_mp.hf "
+                              "cannot split it over DP replicas")
+        return loader
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Rows per optimizer step over every replica: micro × accumulation × DP (not × world)."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.ds_mp_topology.dp
+
+    def step_micro_batches(self, batches: list[dict]) -> list[dict]:
+        """The step's micro-batches as the engine reads them: exactly ``gradient_accumulation_steps``
+        dicts of ``(per_device_train_batch_size, ds_mp.data.seq_len)`` tensors (HF keys).  Override
+        to re-form another collator's batches (TRL's padding-free rows: ``ds_mp.hf.SFTTrainer``)."""
+        engine = self.ds_mp_engine
+        return step_rows(batches, engine.micro_batches, engine.train_micro_batch_size_per_gpu(),
+                         engine.ds_mp_config.data.seq_len)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, None]:
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        marked = [StepBatch(b) for b in batches]
+        if marked:
+            marked[0].rows = self.step_micro_batches([dict(b) for b in batches])
+        return marked, None  # the engine counts the targets itself (over DP, every schedule)
+
+    # --- the step -----------------------------------------------------------------------
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        rows = getattr(inputs, "rows", None)
+        if rows is None:  # the step's later micro-batches: the first one's train_batch ran them
+            return torch.zeros((), device=self.args.device)
+        engine = self.ds_mp_engine
+        self._ds_mp_lr = float(engine.get_lr()[0])
+        loss = engine.train_batch(iter(rows))
+        return loss.detach().float().to(self.args.device)
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        return self.ds_mp_engine.get_global_grad_norm()
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        norm = self.ds_mp_engine.get_global_grad_norm() if grad_norm is None else grad_norm
+        return None if norm is None else float(norm)
+
+    def _get_learning_rate(self) -> float:
+        if self._ds_mp_lr is not None:
+            return self._ds_mp_lr  # the LR of the last step (the engine stepped the scheduler already)
+        return float(self.ds_mp_engine.get_lr()[0])
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> tuple:
+        """The engine takes the place of Accelerate's DeepSpeed engine: its scheduler is bound to the
+        Trainer's schedule for ``max_steps``; a resume loads ds_mp's checkpoint (any layout)."""
+        from accelerate.utils import DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
+
+        engine = self.ds_mp_engine
+        engine.lr_scheduler.bind(trainer_schedule(self.args, max_steps))
+        self.optimizer = DeepSpeedOptimizerWrapper(engine.optimizer)
+        self.lr_scheduler = DeepSpeedSchedulerWrapper(engine.lr_scheduler, self.optimizer)
+        self.model_wrapped = self.deepspeed = engine
+        if resume_from_checkpoint is not None:
+            self._ds_mp_resume(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return engine, train_dataloader
+
+    # --- evaluation ---------------------------------------------------------------------
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
+        """``{prefix}_loss``: Σ token losses / Σ targets over the whole eval set (every DP replica
+        reads its share, every schedule), plus the Trainer's speed metrics."""
+        from transformers.trainer_utils import speed_metrics
+
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(dataset, dict):
+            out: dict = {}
+            for name, ds in dataset.items():
+                out.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return out
+        if dataset is None:
+            raise ValueError("evaluate: no eval_dataset; pass one to the Trainer or to evaluate()")
+        self._memory_tracker.start()
+        start = time.time()
+        loss, passes = self._ds_mp_eval_loss(dataset)
+        metrics = {f"{metric_key_prefix}_loss": loss}
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=len(dataset), num_steps=passes))
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        self._memory_tracker.stop_and_update_metrics(metrics)
+        return metrics
+
+    def _ds_mp_eval_loss(self, dataset: Any) -> tuple[float, int]:
+        """(per-token loss, passes): micro-batch i of the eval set (in order, training rows) goes to
+        DP rank i mod DP; each pass evaluates GA micro-batches per replica; passes are weighted by
+        their global target counts."""
+        from torch.utils.data import DataLoader
+
+        engine, topo = self.ds_mp_engine, self.ds_mp_topology
+        collator = self.data_collator
+        try:
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="evaluation")
+            else:
+                collator = self._get_collator_with_removed_columns(collator, description="evaluation")
+        except ImportError:
+            collator = self._get_collator_with_removed_columns(collator, description="evaluation")
+        rows, seq = engine.train_micro_batch_size_per_gpu(), engine.ds_mp_config.data.seq_len
+        loader = DataLoader(dataset, batch_size=rows, collate_fn=collator, shuffle=False)
+        mine = [fixed_rows({k: v.to(engine.device) for k, v in b.items()}, rows, seq)
+                for i, b in enumerate(loader) if i % topo.dp == topo.dp_rank]
+        n = engine.micro_batches
+        total = -(-len(loader) // topo.dp)  # micro-batches of the replica that reads the most
+        passes = -(-total // n)
+        template = mine[0] if mine else None
+        if template is None:
+            raise ValueError("evaluate: the eval set is empty on this DP replica; use more eval rows than DP replicas")
+        summed, count = 0.0, 0
+        for p in range(passes):
+            chunk = mine[p * n:(p + 1) * n]
+            chunk += [empty_rows(template) for _ in range(n - len(chunk))]
+            loss = float(engine.eval_batch(iter(chunk), num_micro_batches=n))
+            summed += loss * engine.step_info.count
+            count += engine.step_info.count
+        return summed / max(count, 1), passes
+
+    def predict(self, *a: Any, **kw: Any) -> Any:
+        raise NotImplementedError("predict: ds_mp.hf evaluates the loss only (evaluate()); export with save_model() "
+                                  "and predict with the HF model")
+
+    # --- saving -------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Collective: an HF model directory in ``output_dir`` (weights + config; the tokenizer
+        and ``training_args.bin`` too), which ``from_pretrained`` loads; other files there stay."""
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        from ds_mp.checkpoint.hf import full_state_dict, write_hf_files, write_on_rank0
+
+        out = output_dir or self.args.output_dir
+        engine = self.ds_mp_engine
+        tensors = full_state_dict(engine)
+
+        def write() -> None:
+            os.makedirs(out, exist_ok=True)
+            write_hf_files(tensors, engine.hf_config, out)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(out)
+            torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))
+        write_on_rank0(engine, f"save_model to {out!r}", write)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """ds_mp's layout-free checkpoint (weights, optimizer moments, LR schedule, counters, every
+        rank's RNG streams) in ``<output_dir>/ds_mp``; the Trainer writes its state and RNG beside it."""
+        import ds_mp
+        from ds_mp.tensor_parallel.random import rng_state
+
+        rngs: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(rngs, rng_state())
+        topo = self.ds_mp_topology
+        ds_mp.save_checkpoint(self.ds_mp_engine, output_dir, CHECKPOINT_TAG,
+                              client_state={"rng": rngs, "layout": [topo.tp, topo.pp, topo.dp]})
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """The fp16 loss scale is in ds_mp's checkpoint."""
+
+    def _ds_mp_resume(self, checkpoint: str) -> None:
+        import ds_mp
+        from ds_mp.tensor_parallel.random import set_rng_state
+
+        if not os.path.isdir(os.path.join(checkpoint, CHECKPOINT_TAG)):
+            raise ConfigError(f"resume_from_checkpoint: {checkpoint!r} has no {CHECKPOINT_TAG}/ (a ds_mp.hf "
+                              "checkpoint); pass a checkpoint-N directory written by ds_mp.hf")
+        state = ds_mp.load_checkpoint(self.ds_mp_engine, checkpoint, CHECKPOINT_TAG)
+        topo = self.ds_mp_topology
+        if state.get("layout") == [topo.tp, topo.pp, topo.dp] and state.get("rng"):
+            set_rng_state(state["rng"][torch.distributed.get_rank()])
+
+
+def _model_and_source(model: Any) -> tuple[Any, Any]:
+    """(the model object the Trainer holds, what ds_mp reads the weights from).
+
+    A directory or Hub id → an HF model on the meta device (no weights) and the path: each rank
+    reads only its shard.  A model on the meta device → its ``name_or_path``.  A model with
+    weights → itself.  A model of no ds_mp family is refused with one line."""
+    from ds_mp.models.family import causal_lm_family
+
+    if model is None:
+        raise ConfigError("model: ds_mp.hf needs model= (an HF …ForCausalLM, a directory or a Hub id); "
+                          "model_init is not supported")
+    source = model
+    if isinstance(model, str):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from ds_mp.hub import resolve_model
+
+        source = resolve_model(model)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+        model.config._name_or_path = source
+    elif any(p.is_meta for p in model.parameters()):
+        source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", "")
+        if not source or not os.path.exists(source) and "/" not in source:
+            raise ConfigError("model: on the meta device without a name_or_path to read the weights from; pass the "
+                              "directory or Hub id as model=")
+    try:
+        causal_lm_family(model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return model, source
+
+
+__all__ = ["PipelineTrainerMixin", "StepBatch", "CHECKPOINT_TAG"]

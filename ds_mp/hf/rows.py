@@ -1,0 +1,66 @@
+"""The Trainer's micro-batches as ds_mp's fixed rows.
+
+A pipeline announces its activation shape once, so every micro-batch of a run has the same
+``(rows, seq_len)``: ``rows`` = ``per_device_train_batch_size``, ``seq_len`` = ``ds_mp.data.seq_len``.
+A collator's batch (dynamic padding, a short last batch) is padded on the right and at the bottom:
+
+    input_ids -> 0,   labels -> -100,   attention_mask -> 0,   position_ids -> 0, 1, 2, ... (a new document)
+
+Right padding changes no target's logits (causal attention reads only earlier tokens), padded
+labels are -100 (no target), so the per-token loss, its gradient and the target count are those of
+the unpadded batch.  A step with fewer than ``gradient_accumulation_steps`` micro-batches (the end
+of an epoch) is filled with micro-batches without targets.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ds_mp.models.batch import HF_KEYS
+
+_PAD = {"input_ids": 0, "labels": -100, "attention_mask": 0}
+
+
+def fixed_rows(batch: dict, rows: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """``batch`` (HF keys, ``(B, T)`` with B ≤ rows, T ≤ seq_len) padded to ``(rows, seq_len)``."""
+    extra = [k for k in batch if k not in HF_KEYS]
+    if extra:
+        raise ValueError(f"batch: key {extra[0]!r} is not used by ds_mp (accepted: {', '.join(HF_KEYS)}); drop it in "
+                         "the data collator or the dataset's columns")
+    if "labels" not in batch:
+        raise ValueError("batch: no 'labels'; a causal-LM collator (DataCollatorForLanguageModeling(mlm=False)) adds "
+                         "them")
+    B, T = batch["input_ids"].shape
+    if B > rows or T > seq_len:
+        raise ValueError(f"batch: shape {(B, T)} exceeds ({rows}, {seq_len}) = (per_device_train_batch_size, "
+                         "ds_mp.data.seq_len); raise data.seq_len or cut the sequences")
+    out = {}
+    for key, x in batch.items():
+        if key == "position_ids":
+            x = x.expand(B, T)
+            tail = torch.arange(seq_len - T, device=x.device, dtype=x.dtype).expand(B, -1)
+            x = torch.cat([x, tail], dim=1)
+            out[key] = torch.cat([x, torch.arange(seq_len, device=x.device, dtype=x.dtype).expand(rows - B, -1)])
+        else:
+            out[key] = F.pad(x, (0, seq_len - T, 0, rows - B), value=_PAD[key])
+    return out
+
+
+def empty_rows(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A micro-batch of the shape of ``like`` without a target (fills a short step)."""
+    out = {k: torch.full_like(v, _PAD[k]) for k, v in like.items() if k != "position_ids"}
+    if "position_ids" in like:
+        out["position_ids"] = torch.arange(like["input_ids"].shape[1], device=like["input_ids"].device).expand_as(
+            like["input_ids"]).contiguous()
+    return out
+
+
+def step_rows(batches: list[dict], n: int, rows: int, seq_len: int) -> list[dict[str, Any]]:
+    """One optimizer step's ``n`` micro-batches in fixed rows (short steps filled without targets)."""
+    fixed = [fixed_rows(b, rows, seq_len) for b in batches]
+    return fixed + [empty_rows(fixed[0]) for _ in range(n - len(fixed))]
+
+
+__all__ = ["fixed_rows", "empty_rows", "step_rows"]

@@ -91,6 +91,9 @@ class SFTTrainer(PipelineTrainerMixin, trl.SFTTrainer):
             raise ConfigError(msg)
         if args is not None and getattr(args, "loss_type", "nll") != "nll":
             raise ConfigError(f"loss_type={args.loss_type!r}: ds_mp's loss is the per-token NLL; set loss_type='nll'")
+        if args is not None and getattr(args, "activation_offloading", False):
+            raise ConfigError("activation_offloading: TRL's offloading hooks do not reach ds_mp's pipeline stages; set "
+                              "activation_offloading=False (gradient_checkpointing is ds_mp's activation checkpointing)")
         self._ds_mp_lora = peft_config is not None
         if peft_config is not None:
             model = self._peft_model(model, args, peft_config)

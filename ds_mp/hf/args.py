@@ -61,6 +61,8 @@ def refusals(args: Any, raw: dict) -> str | None:
          "set use_liger_kernel=False"),
         (getattr(args, "auto_find_batch_size", False), "auto_find_batch_size: the pipeline's row shape is fixed; "
          "set per_device_train_batch_size"),
+        (getattr(args, "average_tokens_across_devices", True) is False, "average_tokens_across_devices=False: ds_mp's "
+         "loss is per target token over the global batch; set average_tokens_across_devices=True"),
         (getattr(args, "parallelism_config", None) is not None, "parallelism_config: ds_mp's layout comes from the "
          "\"ds_mp\" block of the DeepSpeed JSON; remove parallelism_config"),
     ]

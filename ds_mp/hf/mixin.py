@@ -63,8 +63,8 @@ class PipelineTrainerMixin:
                               "(or the DeepSpeed JSON); remove optimizers=")
         if kwargs.get("compute_metrics") is not None or (len(rest) > 6 and rest[6] is not None):
             raise ConfigError("compute_metrics: ds_mp.hf evaluates the per-token loss only; remove compute_metrics")
-        if args is not None:
-            deepspeed_dict(args, model.config)  # refuse before any collective
+        if getattr(args, "hf_deepspeed_config", None) is not None:
+            deepspeed_dict(args, model.config)  # refuse before any collective (accelerate launch: after its own)
         super().__init__(model, args, *rest, **kwargs)
         raw = deepspeed_dict(self.args, model.config)
         import ds_mp
@@ -73,6 +73,9 @@ class PipelineTrainerMixin:
         self.ds_mp_engine = engine
         self.ds_mp_topology = engine.topology
         self._ds_mp_lr: float | None = None
+
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        """Nothing to move: the Trainer's model may be on the meta device; ds_mp's engine placed its shards."""
 
     # --- data ---------------------------------------------------------------------------
     def _get_dataloader(self, dataset: Any, description: str, batch_size: int, *a: Any, **kw: Any) -> Any:
@@ -83,6 +86,11 @@ class PipelineTrainerMixin:
         shard, topo = getattr(loader, "batch_sampler", None), self.ds_mp_topology
         if hasattr(shard, "num_processes"):  # Accelerate's BatchSamplerShard: replicas, not processes
             shard.num_processes, shard.process_index = topo.dp, topo.dp_rank
+        sampler = getattr(getattr(shard, "batch_sampler", shard), "sampler", None)
+        if hasattr(sampler, "initial_seed") and self.args.data_seed is None:
+            # Accelerate's SeedableRandomSampler seeds its order with torch.initial_seed(): the Trainer's
+            # set_seed(args.seed) on one process, but ds_mp reseeds each pipeline stage (seed + 100·stage)
+            sampler.initial_seed = self.args.seed
         elif torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and topo.dp > 1:
             raise ConfigError(f"{description} dataloader: not sharded by Accelerate's BatchSamplerShard; ds_mp.hf "
                               "cannot split it over DP replicas")
@@ -249,6 +257,10 @@ class PipelineTrainerMixin:
 
     def _save_scaler(self, output_dir: str) -> None:
         """The fp16 loss scale is in ds_mp's checkpoint."""
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's ds_mp state (weights, optimizer, schedule)."""
+        self._ds_mp_resume(self.state.best_model_checkpoint)
 
     def _ds_mp_resume(self, checkpoint: str) -> None:
         import ds_mp

@@ -113,4 +113,37 @@ def test_sft_trainer_equals_plain_trl(tmp_path: Any, oracle_root: str, world: in
     out = str(tmp_path / "ds_mp")
     cfg = ds_json(str(tmp_path / "ds.json"), tp, pp, schedule)
     res = run_ranks(_run, world, ARGS + ["--output_dir", out, "--deepspeed", cfg], False, timeout=900)[0]
+    assert "entropy" not in res["keys"]  # TRL's fused-head metrics are not logged (docs/trainer.md)
     compare(ref, res, saved(out), f"TP{tp} PP{pp} {schedule}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_sft_lora_equals_plain_trl_peft(tmp_path: Any, oracle_root: str) -> None:
+    """``peft_config`` (LoRA r=4 on every attention and MLP projection of Qwen2) at TP2 × PP2: the same
+    losses, eval loss and adapter (PEFT's names and orientation) as plain TRL with PEFT."""
+    lora = ("--lora_r", "4")
+    ref = plain(oracle_root, lora)
+    out = str(tmp_path / "ds_mp")
+    cfg = ds_json(str(tmp_path / "ds.json"), 2, 2)
+    res = run_ranks(_run, 4, ARGS + ["--output_dir", out, "--deepspeed", cfg, *lora], False, timeout=900)[0]
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        assert json.load(f)["r"] == 4
+    compare(ref, res, saved(out), "LoRA TP2 PP2")
+
+
+def test_peft_options_ds_mp_does_not_compute_are_refused() -> None:
+    from peft import LoraConfig
+
+    from ds_mp.config import ConfigError
+    from ds_mp.hf.sft import lora_block
+
+    ok = lora_block(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert ok == {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    for kwargs, words in [({"use_dora": True}, "use_dora"), ({"use_rslora": True}, "use_rslora"),
+                          ({"bias": "all"}, "bias='all'"), ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+                          ({"target_modules": "all-linear"}, "target_modules='all-linear'")]:
+        cfg = LoraConfig(r=4, lora_alpha=8, **{"target_modules": ["q_proj"], **kwargs})
+        with pytest.raises(ConfigError, match=words) as err:
+            lora_block(cfg)
+        assert "\n" not in str(err.value)

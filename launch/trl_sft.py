@@ -4,7 +4,7 @@ schedule) comes from the ``"ds_mp"`` block of the DeepSpeed JSON; world = TP × 
 
     deepspeed --num_gpus 4 launch/trl_sft.py --deepspeed ds_configs/trainer_tp2_pp2.json --output_dir runs/trl_sft
     accelerate launch --num_processes 4 --use_deepspeed --deepspeed_config_file ds_configs/trainer_tp2_pp2.json \\
-        launch/trl_sft.py --output_dir runs/trl_sft
+        launch/trl_sft.py --deepspeed ds_configs/trainer_tp2_pp2.json --output_dir runs/trl_sft
     torchrun --nproc_per_node 4 launch/trl_sft.py --deepspeed ds_configs/trainer_tp2_pp2.json --output_dir runs/trl_sft
 
 Add ``--bf16 false`` where the machine has no bf16 (CPU: TRL defaults it on).  Without

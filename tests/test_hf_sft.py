@@ -130,6 +130,11 @@ def test_sft_lora_equals_plain_trl_peft(tmp_path: Any, oracle_root: str) -> None
     with open(os.path.join(out, "adapter_config.json")) as f:
         assert json.load(f)["r"] == 4
     compare(ref, res, saved(out), "LoRA TP2 PP2")
+    from peft import PeftModel
+
+    script = trl_sft_script()
+    loaded = PeftModel.from_pretrained(script.tiny_model("qwen2", len(script.tiny_tokenizer())), out)
+    assert any("lora_A" in name for name, _ in loaded.named_parameters())
 
 
 def test_peft_options_ds_mp_does_not_compute_are_refused() -> None:

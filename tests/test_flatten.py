@@ -92,7 +92,7 @@ def test_flattened_batches_ds_mp_cannot_run_exactly_are_refused(change, rows, se
     assert "\n" not in str(err.value)
 
 
-def _rank(rank: int, steps: list[list[dict]]) -> tuple[float, list[float], dict]:
+def _rank(rank: int, steps: list[list[dict]]) -> tuple[float, list[float], dict, list[str]]:
     import ds_mp
     from ds_mp.data.flatten import unflatten_all
     from test_tensor_parallel import gather_weights
@@ -100,7 +100,14 @@ def _rank(rank: int, steps: list[list[dict]]) -> tuple[float, list[float], dict]
     engine, *_ = ds_mp.initialize(model=tiny_gpt2(vocab=V), config=ds_config(micro=ROWS, gas=GAS, lr=LR, seq=SEQ))
     evaluated = float(engine.eval_batch(unflatten_all(iter(steps[0]), ROWS, SEQ)))
     losses = [float(engine.train_batch(unflatten_all(iter(step), ROWS, SEQ))) for step in steps]
-    return evaluated, losses, gather_weights(engine)[0]
+    refusals = []
+    for keep in (None, ("input_ids", "labels", "position_ids")):  # as the collator gives them, by default
+        raw = [{k: v for k, v in mb.items() if keep is None or k in keep} for mb in steps[0]]
+        try:
+            engine.train_batch(iter(raw))
+        except ValueError as err:
+            refusals.append(str(err))
+    return evaluated, losses, gather_weights(engine)[0], refusals
 
 
 def test_flattened_batches_train_as_hf_per_document() -> None:
@@ -108,7 +115,9 @@ def test_flattened_batches_train_as_hf_per_document() -> None:
     from test_tensor_parallel import max_diff
 
     steps, docs = flattening_batches(3, seed=4)
-    evaluated, losses, weights = run_ranks(_rank, 1, steps, timeout=300)[0]
+    evaluated, losses, weights, refusals = run_ranks(_rank, 1, steps, timeout=300)[0]
+    # given to train_batch as they are, flattened batches are refused with the line that says what fits them
+    assert len(refusals) == 2 and all("unflatten_all" in r and "\n" not in r for r in refusals), refusals
     ref_losses, ref_weights = hf_per_document(tiny_gpt2(vocab=V), docs, LR)
     assert abs(evaluated - ref_losses[0]) <= TOL, (evaluated, ref_losses[0])
     assert all(abs(a - b) <= TOL for a, b in zip(losses, ref_losses)), (losses, ref_losses)

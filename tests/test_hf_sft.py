@@ -119,6 +119,19 @@ def test_sft_trainer_equals_plain_trl(tmp_path: Any, oracle_root: str, world: in
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
+def test_sft_trainer_on_gpt2_equals_plain_trl(tmp_path: Any, oracle_root: str) -> None:
+    """The same on GPT-2 (tied embedding and head, learned positions) at TP2 × PP2: the tied head sits
+    on both end stages."""
+    gpt2 = ("--tiny", "gpt2")
+    ref = plain(oracle_root, gpt2)
+    out = str(tmp_path / "ds_mp")
+    cfg = ds_json(str(tmp_path / "ds.json"), 2, 2)
+    res = run_ranks(_run, 4, ARGS + ["--output_dir", out, "--deepspeed", cfg, *gpt2], False, timeout=900)[0]
+    compare(ref, res, saved(out), "GPT-2 TP2 PP2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_sft_lora_equals_plain_trl_peft(tmp_path: Any, oracle_root: str) -> None:
     """``peft_config`` (LoRA r=4 on every attention and MLP projection of Qwen2) at TP2 × PP2: the same
     losses, eval loss and adapter (PEFT's names and orientation) as plain TRL with PEFT."""

@@ -41,6 +41,8 @@ BENCHMARKS: dict[str, str] = {
     "sft": "benchmarks.sft",
     "peers": "benchmarks.peers",
     "zb_memory": "benchmarks.zb_memory",
+    "hf_trainer": "benchmarks.hf_trainer",
+    "hf_trainer_memory": "benchmarks.hf_trainer_memory",
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -102,10 +102,14 @@ def plain_run(model_dir: str, out: str, gas: int, steps: int = 5, n_train: int =
     return {"logs": _logs(trainer.state), "eval_loss": eval_loss, "dir": os.path.join(out, "final")}
 
 
-def _ds_mp_rank(rank: int, model_dir: str, out: str, ds: dict, steps: int) -> dict:
+def _ds_mp_rank(rank: int, model_dir: str, out: str, ds: dict, steps: int, extra: dict | None = None,
+                as_object: bool = False) -> dict:
+    from transformers import AutoModelForCausalLM
+
     from ds_mp.hf import Trainer
 
-    trainer = Trainer(model=model_dir, args=training_args(out, ds, max_steps=steps), train_dataset=rows(24),
+    model = AutoModelForCausalLM.from_pretrained(model_dir) if as_object else model_dir
+    trainer = Trainer(model=model, args=training_args(out, ds, max_steps=steps, **(extra or {})), train_dataset=rows(24),
                       eval_dataset=rows(8, seed=9), data_collator=collate)
     trainer.train()
     eval_loss = trainer.evaluate()["eval_loss"]
@@ -137,14 +141,28 @@ def gpt2_dir(tmp_path_factory: Any) -> str:
 
 
 @pytest.fixture(scope="module")
-def oracle(gpt2_dir: str, tmp_path_factory: Any) -> Any:
-    """The plain Trainer's runs, one per accumulation count (computed once)."""
-    cache: dict[int, dict] = {}
+def qwen2_dir(tmp_path_factory: Any) -> str:
+    """A Qwen2-shaped checkpoint: grouped KV heads, q/k/v biases, RMSNorm, untied head, rotary positions."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    def get(gas: int) -> dict:
-        if gas not in cache:
-            cache[gas] = plain_run(gpt2_dir, str(tmp_path_factory.mktemp(f"plain{gas}")), gas)
-        return cache[gas]
+    torch.manual_seed(0)
+    cfg = Qwen2Config(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=203, max_position_embeddings=64, tie_word_embeddings=False,
+                      bos_token_id=0, eos_token_id=0)
+    path = str(tmp_path_factory.mktemp("qwen2"))
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory: Any) -> Any:
+    """The plain Trainer's runs, one per (checkpoint, accumulation count), computed once."""
+    cache: dict[tuple[str, int], dict] = {}
+
+    def get(model_dir: str, gas: int) -> dict:
+        if (model_dir, gas) not in cache:
+            cache[model_dir, gas] = plain_run(model_dir, str(tmp_path_factory.mktemp(f"plain{gas}")), gas)
+        return cache[model_dir, gas]
     return get
 
 
@@ -168,7 +186,30 @@ def test_trainer_equals_plain_trainer(world: int, tp: int, pp: int, schedule: st
     dp = world // (tp * pp)
     got = run_ranks(_ds_mp_rank, world, gpt2_dir, str(tmp_path), ds_json(tp, pp, schedule), 5, timeout=600)
     assert all(r["logs"] == got[0]["logs"] and r["eval_loss"] == got[0]["eval_loss"] for r in got)
-    assert_same_run(got[0], oracle(2 * dp))
+    assert_same_run(got[0], oracle(gpt2_dir, 2 * dp))
+
+
+def test_gradient_checkpointing_is_activation_checkpointing(gpt2_dir: str, oracle: Any, tmp_path: Any) -> None:
+    """``gradient_checkpointing=True`` (TRL's default) runs ds_mp's activation checkpointing at PP = 2:
+    the same numbers as the plain Trainer without it."""
+    got = run_ranks(_ds_mp_rank, 2, gpt2_dir, str(tmp_path), ds_json(pp=2), 5, {"gradient_checkpointing": True},
+                    timeout=600)
+    assert_same_run(got[0], oracle(gpt2_dir, 2))
+
+
+def test_a_loaded_model_object_trains_the_same(gpt2_dir: str, oracle: Any, tmp_path: Any) -> None:
+    """``Trainer(model=AutoModelForCausalLM.from_pretrained(dir))`` (weights in memory on every rank)
+    at TP = 2: the plain Trainer's numbers."""
+    got = run_ranks(_ds_mp_rank, 2, gpt2_dir, str(tmp_path), ds_json(tp=2), 5, None, True, timeout=600)
+    assert_same_run(got[0], oracle(gpt2_dir, 2))
+
+
+@pytest.mark.parametrize("world,tp,pp", [pytest.param(2, 2, 1, id="tp2"),
+                                         pytest.param(4, 2, 2, id="tp2xpp2", marks=pytest.mark.slow)])
+def test_qwen2_equals_plain_trainer(world: int, tp: int, pp: int, qwen2_dir: str, oracle: Any, tmp_path: Any) -> None:
+    """The same on a Qwen2-shaped checkpoint (the Llama family's plan)."""
+    got = run_ranks(_ds_mp_rank, world, qwen2_dir, str(tmp_path), ds_json(tp, pp), 5, timeout=600)
+    assert_same_run(got[0], oracle(qwen2_dir, 2))
 
 
 def test_refusals_name_the_argument(gpt2_dir: str, tmp_path: Any) -> None:
@@ -211,6 +252,7 @@ def test_argument_mapping(tmp_path: Any) -> None:
     no_len = ds_json()
     del no_len["ds_mp"]["data"]
     assert deepspeed_dict(training_args(str(tmp_path), no_len), cfg)["ds_mp"]["data"]["seq_len"] == cfg.n_positions
+    assert deepspeed_dict(training_args(str(tmp_path), ds_json(), bf16=True), cfg)["bf16"] == {"enabled": True}
 
 
 def test_model_without_a_plan_is_refused(tmp_path: Any) -> None:
@@ -290,7 +332,7 @@ from ds_mp.hf import Trainer  # the only ds_mp line
 SEQ = {seq}
 {rows}
 {collate}
-model_dir, out, config = sys.argv[1], sys.argv[2], sys.argv[3]
+model_dir, out, config = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # deepspeed adds it
 args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
                          learning_rate=1e-2, optim="adamw_torch", adam_epsilon=1e-6, warmup_steps=1, logging_steps=1,
                          save_strategy="no", report_to="none", seed=0, use_cpu=True, disable_tqdm=True,

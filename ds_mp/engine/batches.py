@@ -64,16 +64,23 @@ def _read(engine: Any, source: Any, n: int) -> tuple[list[MicroBatch], str]:
             raw = next(source)
             mbs.append(parse_micro_batch(engine.batch_fn(raw) if engine.batch_fn else raw))
         shapes = {tuple(mb.input_ids.shape) for mb in mbs}
+        flat = FLATTENED if any(mb.input_ids.shape[0] == 1 and mb.position_ids is not None for mb in mbs) else ""
         if len(shapes) > 1:
-            raise ValueError(f"batch: the micro-batches of one step differ in shape {sorted(shapes)}; pad them to one")
+            raise ValueError(f"batch: the micro-batches of one step differ in shape {sorted(shapes)}; pad them to "
+                             f"one{flat}")
         seq_len = engine.ds_mp_config.data.seq_len if engine.ds_mp_config is not None else None
         T = mbs[0].input_ids.shape[1]
         if seq_len is not None and T > seq_len:
             raise ValueError(f"batch: sequence length {T} exceeds ds_mp.data.seq_len={seq_len}; raise data.seq_len "
-                             f"or cut the batches to {seq_len} tokens")
+                             f"or cut the batches to {seq_len} tokens{flat}")
         return mbs, ""
     except ValueError as err:
         return [], str(err)
+
+
+#: Appended to a shape refusal of one-row packed micro-batches (#43 item 14).
+FLATTENED = ("; a flattened (1, T) batch (DataCollatorWithFlattening, TRL padding-free) is re-formed into fixed rows "
+             "by ds_mp.data.flatten.unflatten_all (docs/batches.md)")
 
 
 def prepare_step(engine: Any, data_iter: Any, n: int, training: bool) -> tuple[Iterator | None, Step]:

@@ -119,8 +119,10 @@ def parse_micro_batch(batch: Any) -> MicroBatch:
     if isinstance(batch, dict):
         extra = [k for k in batch if k not in HF_KEYS]
         if extra:
-            raise ValueError(f"batch: key {extra[0]!r} is not used by ds_mp (accepted: {', '.join(HF_KEYS)}); "
-                             "remove it from the batch")
+            flat = extra[0] in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+            raise ValueError(f"batch: key {extra[0]!r} is not used by ds_mp (accepted: {', '.join(HF_KEYS)}); " + (
+                "a flattened batch (DataCollatorWithFlattening, TRL padding-free): re-form it into fixed rows with "
+                "ds_mp.data.flatten.unflatten_all (docs/batches.md)" if flat else "remove it from the batch"))
         for key in ("input_ids", "labels"):
             if key not in batch:
                 raise ValueError(f"batch: dict batch without {key!r} (accepted keys: {', '.join(HF_KEYS)})")

@@ -262,12 +262,34 @@ def _verify_reads(engine: Any, reader: ShardedReader, path: str) -> None:
 
 
 def read_latest(ckpt_root: str) -> str | None:
-    """The tag ``<ckpt_root>/latest`` points at, or None when there is no finished checkpoint."""
+    """The tag ``<ckpt_root>/latest`` points at, or None when there is no finished checkpoint.
+    A pointer that is not one plain UTF-8 name (other bytes, NULs, a path such as ``../..`` that
+    leads out of ``ckpt_root``) raises :class:`CheckpointError` naming the tags that exist."""
+    path = os.path.join(ckpt_root, LATEST)
     try:
-        with open(os.path.join(ckpt_root, LATEST)) as f:
-            return f.read().strip() or None
+        with open(path, "rb") as f:
+            data = f.read(4096)
     except (FileNotFoundError, NotADirectoryError):
         return None
+    try:
+        tag = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise damaged_latest(ckpt_root, "it holds bytes that are not UTF-8") from None
+    if not tag:
+        return None
+    if any(c in tag for c in "\0\n/" + os.sep) or tag in (".", ".."):
+        raise damaged_latest(ckpt_root, f"it names {tag[:40]!r}, not one checkpoint directory of this run")
+    return tag
+
+
+def damaged_latest(ckpt_root: str, why: str) -> CheckpointError:
+    """The one line for a ``latest`` pointer that cannot be followed: which tags exist instead."""
+    tags = [t for t in _tags(ckpt_root) if not t.startswith("nan-")]
+    found = ", ".join(tags[-5:]) or "none"
+    fix = f"resume one with --resume TAG or write its name into {os.path.join(ckpt_root, LATEST)}" if tags else \
+        "remove it and start without --resume"
+    return CheckpointError(f"{os.path.join(ckpt_root, LATEST)} is damaged: {why} (finished checkpoints here: "
+                           f"{found}); {fix}")
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -281,6 +303,8 @@ def latest_tag(ckpt_root: str) -> str:
     if tag is None:
         raise CheckpointError(f"{ckpt_root}: no '{LATEST}' file, so no finished checkpoint; pass tag= "
                               "or check the path")
+    if tag.startswith("nan-"):  # diagnostics never move latest: a hand-made pointer
+        raise damaged_latest(ckpt_root, f"it names the NaN diagnostic {tag!r}, which is never resumed from")
     return tag
 
 

@@ -129,9 +129,8 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     signals and launcher watch (:mod:`ds_mp.training.signals`)."""
     import ds_mp
     from ds_mp.checkpoint import directory_source, load_checkpoint, save_checkpoint
-    from ds_mp.checkpoint.training import read_latest
     from ds_mp.engine.initialize import init_distributed
-    from ds_mp.training.run_dir import check_unlocked, choose_resume, from_rank0, open_run_dir, rotate
+    from ds_mp.training.run_dir import check_unlocked, choose_resume, finished_tags, from_rank0, open_run_dir, rotate
     from ds_mp.training.startup import (check_deepspeed_blocks, check_shared_output_dir, checked_then_agreed,
                                         tags_view)
     from ds_mp.data import datasets_for, step_tokens, training_batches
@@ -255,7 +254,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
         if nan_guard.after_step(loss, engine.last_step_nonfinite):  # a diagnostic save; `latest` stays
             save(step, f"nan-step{step}")
             raise NonFiniteLoss(nan_guard.stop_message(step, loss, os.path.join(ckpt_root, f"nan-step{step}"),
-                                                       read_latest(ckpt_root)))
+                                                       finished_tags(ckpt_root)))
         val_loss = None
         if tcfg.eval_interval and step % tcfg.eval_interval == 0:
             val_loss = evaluate(engine, val, eval_per_pass)

@@ -121,8 +121,8 @@ def check_shared_output_dir(output_dir: str, holder: str, device: Any) -> None:
     missing = [r for r, (seen, _) in enumerate(outcomes) if not seen]
     if missing:
         where = _ranks(missing, [(None, h, None) for _, h in outcomes])
-        raise StartupError(f"ds_mp.training.output_dir {output_dir!r} is not shared: {where} cannot read the lock global "
-                           f"rank 0 wrote there; checkpoints need a filesystem every node shares: put output_dir on "
+        raise StartupError(f"ds_mp.training.output_dir {output_dir!r} is not shared: {where} cannot read the lock "
+                           f"global rank 0 wrote there; checkpoints need a filesystem every node shares: put output_dir on "
                            f"one (see {SHARED_FS})")
 
 

@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
 
     # one rank's failed check ends every rank of every node, each with the cause (training.startup)
     raw, cfg, tcfg, data_path, train_ds, val_ds, init = checked_then_agreed(
-        checks, lambda: tags_view(root[0]) if root else None, init_distributed, _device)  # ds_mp.initialize reuses it
+        checks, lambda: tags_view(root[0]) if root else None, init_distributed, _device)  # initialize reuses it
     ckpt_root = root[0]
     resume_tag, notes, holder = from_rank0(lambda: (*open_run_dir(run_dir, tcfg.output_dir, ckpt_root, args.resume),
                                                     run_dir.holder), _device())  # lock, leftovers, ONE resume point

@@ -9,13 +9,17 @@ What DeepSpeed 0.19.8's single-node launchers do with signals (``deepspeed/launc
   then SIGKILL after 30 s), and when a rank exits non-zero it does the same to the others and exits
   with that rank's code.
 
-So every rank (:class:`StopFlag`):
+So every rank (:class:`StopFlag`, taking over from :mod:`ds_mp.launcher_guard`, which ``import
+ds_mp`` armed before torch was imported):
+
+0. during start-up (until :meth:`StopFlag.running`, just before the first step) a signal or a
+   launcher's end exits the rank at once with one line and 128 + the signal: nothing to save;
 
 1. turns SIGTERM/SIGINT into a flag (later signals are ignored: a signal to the process group
    reaches a rank twice, once directly and once from ``launch.py``);
-2. watches its launchers: ``launch.py`` (its parent: ``PR_SET_PDEATHSIG`` and a poll of the
-   parent pid) and the ``deepspeed`` runner above it (a poll of ``launch.py``'s parent pid); one of
-   them gone sets the flag as SIGTERM would;
+2. watches its launchers as recorded at spawn: ``launch.py`` (its parent: ``PR_SET_PDEATHSIG`` and
+   a poll of the parent pid against the recorded one) and the ``deepspeed`` runner above it (a poll
+   of ``launch.py``'s parent pid); one of them gone sets the flag as SIGTERM would;
 3. at the end of every step all ranks all-reduce the flag (:meth:`StopFlag.agreed`: MAX of one
    int32 on the engine's device), so a signal to any one rank stops every rank after the same
    step; the loop then saves (``training.save_on_signal``) and exits with 128 + the signal number,

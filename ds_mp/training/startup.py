@@ -21,6 +21,7 @@ from typing import Any, Callable
 from ds_mp.training.run_dir import LOCK, finished_tags
 
 SHARED_FS = "docs/getting-started.md#multi-node"
+FAILED_RENDEZVOUS_S = 60.0  # how long a rank whose check failed waits for its peers to hear why
 
 
 class StartupError(RuntimeError):
@@ -87,17 +88,28 @@ def agree(error: BaseException | None, view: Any, device: Any) -> None:
         raise StartupError(f"a start-up check failed on another rank, so every rank stops ({cause})")
 
 
-def checked_then_agreed(checks: Callable[[], Any], view: Callable[[], Any], init: Callable[[], None],
+def checked_then_agreed(checks: Callable[[], Any], view: Callable[[], Any], init: Callable[[float | None], None],
                         device: Callable[[], Any]) -> Any:
-    """Run ``checks`` (this rank's, no communication) and the rendezvous ``init``, then :func:`agree`
-    on the outcome; returns ``checks``' result when every rank passed.  ``view()``, called after
-    ``checks`` whatever its outcome, is what this rank sees of the checkpoint root (None: unknown)."""
+    """Run ``checks`` (this rank's, no communication) and the rendezvous ``init(timeout_s)``, then
+    :func:`agree` on the outcome; returns ``checks``' result when every rank passed.  ``view()``,
+    called after ``checks`` whatever its outcome, is what this rank sees of the checkpoint root.
+
+    A rank whose check failed waits at most :data:`FAILED_RENDEZVOUS_S` for its peers (they are
+    there or coming: it only tells them why) and raises its own error when it has no launcher's
+    rendezvous address (``MASTER_ADDR``) or no peers to tell."""
     try:
         result, error = checks(), None
     except Exception as e:  # noqa: BLE001 - every rank learns of it in agree()
         result, error = None, e
     seen = view()
-    rendezvous(init)
+    if error is not None and ("MASTER_ADDR" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1):
+        raise error  # nobody to tell
+    try:
+        rendezvous(lambda: init(None if error is None else FAILED_RENDEZVOUS_S))
+    except Exception:
+        if error is not None:
+            raise error from None  # the peers could not be reached: this rank's cause is the line
+        raise
     agree(error, seen, device())
     return result
 

@@ -131,8 +131,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     from ds_mp.checkpoint import directory_source, load_checkpoint, save_checkpoint
     from ds_mp.engine.initialize import init_distributed
     from ds_mp.training.run_dir import check_unlocked, choose_resume, finished_tags, from_rank0, open_run_dir, rotate
-    from ds_mp.training.startup import (check_deepspeed_blocks, check_shared_output_dir, checked_then_agreed,
-                                        tags_view)
+    from ds_mp.training import startup
     from ds_mp.data import datasets_for, step_tokens, training_batches
     from ds_mp.hub import resolve_model
     from ds_mp.models.family import model_config
@@ -149,7 +148,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
         cfg, raw = load_config(raw, int(os.environ.get("WORLD_SIZE", "1")))
         tcfg = cfg.training
         root.append(os.path.join(tcfg.output_dir, "checkpoints"))
-        check_deepspeed_blocks(raw)
+        startup.check_deepspeed_blocks(raw)
         data_path, train_ds, val_ds = datasets_for(cfg)
         if os.path.exists(tcfg.output_dir) and not os.path.isdir(tcfg.output_dir):
             raise ConfigError(f"ds_mp.training.output_dir: {tcfg.output_dir!r} is a file; choose a directory")
@@ -164,12 +163,12 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
         return raw, cfg, tcfg, data_path, train_ds, val_ds, init
 
     # one rank's failed check ends every rank of every node, each with the cause (training.startup)
-    raw, cfg, tcfg, data_path, train_ds, val_ds, init = checked_then_agreed(
-        checks, lambda: tags_view(root[0]) if root else None, init_distributed, _device)  # initialize reuses it
+    raw, cfg, tcfg, data_path, train_ds, val_ds, init = startup.checked_then_agreed(
+        checks, lambda: startup.tags_view(root[0]) if root else None, init_distributed, _device)  # initialize reuses it
     ckpt_root = root[0]
     resume_tag, notes, holder = from_rank0(lambda: (*open_run_dir(run_dir, tcfg.output_dir, ckpt_root, args.resume),
                                                     run_dir.holder), _device())  # lock, leftovers, ONE resume point
-    check_shared_output_dir(tcfg.output_dir, holder, _device())  # every rank sees rank 0's lock: one filesystem
+    startup.check_shared_output_dir(tcfg.output_dir, holder, _device())  # every rank sees rank 0's lock: one filesystem
     engine, _, _, _ = ds_mp.initialize(model=init, config=raw)
     topo, rank0 = engine.topology, torch.distributed.get_rank() == 0
     if hasattr(engine, "noise_scale"):

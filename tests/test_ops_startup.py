@@ -189,3 +189,31 @@ def test_taken_rendezvous_port_is_one_line(data, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert f"127.0.0.1:{port} is in use" in lines[0] and "--master_port" in lines[0], lines[0]
     assert "Traceback" not in proc.stderr and time.time() - t0 < 200
+
+
+def test_token_file_rewritten_in_place_is_checked_again(data, tmp_path):
+    """A token file rewritten in place (same size) with its mtime put back (``touch -r``): the cached
+    largest id is not trusted (the ctime moved), so an id beyond the vocab is refused at open
+    naming the file (main: the stale cache passed it to the first stage's check mid-training)."""
+    import shutil
+
+    import numpy as np
+
+    from ds_mp.data import DataError
+    from ds_mp.data import checks
+    from ds_mp.data.dataset import TokenDataset
+
+    copy = str(tmp_path / "data")
+    shutil.copytree(data, copy)
+    file = os.path.join(copy, "tokens.bin")
+    checks.check_token_ids(TokenDataset(copy), 512)  # cached: largest id < 400
+    before = os.stat(file)
+    time.sleep(0.05)
+    tokens = np.memmap(file, dtype=np.uint16, mode="r+")
+    tokens[len(tokens) // 2] = 600
+    tokens.flush()
+    del tokens
+    os.utime(file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(file).st_size == before.st_size and os.stat(file).st_mtime_ns == before.st_mtime_ns
+    with pytest.raises(DataError, match=r"tokens.bin: token id 600 >= the model's vocab_size 512"):
+        checks.check_token_ids(TokenDataset(copy), 512)

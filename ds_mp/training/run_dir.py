@@ -129,6 +129,7 @@ class RunDir:
             os.ftruncate(fd, 0)
             if os.pwrite(fd, text.encode(), 0) != len(text.encode()):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            os.fsync(fd)  # on NFS the other nodes read it back (startup.check_shared_output_dir) while it stays open
         except OSError as e:
             os.close(fd)  # drops the lock; an empty lock file would only puzzle the next run
             if not old:

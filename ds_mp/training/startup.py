@@ -16,11 +16,13 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import time
 from typing import Any, Callable
 
 from ds_mp.training.run_dir import LOCK, finished_tags
 
 SHARED_FS = "docs/getting-started.md#multi-node"
+PROBE_TRIES = 3  # reads of the lock, 1 s apart, before a rank is said not to share output_dir
 FAILED_RENDEZVOUS_S = 60.0  # how long a rank whose check failed waits for its peers to hear why
 
 
@@ -71,8 +73,11 @@ def agree(error: BaseException | None, view: Any, device: Any) -> None:
     for _, host, seen in outcomes:
         if seen is not None:
             per_host.setdefault(host, set()).add(seen)
-    if len(per_host) > 1 and all(len(v) == 1 for v in per_host.values()) and \
-            len({next(iter(v)) for v in per_host.values()}) > 1:  # each host agrees with itself, not with the others
+    distinct = {next(iter(v)) for v in per_host.values() if len(v) == 1}
+    if len(per_host) > 1 and all(len(v) == 1 for v in per_host.values()) and len(distinct) > 1 and \
+            (() in distinct or not set.intersection(*map(set, distinct))):
+        # each host agrees with itself; one sees nothing or they share no tag (a lagging shared
+        # filesystem shows an older subset, not a disjoint one): the directory is node-local
         seen = "; ".join(f"{host} sees {_seen(next(iter(v)))}" for host, v in sorted(per_host.items()))
         raise StartupError(f"the nodes see different checkpoints under ds_mp.training.output_dir ({seen}): it is "
                            "node-local; checkpoints need a filesystem every node shares: put output_dir on one "
@@ -123,11 +128,16 @@ def check_shared_output_dir(output_dir: str, holder: str, device: Any) -> None:
     del device  # agree() made it the current one
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    try:
-        with open(os.path.join(output_dir, LOCK)) as f:
-            ok = f.read().strip() == holder.strip()
-    except OSError:
-        ok = False
+    ok = False
+    for attempt in range(PROBE_TRIES):  # a network filesystem may show the new content a moment late
+        try:
+            with open(os.path.join(output_dir, LOCK)) as f:
+                ok = f.read().strip() == holder.strip()
+        except OSError:
+            ok = False
+        if ok:
+            break
+        time.sleep(1.0)
     outcomes = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, (ok, socket.gethostname()))
     missing = [r for r, (seen, _) in enumerate(outcomes) if not seen]

@@ -59,7 +59,9 @@ def test_nan_stop_keeps_latest_on_the_last_good_checkpoint(data, tmp_path):
     assert os.path.isdir(os.path.join(ckpts, "nan-step2"))
     with open(os.path.join(ckpts, "latest")) as f:
         assert f.read().strip() == "step1"  # not nan-step2: --resume must not load diverged weights
-    assert "nan-step2" in lines[0] and "(step1)" in lines[0] and "--resume" in lines[0], lines[0]
+    assert "nan-step2" in lines[0] and "(step1)" in lines[0], lines[0]
+    # step1 holds the weights step 2 started from (the diverging ones): no "--resume" offered
+    assert "start again in a new ds_mp.training.output_dir (--output_dir)" in lines[0], lines[0]
 
 
 def test_skip_stops_after_max_consecutive_skips(data, tmp_path):

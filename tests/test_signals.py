@@ -122,7 +122,7 @@ def test_a_stop_that_cannot_finish_ends_the_rank_after_the_grace(tmp_path):
     loop) exits 128 + signal with one line once ``grace_s`` has passed since the request."""
     code = ("import os, signal, time\n"
             "from ds_mp.training.signals import StopFlag\n"
-            "StopFlag(grace_s=1.0, poll_s=0.1).install()\n"
+            "StopFlag(grace_s=1.0, poll_s=0.1).install().running()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(60)\n")
     t0 = time.time()

@@ -44,13 +44,15 @@ from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import commit_dir, fresh_dir, write_text_atomic
 from ds_mp.checkpoint.hparams import apply_config_hparams, changed_hparams
 from ds_mp.checkpoint.integrity import file_entries, load_torch, write_manifest
-from ds_mp.checkpoint.sharded import (META, CheckpointError, ShardedReader, expected_shapes, lora_shapes,
+from ds_mp.checkpoint.latest import LATEST, damaged_latest, latest_tag, read_latest, resolve_checkpoint, tags as _tags
+from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, lora_shapes,
                                       make_meta, shard_file, write_meta)
 from ds_mp.checkpoint.schedule_state import layout_of, load_schedule_state, schedule_file, schedule_state
 from ds_mp.models.pipeline import hf_param_name
 
 TRAINER_STATE = "trainer_state.pt"
-LATEST = "latest"
+__all__ = ["save_checkpoint", "load_checkpoint", "everywhere", "TRAINER_STATE", "NATIVE", "LATEST", "read_latest",
+           "damaged_latest", "latest_tag", "resolve_checkpoint"]  # the latest pointer's names live in .latest
 
 
 NATIVE = "ds_mp_native.json"  # marked the DeepSpeed-format checkpoints of older ds_mp (refused)
@@ -259,37 +261,6 @@ def _verify_reads(engine: Any, reader: ShardedReader, path: str) -> None:
         if os.path.isfile(extra):
             files.add(extra)
     reader.verify_files(files)
-
-
-def read_latest(ckpt_root: str) -> str | None:
-    """The tag ``<ckpt_root>/latest`` points at, or None when there is no finished checkpoint."""
-    try:
-        with open(os.path.join(ckpt_root, LATEST)) as f:
-            return f.read().strip() or None
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def resolve_checkpoint(path: str) -> str:
-    """``path`` itself, or (a checkpoint root) the directory its ``latest`` pointer names."""
-    tag = read_latest(path)
-    return os.path.join(path, tag) if tag else path
-
-
-def latest_tag(ckpt_root: str) -> str:
-    tag = read_latest(ckpt_root)
-    if tag is None:
-        raise CheckpointError(f"{ckpt_root}: no '{LATEST}' file, so no finished checkpoint; pass tag= "
-                              "or check the path")
-    return tag
-
-
-def _tags(ckpt_root: str) -> list[str]:
-    """The finished checkpoints under ``ckpt_root`` (directories with a sharded meta)."""
-    try:
-        return sorted(t for t in os.listdir(ckpt_root) if os.path.isfile(os.path.join(ckpt_root, t, META)))
-    except OSError:
-        return []
 
 
 def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None, verify: bool = True) -> dict:

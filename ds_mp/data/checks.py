@@ -9,8 +9,9 @@
   not what ``meta.json`` says (damaged, or concatenated from another encoding), so it is refused
   as well, not trained on.  :func:`max_token_id` finds the largest id in one streamed pass
   (:data:`CHUNK_TOKENS` at a time); the result is cached in ``<dataset>/token_stats.json``
-  (or, for a read-only dataset, under the ds_mp cache), keyed by the file's size, mtime and the
-  dataset's ``sha256``, so later opens read no token.
+  (or, for a read-only dataset, under the ds_mp cache), keyed by the file's size, mtime, ctime,
+  inode and the dataset's ``sha256``, so later opens read no token (a file rewritten in place with
+  its mtime put back still has a new ctime, which no user can set back).
 * **Tokenizer identity.** :func:`tokenizer_mismatch` compares the dataset's tokenizer with the
   model directory's (vocabulary, merges and added tokens of their ``tokenizer.json``): ids
   encoded by one mean other text to the other even when the sizes agree.  A warning, not an
@@ -63,13 +64,14 @@ def _read_stats(path: str) -> dict:
 
 def max_token_id(dataset: Any, cache_dir: str | None = None) -> int:
     """The largest token id of ``dataset`` (a :class:`~ds_mp.data.dataset.TokenDataset`), -1 if it
-    is empty: cached by file name, size, mtime and the dataset's sha256, else one streamed pass."""
+    is empty: cached by file name, size, mtime, ctime, inode and the dataset's sha256, else one streamed pass."""
     info, tokens = dataset.info, dataset.tokens
     file = getattr(tokens, "filename", None)
     if file is None:  # an empty split: nothing mapped
         return -1
     st = os.stat(file)
-    key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": info.sha256}
+    key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": info.sha256,  # ctime and inode: a rewrite
+           "ctime_ns": st.st_ctime_ns, "ino": st.st_ino}  # in place with its mtime put back (touch -r) still shows
     name = os.path.basename(file)
     paths = _stats_paths(info.path, cache_dir)
     for path in paths:

@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds_mp.data import DataError
     from ds_mp.hub import HubError
     from ds_mp.models.token_ids import TokenIdError
+    from ds_mp.training.startup import StartupError
 
     args = parse_args(argv)
     run_dir, stop = RunDir(), StopFlag(stop_grace_s()).install()
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         if str(e):
             print(e, file=sys.stderr)
         return e.code
-    except (ConfigError, DataError, TokenIdError, CheckpointError, HubError, NonFiniteLoss, RunDirError) as e:
+    except (ConfigError, DataError, TokenIdError, CheckpointError, HubError, NonFiniteLoss, RunDirError,
+            StartupError) as e:
         print(f"ds_mp: error: {e}", file=sys.stderr)
         return 3 if isinstance(e, NonFiniteLoss) else 2
     finally:
@@ -127,9 +129,9 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     signals and launcher watch (:mod:`ds_mp.training.signals`)."""
     import ds_mp
     from ds_mp.checkpoint import directory_source, load_checkpoint, save_checkpoint
-    from ds_mp.checkpoint.training import read_latest
     from ds_mp.engine.initialize import init_distributed
-    from ds_mp.training.run_dir import check_unlocked, choose_resume, from_rank0, open_run_dir, rotate
+    from ds_mp.training.run_dir import check_unlocked, choose_resume, finished_tags, from_rank0, open_run_dir, rotate
+    from ds_mp.training import startup
     from ds_mp.data import datasets_for, step_tokens, training_batches
     from ds_mp.hub import resolve_model
     from ds_mp.models.family import model_config
@@ -139,26 +141,35 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     from ds_mp.training.nan_guard import NanGuard
     from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
-    raw = _apply_overrides(read_json(args.deepspeed_config), args)
-    cfg, raw = load_config(raw, int(os.environ.get("WORLD_SIZE", "1")))  # before any collective
-    tcfg = cfg.training
-    # Everything that can be checked without communication is checked here, on every rank.
-    data_path, train_ds, val_ds = datasets_for(cfg)
-    if os.path.exists(tcfg.output_dir) and not os.path.isdir(tcfg.output_dir):
-        raise ConfigError(f"ds_mp.training.output_dir: {tcfg.output_dir!r} is a file; choose a directory")
-    init = tcfg.init_from or (cfg.model if isinstance(cfg.model, str) else None)  # cfg.model: Hub id resolved
-    if tcfg.init_from:
-        init = resolve_model(tcfg.init_from, "ds_mp.training.init_from")
-    if init:
-        directory_source(init)  # config, files, keys and shapes: fails before any collective
-    _warn_tokenizer(train_ds.info, init)
-    ckpt_root = os.path.join(tcfg.output_dir, "checkpoints")
-    check_unlocked(tcfg.output_dir)  # every rank, before any collective; rank 0 decides below
-    choose_resume(ckpt_root, args.resume)
+    root: list[str] = []  # the checkpoint root, once the config says it
 
-    init_distributed()  # ds_mp.initialize reuses it
-    resume_tag, notes = from_rank0(lambda: open_run_dir(run_dir, tcfg.output_dir, ckpt_root, args.resume),
-                                   _device())  # the lock, leftovers, and ONE resume point for every rank
+    def checks() -> tuple:
+        """Everything that can be checked without communication, on every rank."""
+        raw = _apply_overrides(read_json(args.deepspeed_config), args)
+        cfg, raw = load_config(raw, int(os.environ.get("WORLD_SIZE", "1")))
+        tcfg = cfg.training
+        root.append(os.path.join(tcfg.output_dir, "checkpoints"))
+        startup.check_deepspeed_blocks(raw)
+        data_path, train_ds, val_ds = datasets_for(cfg)
+        if os.path.exists(tcfg.output_dir) and not os.path.isdir(tcfg.output_dir):
+            raise ConfigError(f"ds_mp.training.output_dir: {tcfg.output_dir!r} is a file; choose a directory")
+        init = tcfg.init_from or (cfg.model if isinstance(cfg.model, str) else None)  # cfg.model: Hub id resolved
+        if tcfg.init_from:
+            init = resolve_model(tcfg.init_from, "ds_mp.training.init_from")
+        if init:
+            directory_source(init)  # config, files, keys and shapes: fails before any collective
+        _warn_tokenizer(train_ds.info, init)
+        check_unlocked(tcfg.output_dir)  # every rank, before any collective; rank 0 decides below
+        choose_resume(root[0], args.resume)
+        return raw, cfg, tcfg, data_path, train_ds, val_ds, init
+
+    # one rank's failed check ends every rank of every node, each with the cause (training.startup)
+    raw, cfg, tcfg, data_path, train_ds, val_ds, init = startup.checked_then_agreed(
+        checks, lambda: startup.tags_view(root[0]) if root else None, init_distributed, _device)  # initialize reuses it
+    ckpt_root = root[0]
+    resume_tag, notes, holder = from_rank0(lambda: (*open_run_dir(run_dir, tcfg.output_dir, ckpt_root, args.resume),
+                                                    run_dir.holder), _device())  # lock, leftovers, ONE resume point
+    startup.check_shared_output_dir(tcfg.output_dir, holder, _device())  # every rank sees rank 0's lock: one filesystem
     engine, _, _, _ = ds_mp.initialize(model=init, config=raw)
     topo, rank0 = engine.topology, torch.distributed.get_rank() == 0
     if hasattr(engine, "noise_scale"):
@@ -222,6 +233,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     recorded: list = []  # the trace_steps window's instructions on this rank
     window: list[tuple[float, float, float]] = []  # (seconds, tokens, FLOPs) of the steps since the last row
     t_start = time.time()
+    stop.running()  # start-up is over: a signal now ends the run after the step, with a save
     for step in range(start_step + 1, tcfg.steps + 1):
         step_lr = None
         if ramp is not None:  # DeepSpeed's own batch change: more micro-batches per step, same engine
@@ -248,7 +260,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
         if nan_guard.after_step(loss, engine.last_step_nonfinite):  # a diagnostic save; `latest` stays
             save(step, f"nan-step{step}")
             raise NonFiniteLoss(nan_guard.stop_message(step, loss, os.path.join(ckpt_root, f"nan-step{step}"),
-                                                       read_latest(ckpt_root)))
+                                                       finished_tags(ckpt_root)))
         val_loss = None
         if val is not None and tcfg.eval_interval and step % tcfg.eval_interval == 0:
             val_loss = evaluate(engine, val)
@@ -358,6 +370,13 @@ def restore_sampler(sampler: Any, client_state: dict, step: int) -> None:
     resume at another DP size (another global batch) repeats and skips nothing.  Checkpoints
     from before that field fall back to ``step × global batch`` (right only at the same DP)."""
     saved = client_state.get("sampler")
+    have = getattr(sampler, "seq_len", None)
+    if saved is not None and have is not None and saved.get("seq_len", have) != have:
+        from ds_mp.data import DataError  # said as the key, not as the sampler's chunk counts
+
+        raise DataError(f"ds_mp.data.seq_len: the checkpoint was trained with seq_len {saved['seq_len']}, this run has "
+                        f"{have}; resume with seq_len {saved['seq_len']}, or start a new output_dir (init_from the "
+                        "checkpoint's exported HF weights) to change it")
     if saved is not None:
         sampler.load_state_dict(saved)
     else:

@@ -9,13 +9,17 @@ The engine has already skipped that step's update (the weights stay those before
   every further step is wasted and the run would end "successfully" with a diverged model.
 
 On a stop the loop saves a diagnostic checkpoint ``nan-stepN`` (the weights before the bad step,
-already diverging) that does **not** move ``latest``: ``--resume`` after lowering the LR
-continues from the last regular checkpoint, not from the diverged weights.
+already diverging) that does **not** move ``latest`` and is not one of the run's checkpoints (a
+fresh start is not refused for it, ``--resume`` never picks it).  The line names the newest
+regular checkpoint from *before* the diverging weights (a checkpoint of the step just before the
+bad one holds those same weights), or says to start afresh.
 :func:`stop_message` is the one line the run ends with.
 """
 from __future__ import annotations
 
 import math
+
+from ds_mp.training.run_dir import STEP_TAG
 
 
 class NanGuard:
@@ -34,15 +38,30 @@ class NanGuard:
             return False
         return self.on_nan == "stop" or (self.limit > 0 and self.in_a_row >= self.limit)
 
-    def stop_message(self, step: int, loss: float, diagnostic: str, latest: str | None) -> str:
-        """The run's last line: why it stopped, where the diagnostic is, what to resume."""
+    def stop_message(self, step: int, loss: float, diagnostic: str, checkpoints: list[str]) -> str:
+        """The run's last line: why it stopped, where the diagnostic is, what to do next.
+
+        ``checkpoints``: the run's regular ``stepN`` checkpoints, oldest first.  The first bad step
+        (``first``) started from the weights after step ``first - 1``, so the checkpoints of steps
+        ``>= first - 1`` hold those diverging weights (or, after skipped steps, the same ones):
+        only an older one is offered to resume from; none older means a fresh start."""
         if self.on_nan == "stop":
             why = f"non-finite loss {loss} at step {step}"
         else:
             why = (f"{self.in_a_row} steps in a row skipped for a non-finite loss or gradient (steps "
                    f"{step - self.in_a_row + 1}-{step}; training.max_consecutive_skips={self.limit})")
-        then = (f"lower the LR and --resume continues from the last good checkpoint ({latest})" if latest
-                else "no checkpoint precedes it: lower the LR and start again without --resume")
+        first = step - self.in_a_row + 1
+        steps = [(int(m.group(1)), t) for t in checkpoints if (m := STEP_TAG.fullmatch(t))]
+        before = [t for n, t in steps if n < first - 1]
+        diverged = [t for n, t in steps if n >= first - 1]
+        if before:
+            then = (f"lower the LR and continue from {before[-1]}, the newest checkpoint from before the diverging "
+                    f"weights: --resume {before[-1]}")
+        elif diverged:
+            then = (f"the run's checkpoints ({', '.join(diverged[-3:])}) hold the diverging weights: lower the LR and "
+                    "start again in a new ds_mp.training.output_dir (--output_dir)")
+        else:
+            then = "no checkpoint precedes it: lower the LR and start again without --resume"
         hint = ", or set training.on_nan='skip'" if self.on_nan == "stop" else ""
-        return (f"{why}; diagnostic checkpoint {diagnostic} (the weights before the bad step; `latest` not "
+        return (f"{why}; diagnostic checkpoint {diagnostic} (the weights the bad step started from; `latest` not "
                 f"moved: do not resume from it); {then}{hint}")

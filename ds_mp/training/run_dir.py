@@ -29,7 +29,8 @@ import time
 from typing import Any, Callable
 
 from ds_mp.checkpoint.sharded import META
-from ds_mp.checkpoint.training import LATEST, read_latest
+from ds_mp.launcher_guard import cmdline
+from ds_mp.checkpoint.training import LATEST, damaged_latest, read_latest
 
 LOCK = "ds_mp.lock"
 STEP_TAG = re.compile(r"step(\d+)")
@@ -49,8 +50,30 @@ def _holder(text: str) -> str:
         return "an unknown holder"
 
 
+def flock_holders(path: str) -> list[int]:
+    """The pids holding a ``flock`` on ``path`` on this machine (Linux ``/proc/locks``; empty when unknown)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return [int(f[4]) for f in (line.split() for line in lines)
+            if len(f) > 5 and f[1] == "FLOCK" and f[5] == inode and f[4].isdigit()]
+
+
 def _in_use(output_dir: str, text: str) -> RunDirError:
-    return RunDirError(f"ds_mp.training.output_dir {output_dir!r} is in use by another run ({_holder(text)}): wait "
+    holder, path = _holder(text), os.path.join(output_dir, LOCK)
+    pids = flock_holders(path)
+    try:
+        recorded = int(json.loads(text)["pid"])
+    except (ValueError, KeyError, TypeError):
+        recorded = None
+    if pids and recorded not in pids:  # not the ds_mp run the file names: name the process that holds it
+        cmd = " ".join(cmdline(pids[0])).strip()[:120]
+        holder = f"pid {pids[0]} ({cmd or '?'}), which is not a ds_mp run, holds a flock on {path}"
+    return RunDirError(f"ds_mp.training.output_dir {output_dir!r} is in use by another run ({holder}): wait "
                        "for it to end or stop it, or choose another ds_mp.training.output_dir (--output_dir)")
 
 
@@ -77,6 +100,7 @@ class RunDir:
     def __init__(self) -> None:
         self.fd: int | None = None
         self.taken_over: str | None = None  # the dead holder of a stale lock, when one was taken over
+        self.holder = ""  # what this run wrote into the lock (every rank reads it back: the shared-disk probe)
 
     def lock(self, output_dir: str) -> None:
         """Take ``<output_dir>/ds_mp.lock`` or raise :class:`RunDirError` naming its holder."""
@@ -86,7 +110,7 @@ class RunDir:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise RunDirError(f"ds_mp.training.output_dir: cannot create {path} ({e.strerror}); choose a writable "
-                              "directory") from e
+                              "directory with free space") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -100,9 +124,19 @@ class RunDir:
         old = os.pread(fd, 4096, 0).decode(errors="replace").strip()
         self.taken_over = _holder(old) if old else None
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-        self.fd = fd
+        text = json.dumps(me) + "\n"
+        try:
+            os.ftruncate(fd, 0)
+            if os.pwrite(fd, text.encode(), 0) != len(text.encode()):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            os.fsync(fd)  # on NFS the other nodes read it back (startup.check_shared_output_dir) while it stays open
+        except OSError as e:
+            os.close(fd)  # drops the lock; an empty lock file would only puzzle the next run
+            if not old:
+                _remove_quietly(path)
+            raise RunDirError(f"{path}: cannot write the run's lock ({e.strerror}): free space on that filesystem "
+                              "(df -h) or choose another ds_mp.training.output_dir (--output_dir)") from e
+        self.fd, self.holder = fd, text
 
     def release(self) -> None:
         """Empty the lock file (a clean end) and drop the lock."""
@@ -110,6 +144,13 @@ class RunDir:
             os.ftruncate(self.fd, 0)
             os.close(self.fd)  # closing the descriptor releases the flock
             self.fd = None
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def clean_leftovers(output_dir: str, ckpt_root: str) -> list[str]:
@@ -151,21 +192,27 @@ def finished_tags(ckpt_root: str) -> list[str]:
 
 def choose_resume(ckpt_root: str, requested: str | None) -> str | None:
     """The tag every rank loads: None for a fresh run (``requested`` None), ``latest``'s target for
-    ``requested == "latest"``, else ``requested`` itself once checked to be a finished checkpoint."""
+    ``requested == "latest"``, else ``requested`` itself once checked to be a finished checkpoint.
+    ``nan-stepN`` diagnostics are not the run's checkpoints: they neither make a fresh start
+    refused nor are resumed from through ``latest``."""
     resumable = [t for t in finished_tags(ckpt_root) if not t.startswith("nan-")]
     if requested is None:
-        if finished_tags(ckpt_root):
+        if resumable:
             return _refuse_fresh(ckpt_root, resumable)
         return None
     if requested == LATEST:
-        tag = read_latest(ckpt_root)
+        tag = read_latest(ckpt_root)  # a damaged pointer raises naming the tags that exist
+        if tag is not None and tag not in resumable:
+            raise damaged_latest(ckpt_root, f"it names {tag!r}, which is not a finished checkpoint here")
         if tag is not None:
             return tag
         if resumable:
             raise RunDirError(f"--resume: {os.path.join(ckpt_root, LATEST)} is missing or empty, but finished "
                               f"checkpoints exist; the newest is {resumable[-1]!r}: continue it with --resume "
                               f"{resumable[-1]}")
-        raise RunDirError(f"--resume: no finished checkpoint under {ckpt_root}; run without --resume first")
+        diagnostics = " (only NaN diagnostics, which are not resumed from)" if finished_tags(ckpt_root) else ""
+        raise RunDirError(f"--resume: no finished checkpoint under {ckpt_root}{diagnostics}; run without --resume "
+                          "first")
     if requested not in finished_tags(ckpt_root):
         found = ", ".join(resumable[-5:]) or "none"
         raise RunDirError(f"--resume {requested}: {os.path.join(ckpt_root, requested)} is not a finished checkpoint "

@@ -9,13 +9,17 @@ What DeepSpeed 0.19.8's single-node launchers do with signals (``deepspeed/launc
   then SIGKILL after 30 s), and when a rank exits non-zero it does the same to the others and exits
   with that rank's code.
 
-So every rank (:class:`StopFlag`):
+So every rank (:class:`StopFlag`, taking over from :mod:`ds_mp.launcher_guard`, which ``import
+ds_mp`` armed before torch was imported):
+
+0. during start-up (until :meth:`StopFlag.running`, just before the first step) a signal or a
+   launcher's end exits the rank at once with one line and 128 + the signal: nothing to save;
 
 1. turns SIGTERM/SIGINT into a flag (later signals are ignored: a signal to the process group
    reaches a rank twice, once directly and once from ``launch.py``);
-2. watches its launchers: ``launch.py`` (its parent: ``PR_SET_PDEATHSIG`` and a poll of the
-   parent pid) and the ``deepspeed`` runner above it (a poll of ``launch.py``'s parent pid); one of
-   them gone sets the flag as SIGTERM would;
+2. watches its launchers as recorded at spawn: ``launch.py`` (its parent: ``PR_SET_PDEATHSIG`` and
+   a poll of the parent pid against the recorded one) and the ``deepspeed`` runner above it (a poll
+   of ``launch.py``'s parent pid); one of them gone sets the flag as SIGTERM would;
 3. at the end of every step all ranks all-reduce the flag (:meth:`StopFlag.agreed`: MAX of one
    int32 on the engine's device), so a signal to any one rank stops every rank after the same
    step; the loop then saves (``training.save_on_signal``) and exits with 128 + the signal number,
@@ -34,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ds_mp import launcher_guard
+
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -45,50 +51,21 @@ class StopRequested(RuntimeError):
         self.code = code
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _ppid(pid: int) -> int | None:
-    """The parent of ``pid`` (Linux ``/proc``), None if it is gone or unknown."""
-    stat = _read(f"/proc/{pid}/stat")
-    return int(stat.rsplit(")", 1)[1].split()[1]) if ")" in stat else None
-
-
-def _cmdline(pid: int) -> list[str]:
-    return _read(f"/proc/{pid}/cmdline").split("\0")
-
-
 def launcher_chain() -> tuple[int | None, int | None]:
-    """(``launch.py``'s pid, the ``deepspeed`` runner's pid) above this rank, each None when this
-    process was not started that way (a test, ``torchrun``, Slurm's ``srun``)."""
-    parent = os.getppid()
-    if "deepspeed.launcher.launch" not in _cmdline(parent):
-        return None, None
-    grand = _ppid(parent)
-    cmd = _cmdline(grand) if grand else []
-    runner = any(os.path.basename(a) in ("deepspeed", "ds") or a == "deepspeed.launcher.runner" for a in cmd[:3])
-    return parent, grand if runner else None
-
-
-def _set_parent_death_signal(signum: int) -> None:
-    """prctl(PR_SET_PDEATHSIG, signum): the kernel sends ``signum`` when the parent dies (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    """(``launch.py``'s pid, the ``deepspeed`` runner's pid) above this rank as recorded when ``ds_mp``
+    was first imported (:mod:`ds_mp.launcher_guard`), each None when this process was not started
+    that way (a test, ``torchrun``, Slurm's ``srun``)."""
+    guard = launcher_guard.armed()
+    chain = guard.chain if guard is not None else launcher_guard.current_chain()
+    return chain.launch, chain.runner
 
 
 class StopFlag:
     """This rank's stop request: set by SIGTERM/SIGINT or by its launchers' end (see the module doc).
 
-    ``grace_s``: the backstop; the process exits without saving that long after the request."""
+    ``grace_s``: the backstop; the process exits without saving that long after the request.
+    Until :meth:`running` (start-up: imports, rendezvous, checks, engine, resume) a signal or the
+    launcher's end exits the rank at once with one line (nothing to save yet)."""
 
     def __init__(self, grace_s: float, poll_s: float = 0.5) -> None:
         self.grace_s, self.poll_s = grace_s, poll_s
@@ -96,16 +73,24 @@ class StopFlag:
         self._previous: dict[int, Any] = {}
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self.starting = True
+
+    def running(self) -> "StopFlag":
+        """From now on a stop request waits for the end of the step (and a save)."""
+        self.starting = False
+        return self
 
     def install(self) -> "StopFlag":
         """Handle the signals (from the main thread only: Python's rule), watch the launchers."""
         if threading.current_thread() is threading.main_thread():
             for s in HANDLED:
                 self._previous[s] = signal.signal(s, self._on_signal)
+        guard = launcher_guard.armed()
+        if guard is not None:
+            guard.disarm()  # this flag's thread watches from now on
         launch, runner = launcher_chain()
-        if launch is not None:
-            _set_parent_death_signal(signal.SIGTERM)
-        self._thread = threading.Thread(target=self._watch, args=(launch, runner), daemon=True, name="ds_mp-stop")
+        self._thread = threading.Thread(target=self._watch, args=(guard, launch, runner), daemon=True,
+                                        name="ds_mp-stop")
         self._thread.start()
         return self
 
@@ -116,18 +101,25 @@ class StopFlag:
         self._done.set()
 
     def request(self, signum: int, reason: str) -> None:
+        if self.starting:
+            launcher_guard.startup_exit(reason, 128 + int(signum))
         if not self.signum:  # the first request wins; repeats change nothing
             self.signum, self.reason, self.since = int(signum), reason, time.monotonic()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.request(signum, signal.Signals(signum).name)
 
-    def _watch(self, launch: int | None, runner: int | None) -> None:
-        while not self._done.wait(self.poll_s):
-            if launch is not None and os.getppid() != launch:
-                self.request(signal.SIGTERM, f"SIGTERM (launch.py, pid {launch}, ended)")
-            elif runner is not None and _ppid(launch) != runner:
-                self.request(signal.SIGTERM, f"SIGTERM (the deepspeed launcher, pid {runner}, ended)")
+    def _watch(self, guard: launcher_guard.Guard | None, launch: int | None, runner: int | None) -> None:
+        chain = launcher_guard.Chain(launch, runner)
+        while not self._done.is_set():
+            for got in guard.signals(self.poll_s) if guard is not None else []:  # a main thread blocked in C
+                if got in HANDLED and not self._done.is_set():
+                    self.request(got, signal.Signals(got).name)
+            if guard is None and self._done.wait(self.poll_s):
+                return
+            why = launcher_guard.gone(chain)
+            if why and not self._done.is_set():
+                self.request(signal.SIGTERM, f"SIGTERM ({why})")
             if self.signum and time.monotonic() - self.since > self.grace_s:
                 print(f"ds_mp: stop requested by {self.reason} {self.grace_s:.0f} s ago and the step or save did "
                       "not finish (a peer gone?): exiting without a save", file=sys.stderr, flush=True)

@@ -150,3 +150,61 @@ def test_package_is_pyflakes_clean() -> None:
     out = io.StringIO()
     warnings = checkRecursive([ROOT], Reporter(out, out))
     assert warnings == 0, out.getvalue()
+
+
+THIRD_PARTY = ("torch", "deepspeed", "transformers", "peft")
+
+
+def third_party_writes(source: str) -> list[str]:
+    """Assignments (``x.attr = …``, ``x.attr += …``, ``del x.attr``, ``setattr``/``delattr``) to an
+    attribute of a module or class imported from a third-party package (:data:`THIRD_PARTY`):
+    a process-wide patch of someone else's function or state.  Names are those the file binds by
+    an import statement anywhere (``import torch``, ``from deepspeed.runtime.pipe import p2p``)."""
+    tree = ast.parse(source)
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names
+                         if a.name.split(".")[0] in THIRD_PARTY}
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in THIRD_PARTY:
+            imported |= {a.asname or a.name for a in node.names}
+
+    def root(expr: ast.expr) -> str | None:
+        while isinstance(expr, (ast.Attribute, ast.Subscript)):
+            expr = expr.value
+        return expr.id if isinstance(expr, ast.Name) else None
+
+    bad = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args:
+            targets = [ast.Attribute(value=node.args[0], attr="?")]
+        for t in targets:
+            for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(leaf, ast.Attribute) and root(leaf) in imported:
+                    bad.append(f"line {node.lineno}: {ast.unparse(leaf)}")
+    return bad
+
+
+def test_detector_sees_process_wide_patches() -> None:
+    old = ("import torch\nfrom deepspeed.runtime.pipe import p2p\nimport deepspeed.ops\n"
+           "def f(post):\n    torch.Tensor.backward = post\n    p2p.send = post\n"
+           "    setattr(torch.Tensor, 'backward', post)\n    deepspeed.ops.x = 1\n")
+    assert len(third_party_writes(old)) == 4
+    fine = "import torch\ndef f(t, engine):\n    t.grad = None\n    engine.x = torch.ones(1)\n"
+    assert third_party_writes(fine) == []
+
+
+def test_nothing_patches_a_third_party_module_or_class() -> None:
+    """No module of the package assigns to an attribute of torch, DeepSpeed, transformers or PEFT
+    modules or classes (ZB-H1's input-only backward is a scoped ``TorchFunctionMode``; posted
+    sends are ds_mp's own ``isend``s, ``engine/p2p.py``)."""
+    bad = []
+    for module, path in modules().items():
+        bad += [f"{module} {hit}" for hit in third_party_writes(open(path).read())]
+    assert not bad, "process-wide patches of third-party code:\n" + "\n".join(bad)

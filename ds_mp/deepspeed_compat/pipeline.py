@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import contextlib
 from typing import Any, Iterator
 
+import torch
+
 
 class DeepSpeedIncompatible(RuntimeError):
     """The installed DeepSpeed lacks a private name ds_mp relies on."""
@@ -52,9 +54,12 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("module", "_precompute_checkpointable_values", "fills is_checkpointable_results (one flag per "
                "activation-checkpoint segment of forward_funcs) unless is_checkpointable_results_interval is current"),
     Assumption("ops", "__compatible_ops__", "dict op name -> bool; False skips the op's JIT build"),
-    Assumption("p2p", "send", "the engine's send handlers (and their shape announcements) send every tensor "
-               "through p2p.send(tensor, stage); a module attribute, looked up at each call"),
-    Assumption("p2p", "_grid", "the PipelineParallelGrid p2p sends over: stage_to_global(stage_id=) gives a rank"),
+    Assumption("p2p", "send", "the engine's send handlers send every message blocking through p2p.send(tensor, "
+               "stage), the shape announcement first: activation_messages/grad_messages list the same messages"),
+    Assumption("engine", "_send_tensor_meta", "announces a send's type, dtypes and shapes in one int32 buffer of "
+               "TENSOR_META_SIZE ([0, dtype, ndim, *shape] or [2, n, (dtype, ndim, *shape)...]): _tensor_meta "
+               "builds the same"),
+    Assumption("engine", "DTYPE_TO_ID", "dtype -> the id _send_tensor_meta announces"),
 )
 
 # Instance attributes, set in PipelineEngine.__init__ (checked on a live engine).
@@ -73,6 +78,11 @@ ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
     Assumption("engine", "data_iterator", "the iterator _next_batch reads (set by set_dataiterator on the first "
                "and last stage); ds_mp reads a step's micro-batches from it first (engine/batches.py)"),
     Assumption("engine", "batch_fn", "set_batch_fn's post-processing of each micro-batch, or None"),
+    Assumption("engine", "first_output_send", "True until the first activation send announced its shape"),
+    Assumption("engine", "dynamic_shape", "every activation send announces its shape"),
+    Assumption("engine", "has_attention_mask", "the last output/input is a bool mask sent as half, no gradient"),
+    Assumption("engine", "has_bool_tensors", "as has_attention_mask"),
+    Assumption("engine", "grid", "the PipelineParallelGrid: stage_to_global(stage_id=) gives a stage's rank"),
     Assumption("engine", "torch_autocast_z0_gradscaler", "torch autocast's grad scaler or None; with it, "
                "DeepSpeedEngine.backward scales the loss itself (read by unapplied_loss_scale)"),
     Assumption("module", "tied_comms", "key -> {'module', 'weight_attr', 'group', 'ranks'} of each tied weight"),
@@ -245,28 +255,80 @@ def instruction_handlers(engine: Any, wrap: Any) -> Iterator[None]:
         del engine._INSTRUCTION_MAP
 
 
-@contextlib.contextmanager
-def posted_sends(pending: list) -> Iterator[None]:
-    """Within the body DeepSpeed's pipeline sends are posted (``isend``), not waited for.
+# --- DeepSpeed's p2p wire format: what its send handlers send, for ds_mp to post (engine/p2p.py) ---
+def activation_messages(engine: Any, buffer_id: int) -> list:
+    """The tensors DeepSpeed's ``_exec_send_activations`` sends the next stage for ``buffer_id``,
+    in order, without sending them: the shape announcement (``_send_tensor_meta``'s buffer) when
+    due (the first send, or every send with ``dynamic_shape``), then the outputs, a trailing bool
+    mask as half (``has_attention_mask`` / ``has_bool_tensors``).  DeepSpeed's own receive handler
+    reads them unchanged."""
+    outputs = engine.pipe_buffers["outputs"][buffer_id]
+    if engine.has_attention_mask or engine.has_bool_tensors:
+        outputs = (*outputs[:-1], outputs[-1].half())
+    messages = []
+    if engine.dynamic_shape or engine.first_output_send:
+        engine.first_output_send = False
+        messages.append(_tensor_meta(engine, outputs))
+    if isinstance(outputs, torch.Tensor):
+        return [*messages, outputs]
+    if isinstance(outputs, tuple):
+        return [*messages, *outputs]
+    raise NotImplementedError(f"Could not send output of type {type(outputs)}")
 
-    DeepSpeed's ``p2p.send`` is a blocking ``dist.send``; on gloo that is a rendezvous: it
-    returns once the receiver has posted its matching receive (measured: a 16 MiB send to a
-    rank that receives 0.5 s later blocks 0.5 s).  Here each send is posted and ``(work, tensor)``
-    appended to ``pending``; the caller keeps the tensors unmodified until the works complete.
-    Messages to one peer still leave in program order (one tag), so they match the receives as before.
-    """
-    import torch.distributed as dist
-    from deepspeed.runtime.pipe import p2p
 
-    def post(tensor: Any, dest_stage: int, async_op: bool = False) -> None:  # noqa: ARG001 - p2p.send's signature
-        pending.append((dist.isend(tensor, p2p._grid.stage_to_global(stage_id=dest_stage)), tensor))
+def grad_messages(engine: Any, buffer_id: int) -> list:
+    """The tensors DeepSpeed's ``_exec_send_grads`` sends the previous stage for ``buffer_id``, in
+    order, without sending them (the first input's gradient partitioned over TP when
+    ``is_grad_partitioned``: its meta and local part; no bool mask); the buffer's inputs are then
+    dropped, as DeepSpeed does."""
+    from deepspeed.runtime.utils import PartitionedTensor
 
-    blocking = p2p.send
-    p2p.send = post
-    try:
-        yield
-    finally:
-        p2p.send = blocking
+    inputs = engine.pipe_buffers["inputs"][buffer_id]
+    if engine.is_grad_partitioned:
+        first, tail = (inputs[0], inputs[1:]) if isinstance(inputs, tuple) else (inputs, ())
+        part = PartitionedTensor(tensor=first.grad, group=engine.grid.get_slice_parallel_group())
+        inputs = (part.to_meta(), part.data(), *[t.grad for t in tail])
+    if engine.has_attention_mask or engine.has_bool_tensors:
+        inputs = tuple(inputs)[:-1]
+    if isinstance(inputs, torch.Tensor):
+        assert inputs.grad is not None
+        messages = [inputs.grad]
+    elif engine.is_grad_partitioned:  # DeepSpeed sends the partitioned gradient only
+        messages = [inputs[0], inputs[1]]
+    else:
+        messages = []
+        for t in inputs:
+            if not t.is_floating_point():  # tensors that produce no gradient
+                assert t.grad is None
+                continue
+            assert t.grad is not None
+            messages.append(t.grad)
+    engine.pipe_buffers["inputs"][buffer_id] = None
+    return messages
+
+
+def _tensor_meta(engine: Any, buffer: Any) -> Any:
+    """``_send_tensor_meta``'s int32 buffer announcing ``buffer``'s type, dtypes and shapes."""
+    from deepspeed.runtime.pipe.engine import TENSOR_META_SIZE
+
+    if isinstance(buffer, torch.Tensor):
+        meta = [0, engine.DTYPE_TO_ID[buffer.dtype], len(buffer.size()), *buffer.size()]
+    elif isinstance(buffer, tuple):
+        meta = [2, len(buffer)]
+        for t in buffer:
+            assert isinstance(t, torch.Tensor)
+            meta += [engine.DTYPE_TO_ID[t.dtype], len(t.size()), *t.size()]
+    else:
+        raise NotImplementedError(f"Could not send meta type {type(buffer)}")
+    assert len(meta) <= TENSOR_META_SIZE, f"metadata of {len(meta)} entries exceeds TENSOR_META_SIZE"
+    out = torch.zeros(TENSOR_META_SIZE, dtype=torch.int32, device=engine.device)
+    out[:len(meta)].copy_(torch.tensor(meta, dtype=torch.int32))
+    return out
+
+
+def stage_rank(engine: Any, stage: int) -> int:
+    """The global rank of pipeline stage ``stage`` in this rank's pipe (DeepSpeed's grid)."""
+    return engine.grid.stage_to_global(stage_id=stage)
 
 
 def set_local_layers(module: Any, start: int, stop: int) -> None:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_mp import deepspeed_compat as compat
+from ds_mp.engine.p2p import PostedSends
 from ds_mp.engine.ouroboros_modules import ModuleLayers, SampleLayouts, accumulate, leaf, module_ranges, replayed
 from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum
@@ -82,7 +83,7 @@ class OuroborosState:
         self.grads: dict[int, list[Tensor]] = {}
         self.loss: Tensor | None = None
         self.labels: list[Tensor] = []  # ring rank 0: the labels of x_t's micro-batches read so far
-        self.pending: list[tuple[Any, Tensor]] = []  # posted sends (work, buffer kept alive until done)
+        self.sends = PostedSends()  # posted sends, each buffer kept alive until done (engine/p2p.py)
 
     def next_iteration(self) -> int:
         t, self.iteration = self.iteration, self.iteration + 1
@@ -238,16 +239,14 @@ class OuroborosState:
     def send(self, x: Tensor, ring_rank: int, header: bool = False) -> None:
         """Post the send of ``x`` (and first its (B, T, C) if ``header``) without waiting for the
         receiver; :meth:`flush` completes every posted send."""
-        dev, peer = self.engine.device, self._peer(ring_rank)
+        dev = self.engine.device
         bufs = [torch.tensor(x.shape, dtype=torch.long, device=dev)] if header else []
-        for buf in [*bufs, x.contiguous()]:  # deltas have the shape of a stashed micro-batch's output
-            self.pending.append((dist.isend(buf, peer), buf))
+        # deltas have the shape of a stashed micro-batch's output
+        self.sends.post([*bufs, x.contiguous()], ring_rank, self._peer(ring_rank))
 
     def flush(self) -> None:
         """Wait for every posted send (their buffers may then be freed)."""
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
+        self.sends.wait_all()
 
     def recv(self, ring_rank: int, shape: tuple[int, ...] | None = None) -> Tensor:
         dev = self.engine.device

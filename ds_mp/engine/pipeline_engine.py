@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import math
 import os
-import sys
 import time
 from typing import Any, Callable
 
@@ -19,9 +18,11 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
+from ds_mp.deepspeed_compat import stage_gate
+from ds_mp.deepspeed_compat.stage_gate import PipelineStageGate
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
 from ds_mp.engine.batches import Step, feeding, micro_layout, prepare_step, warn_no_targets
-from ds_mp.engine.posted_sends import PostedSends
+from ds_mp.engine.p2p import PostedSends
 from ds_mp.schedules.registry import ENGINE_SUPPORT, resolve
 
 
@@ -34,8 +35,10 @@ def _by_name(name: str) -> Callable:
     return call
 
 
-class DsMpPipelineEngine(PipelineEngine):
-    """DeepSpeed's pipeline engine with a pluggable schedule (``ds_mp.pipeline.schedule``)."""
+class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
+    """DeepSpeed's pipeline engine with a pluggable schedule (``ds_mp.pipeline.schedule``).
+    ``PipelineStageGate`` lets ZeRO-2 past ``PipelineEngine.__init__``'s stage assert
+    (``deepspeed_compat/stage_gate.py``: ds_mp runs stage 2's reduction itself, engine/zero2.py)."""
 
     _INSTRUCTION_MAP = {instr: _by_name(fn.__name__) for instr, fn in PipelineEngine._INSTRUCTION_MAP.items()}
     #: Post activation/gradient sends (isend) and wait for them at the end of the schedule,
@@ -63,6 +66,7 @@ class DsMpPipelineEngine(PipelineEngine):
         self.ds_mp_source: Any = None  # the data iterator steps read (train_batch's argument, kept)
         self.ds_mp_fed: Any = None  # the normalized micro-batches handed to DeepSpeed this step
         super().__init__(*args, **kwargs)
+        stage_gate.disarm(self)
         compat.check_engine(self)
         if torch.device(self.device).type == "cpu":  # no page faults re-acquiring freed memory every micro-batch
             cpu_heap.keep_freed_memory()
@@ -76,11 +80,6 @@ class DsMpPipelineEngine(PipelineEngine):
         # returns its per-engine state, which may define state_dict/load_state_dict (work in
         # flight across steps), aggregate_loss() and eval_batch(data_iter, n).
         self.schedule_support = importlib.import_module(support).attach(self) if support else None
-
-    def zero_optimization_stage(self) -> int:
-        """DeepSpeed's stage, except 1 for ZeRO-2 to ``PipelineEngine.__init__``'s assert
-        (ds_mp runs stage 2's reduction itself: engine/zero2.py)."""
-        return compat.zero_stage_for(super().zero_optimization_stage(), sys._getframe(1))
 
     # --- extension points -------------------------------------------------------------
     @classmethod
@@ -122,7 +121,7 @@ class DsMpPipelineEngine(PipelineEngine):
                     self.trace.append((name, cmd.kwargs.get("buffer_id", -1), start, time.perf_counter()))
         self.wait_posted_sends()
 
-    # --- p2p sends: posted, waited for once received (engine/posted_sends.py) ---------------
+    # --- p2p sends: posted, waited for once received (engine/p2p.py) ---------------------------
     def wait_posted_sends(self) -> None:
         """Wait until every posted send has left (its tensor may then change or be freed)."""
         self.posted.wait_all()
@@ -135,17 +134,17 @@ class DsMpPipelineEngine(PipelineEngine):
         schedules keep their consumer-time order, the same on both ends of every link."""
         return self.post_sends and dist.get_backend(self.topology.pp_group) == "gloo"
 
-    def _send(self, handler: Callable[[int], None], buffer_id: int, peer: int) -> None:
-        if self.post_sends:
-            self.posted.post(handler, buffer_id, peer)
-        else:
-            handler(buffer_id)
-
     def _exec_send_activations(self, buffer_id: int) -> None:
-        self._send(super()._exec_send_activations, buffer_id, self.next_stage)
+        if not self.post_sends:
+            return super()._exec_send_activations(buffer_id)
+        peer = self.next_stage
+        self.posted.post(compat.activation_messages(self, buffer_id), peer, compat.stage_rank(self, peer))
 
     def _exec_send_grads(self, buffer_id: int) -> None:
-        self._send(super()._exec_send_grads, buffer_id, self.prev_stage)
+        if not self.post_sends:
+            return super()._exec_send_grads(buffer_id)
+        peer = self.prev_stage
+        self.posted.post(compat.grad_messages(self, buffer_id), peer, compat.stage_rank(self, peer))
 
     def _exec_recv_grads(self, buffer_id: int) -> None:
         super()._exec_recv_grads(buffer_id)

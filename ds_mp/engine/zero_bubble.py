@@ -3,8 +3,9 @@
 Imported by the engine when the ``zb-h1`` schedule is selected (``ENGINE_SUPPORT``).
 
 **B** runs DeepSpeed's own backward handler (``BackwardPass``: partitioned-gradient restore,
-loss scaling by gradient accumulation and fp16/ZeRO, bf16 bookkeeping) with
-``Tensor.backward`` replaced, for the duration of the call, by an input-only backward: the
+loss scaling by gradient accumulation and fp16/ZeRO, bf16 bookkeeping) inside a torch function
+mode (:class:`_InputOnlyBackward`: scoped to the call and the thread, nothing is replaced) that
+answers the handler's ``Tensor.backward`` with an input-only backward: the
 autograd graph is walked once to find, for every parameter, the nodes where it meets the path
 from the stage input to the output ("intermediates"); ``torch.autograd.grad`` then computes
 only ``dX`` of the stage input (what ``SendGrad`` sends), keeping the graph and recording the
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
                                                      get_param_groups, reverse_closure, stage_backward_weight)
 
@@ -155,32 +157,42 @@ def _split_fused_nodes(nodes: set, input_closure: set) -> list[Any]:
     return marked
 
 
-@contextlib.contextmanager
-def _backward_is_input_only(engine: Any, buffer_id: int, weights: list[torch.Tensor]) -> Iterator[dict]:
-    """Inside: ``Tensor.backward`` (as DeepSpeed's handler calls it) runs :func:`input_backward` on
-    the buffer's stage inputs; calls with ``retain_graph`` (all outputs but the last) are gathered
-    and run together with the last one.  Yields a dict that receives ``"groups"``."""
-    original, calls, out = torch.Tensor.backward, [], {}
+class _InputOnlyBackward(TorchFunctionMode):
+    """Inside (this thread, this ``with`` block only): a ``Tensor.backward`` call (as DeepSpeed's
+    handler makes it) runs :func:`input_backward` on the buffer's stage inputs instead; calls with
+    ``retain_graph`` (all outputs but the last) are gathered and run together with the last one.
+    After the block ``groups`` holds W's starting point.
 
-    def backward(tensor: torch.Tensor, gradient: Any = None, retain_graph: bool | None = None,
-                 create_graph: bool = False, inputs: Any = None) -> None:
+    A ``TorchFunctionMode`` is torch's own scoped interception (``Tensor.backward`` asks the mode
+    stack before it runs): nothing is replaced, other threads and code after the block see torch's
+    ``backward``.  Every other torch function passes through unchanged."""
+
+    def __init__(self, engine: Any, buffer_id: int, weights: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.engine, self.buffer_id, self.weights = engine, buffer_id, weights
+        self.calls: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.groups: list[dict] | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.Tensor.backward:
+            return func(*args, **kwargs)
+        self._backward(*args, **kwargs)
+        return None
+
+    def _backward(self, tensor: torch.Tensor, gradient: Any = None, retain_graph: bool | None = None,
+                  create_graph: bool = False, inputs: Any = None) -> None:  # noqa: ARG002 - backward's signature
         if isinstance(gradient, (tuple, list)):  # DeepSpeed hands a one-tensor output its gradient as a tuple
             (gradient,) = gradient
         # A copy: DeepSpeed receives every gradient into the same buffer, and autograd passes it on
         # uncopied (residual adds), so the gradients recorded for W could alias it.
-        calls.append((tensor, None if gradient is None else gradient.clone()))
+        self.calls.append((tensor, None if gradient is None else gradient.clone()))
         if retain_graph:
             return
-        outs, grads = [t for t, _ in calls], [g for _, g in calls]
-        calls.clear()
-        out["groups"] = input_backward(outs, grads, _stage_inputs(engine, buffer_id), weights)
+        outs, grads = [t for t, _ in self.calls], [g for _, g in self.calls]
+        self.calls.clear()
+        self.groups = input_backward(outs, grads, _stage_inputs(self.engine, self.buffer_id), self.weights)
         drop_output_hooks(outs)
-
-    torch.Tensor.backward = backward
-    try:
-        yield out
-    finally:
-        torch.Tensor.backward = original
 
 
 def drop_output_hooks(outputs: Any) -> None:
@@ -208,9 +220,9 @@ def _exec_backward_input(self: Any, buffer_id: int) -> None:
         st.pending[buffer_id] = g.clone() if isinstance(g, torch.Tensor) else None if g is None else [t.clone() for t in g]
         return
     weights = _weights(self)
-    with _backward_is_input_only(self, buffer_id, weights) as out:
+    with _InputOnlyBackward(self, buffer_id, weights) as b:
         self.run_backward(buffer_id)
-    st.pending[buffer_id] = out["groups"]
+    st.pending[buffer_id] = b.groups
     if self.is_last_stage():  # W starts at the recorded gradients: let the graph above them go now
         drop_output_hooks(compat.pipe_buffers(self)["outputs"][buffer_id])
         compat.pipe_buffers(self)["outputs"][buffer_id] = None  # the logits (DeepSpeed drops the others')

@@ -208,3 +208,88 @@ def test_nothing_patches_a_third_party_module_or_class() -> None:
     for module, path in modules().items():
         bad += [f"{module} {hit}" for hit in third_party_writes(open(path).read())]
     assert not bad, "process-wide patches of third-party code:\n" + "\n".join(bad)
+
+
+#: DeepSpeed internals that are not underscored: used only in deepspeed_compat/ (accessors there).
+DEEPSPEED_INTERNALS = {"agg_train_loss", "grad_layer", "bf16_groups", "fp32_groups_gradients",
+                       "get_gradient_for_reduction", "clear_lp_grads", "activation_checkpoint_func", "forward_funcs",
+                       "is_checkpointable_results", "tied_modules", "tied_comms", "prev_stage", "next_stage"}
+#: The PipelineModule subclass still lives with the model code (its move to deepspeed_compat/ is
+#: part of the model-family folder work): it may override DeepSpeed's module hooks.
+DEEPSPEED_SUBCLASSES_OUTSIDE = {"ds_mp.models.pipeline"}
+
+
+def deepspeed_private_names() -> set[str]:
+    """Every underscored name DeepSpeed's pipeline engine, its base engine and the pipeline module
+    define (class attributes and ``self._x =`` in their source)."""
+    import inspect
+    import re
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    names: set[str] = set()
+    for cls in (PipelineEngine, PipelineModule, DeepSpeedEngine):
+        for k in cls.__mro__:
+            if k.__module__.startswith("deepspeed"):
+                names |= {n for n in vars(k) if n.startswith("_") and not n.startswith("__")}
+        names |= set(re.findall(r"self\.(_[A-Za-z]\w*)\s*=", inspect.getsource(cls)))
+    return names
+
+
+def deepspeed_internal_uses(source: str, private: set[str]) -> list[str]:
+    """Uses of DeepSpeed internals in ``source``: an attribute or a method definition named in
+    ``private`` or :data:`DEEPSPEED_INTERNALS`, ``<…>module.parts``, an import from a private
+    torch/DeepSpeed module (a dotted path with an underscored part)."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        name = None
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            is_module = (isinstance(base, ast.Name) and base.id == "module") or \
+                (isinstance(base, ast.Attribute) and base.attr == "module")
+            if node.attr in private or node.attr in DEEPSPEED_INTERNALS or (node.attr == "parts" and is_module):
+                name = ast.unparse(node)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in private:
+            name = f"def {node.name}"
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            parts = (node.module or "").split(".")
+            if parts[0] in ("torch", "deepspeed") and any(p.startswith("_") for p in parts[1:]):
+                name = f"from {node.module} import …"
+        if name:
+            bad.append(f"line {node.lineno}: {name}")
+    return bad
+
+
+def test_detector_sees_deepspeed_internals() -> None:
+    old = ("from torch.distributed.pipelining._backward import stage_backward_weight\n"
+           "class E:\n    def _exec_reduce_tied_grads(self):\n        self.grad_layer = self.module.parts\n"
+           "        self.optimizer.clear_lp_grads()\n        return self._INSTRUCTION_MAP\n")
+    assert len(deepspeed_internal_uses(old, deepspeed_private_names())) == 6
+    fine = "def f(self, engine):\n    self.parts = compat.stage_bounds(engine.module)\n    return self.parts[0]\n"
+    assert deepspeed_internal_uses(fine, deepspeed_private_names()) == []
+
+
+def test_deepspeed_internals_only_in_deepspeed_compat() -> None:
+    """Every private DeepSpeed name and internal attribute (and torch's private split backward) is
+    used only inside ``ds_mp/deepspeed_compat/``, behind accessors checked when an engine is built."""
+    private, bad = deepspeed_private_names(), []
+    for module, path in modules().items():
+        if module.startswith("ds_mp.deepspeed_compat") or module in DEEPSPEED_SUBCLASSES_OUTSIDE:
+            continue
+        bad += [f"{module} {hit}" for hit in deepspeed_internal_uses(open(path).read(), private)]
+    assert not bad, "DeepSpeed internals outside deepspeed_compat/:\n" + "\n".join(bad)
+
+
+def test_adapter_overrides_are_checked() -> None:
+    """The adapter's overrides of DeepSpeed's private hooks come from the class itself, each one
+    checked against DeepSpeed (``_exec_reduce_tied_grads`` included), and a rename fails naming it."""
+    from ds_mp import deepspeed_compat as compat
+    from ds_mp.deepspeed_compat.engine_adapter import HANDLERS, PipelineEngineAdapter
+
+    names = compat.check_overrides()
+    assert {"_exec_reduce_tied_grads", "_INSTRUCTION_MAP", *HANDLERS} <= set(names)
+    renamed = type("Adapter", (PipelineEngineAdapter,), {"_exec_reduce_tied_grad_sums": lambda self: None})
+    with pytest.raises(compat.DeepSpeedIncompatible, match="no '_exec_reduce_tied_grad_sums'"):
+        compat.check_overrides(renamed)

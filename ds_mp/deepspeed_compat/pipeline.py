@@ -15,7 +15,8 @@ class DeepSpeedIncompatible(RuntimeError):
 
 @dataclass(frozen=True)
 class Assumption:
-    owner: str  # "engine" (PipelineEngine), "module" (PipelineModule), "ops" (deepspeed.ops), "p2p" (pipe.p2p)
+    owner: str  # "engine" (PipelineEngine), "module" (PipelineModule), "ops" (deepspeed.ops), "p2p" (pipe.p2p),
+    # "bf16" (BF16_Optimizer), "zero" (DeepSpeedZeroOptimizer)
     name: str
     behaviour: str  # what ds_mp relies on
 
@@ -54,6 +55,11 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("module", "_precompute_checkpointable_values", "fills is_checkpointable_results (one flag per "
                "activation-checkpoint segment of forward_funcs) unless is_checkpointable_results_interval is current"),
     Assumption("ops", "__compatible_ops__", "dict op name -> bool; False skips the op's JIT build"),
+    Assumption("bf16", "clear_lp_grads", "BF16_Optimizer: drops the bf16 .grad of every parameter"),
+    Assumption("bf16", "update_hp_grads", "BF16_Optimizer: adds the bf16 .grad into the fp32 gradient buffers"),
+    Assumption("bf16", "accumulate_hp_grads_and_remove_lp", "BF16_Optimizer (immediate_grad_update): moves one "
+               "parameter's bf16 gradient into its fp32 buffer"),
+    Assumption("zero", "get_gradient_for_reduction", "ZeRO-1/2: a parameter's gradient before the DP reduction"),
     Assumption("p2p", "send", "the engine's send handlers send every message blocking through p2p.send(tensor, "
                "stage), the shape announcement first: activation_messages/grad_messages list the same messages"),
     Assumption("engine", "_send_tensor_meta", "announces a send's type, dtypes and shapes in one int32 buffer of "
@@ -85,6 +91,14 @@ ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
     Assumption("engine", "grid", "the PipelineParallelGrid: stage_to_global(stage_id=) gives a stage's rank"),
     Assumption("engine", "torch_autocast_z0_gradscaler", "torch autocast's grad scaler or None; with it, "
                "DeepSpeedEngine.backward scales the loss itself (read by unapplied_loss_scale)"),
+    Assumption("engine", "grad_layer", "the gradient the last RecvGrad wrote, what BackwardPass backpropagates "
+               "on a non-last stage (one buffer, overwritten by every RecvGrad)"),
+    Assumption("engine", "agg_train_loss", "train_batch's reported loss"),
+    Assumption("engine", "prev_stage", "the stage RecvActivation/SendGrad exchange with"),
+    Assumption("engine", "next_stage", "the stage SendActivation/RecvGrad exchange with"),
+    Assumption("module", "parts", "the first layer of every stage and the end (stages + 1 entries)"),
+    Assumption("module", "tied_modules", "key -> the tied layer this stage holds"),
+    Assumption("module", "activation_checkpoint_func", "forward() checkpoints its segments with it"),
     Assumption("module", "tied_comms", "key -> {'module', 'weight_attr', 'group', 'ranks'} of each tied weight"),
     Assumption("module", "_grid", "the PipelineParallelGrid the module created (process groups)"),
     Assumption("module", "_topo", "the ProcessTopology the module was built with"),
@@ -101,7 +115,11 @@ def _owners() -> dict[str, Any]:
 
     from deepspeed.runtime.pipe import p2p
 
-    return {"engine": PipelineEngine, "module": PipelineModule, "ops": deepspeed.ops, "p2p": p2p}
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return {"engine": PipelineEngine, "module": PipelineModule, "ops": deepspeed.ops, "p2p": p2p,
+            "bf16": BF16_Optimizer, "zero": DeepSpeedZeroOptimizer}
 
 
 def _fail(a: Assumption, where: str) -> DeepSpeedIncompatible:
@@ -117,6 +135,13 @@ def check(owners: dict[str, Any] | None = None) -> None:
     for a in ASSUMPTIONS:
         if not hasattr(owners[a.owner], a.name):
             raise _fail(a, getattr(owners[a.owner], "__name__", a.owner))
+    import inspect
+
+    from deepspeed.runtime.utils import OutputBackwardHookManager
+
+    if HOOK_MANAGERS_ATTR not in inspect.getsource(OutputBackwardHookManager):
+        raise _fail(Assumption("utils", HOOK_MANAGERS_ATTR, "the tensor attribute OutputBackwardHookManager keeps "
+                               "its managers in (ZB-H1 removes them after B)"), "OutputBackwardHookManager")
 
 
 def check_engine(engine: Any) -> None:
@@ -188,8 +213,14 @@ def copy_bf16_grads_to_master(engine: Any) -> None:
 def output_hook_managers(tensor: Any) -> list:
     """The ``OutputBackwardHookManager``s DeepSpeed 0.19's engine forward attaches to an output
     tensor (``_backward_hook_managers``: hooks that scale its gradient by 1/gradient accumulation
-    unless the running graph task is the engine's own backward); [] when it has none."""
-    return list(getattr(tensor, "_backward_hook_managers", []))
+    unless the running graph task is the engine's own backward); [] when it has none.  The name is
+    checked where DeepSpeed sets it (:func:`check`: ``OutputBackwardHookManager``'s source), so a
+    rename fails there instead of leaving the hooks in place (which halves a TP × PP gradient)."""
+    return list(getattr(tensor, HOOK_MANAGERS_ATTR, []))
+
+
+#: The tensor attribute DeepSpeed's ``OutputBackwardHookManager`` appends itself to.
+HOOK_MANAGERS_ATTR = "_backward_hook_managers"
 
 
 def reserve_pipe_buffers(engine: Any, n: int) -> None:
@@ -363,3 +394,91 @@ def module_grid(module: Any) -> Any:
 
 def module_topology(module: Any) -> Any:
     return module._topo
+
+
+# --- engine and module internals the schedules' runtimes read or set ----------------------
+def neighbours(engine: Any) -> tuple[int, int]:
+    """``(prev_stage, next_stage)``: the stages this rank's pipe sends/receives exchange with."""
+    return engine.prev_stage, engine.next_stage
+
+
+def set_neighbours(engine: Any, prev: int, next_: int) -> None:
+    """Point the pipe's p2p at other stages (interleaved: the ring ``s-1, s+1 mod K``)."""
+    engine.prev_stage, engine.next_stage = prev, next_
+
+
+def received_grad(engine: Any) -> Any:
+    """The gradient the last ``RecvGrad`` wrote (DeepSpeed's one shared buffer, overwritten by the next)."""
+    return engine.grad_layer
+
+
+def set_received_grad(engine: Any, grad: Any) -> None:
+    """What the next ``BackwardPass`` of a non-last stage backpropagates."""
+    engine.grad_layer = grad
+
+
+def set_train_loss(engine: Any, loss: Any) -> Any:
+    """``train_batch``'s reported loss (``agg_train_loss``, read by DeepSpeed's logging); returns it."""
+    engine.agg_train_loss = loss
+    return loss
+
+
+def drop_bf16_grads(engine: Any) -> None:
+    """BF16_Optimizer: drop the bf16 ``.grad`` of every parameter (its masters keep theirs)."""
+    engine.optimizer.clear_lp_grads()
+
+
+def bf16_fp32_gradients(optimizer: Any) -> dict[int, Any]:
+    """BF16_Optimizer: id(bf16 parameter) -> its fp32 gradient buffer (``bf16_groups`` zipped with
+    ``fp32_groups_gradients``: the micro-batch gradients accumulated in fp32)."""
+    for name in ("bf16_groups", "fp32_groups_gradients"):
+        if not hasattr(optimizer, name):
+            raise _fail(Assumption("bf16", name, "per group, the bf16 parameters and their fp32 gradient "
+                                   "buffers, in the same order"), type(optimizer).__name__)
+    return {id(lp): g for lps, gs in zip(optimizer.bf16_groups, optimizer.fp32_groups_gradients)
+            for lp, g in zip(lps, gs)}
+
+
+def zero_gradient_for_reduction(optimizer: Any, param: Any) -> Any:
+    """ZeRO-1/2: the gradient of ``param`` the DP reduction will average (before it)."""
+    return optimizer.get_gradient_for_reduction(param)
+
+
+def use_activation_checkpoint(module: Any, checkpoint: Any) -> None:
+    """Make the PipelineModule checkpoint its segments with ``checkpoint(function, *args)``."""
+    if not hasattr(module, "activation_checkpoint_func"):
+        raise _fail(Assumption("module", "activation_checkpoint_func", "the function forward() checkpoints "
+                               "segments with"), type(module).__name__)
+    module.activation_checkpoint_func = checkpoint
+
+
+def local_layers(module: Any) -> list:
+    """The layers this stage's ``forward()`` runs, in order (``forward_funcs``)."""
+    return module.forward_funcs
+
+
+@contextlib.contextmanager
+def running_layers(module: Any, funcs: list, flags: list[bool]) -> Iterator[None]:
+    """Within the body the module's ``forward()`` runs ``funcs`` (a subset of its local layers),
+    with ``flags`` (:func:`checkpointable_flags` of them) as its checkpoint-segment flags."""
+    every, whole = module.forward_funcs, module.is_checkpointable_results
+    module.forward_funcs, module.is_checkpointable_results = funcs, flags
+    try:
+        yield
+    finally:
+        module.forward_funcs, module.is_checkpointable_results = every, whole
+
+
+def stage_bounds(module: Any) -> list[int]:
+    """The layer index each pipeline stage starts at, and the end (``parts``: stages + 1 entries)."""
+    return list(module.parts)
+
+
+def tied_parameter_ids(module: Any) -> set[int]:
+    """id() of every parameter of the module's tied layers (``tied_modules``; none without)."""
+    return {id(p) for m in getattr(module, "tied_modules", {}).values() for p in m.parameters()}
+
+
+def has_tied_comms(module: Any) -> bool:
+    """True for a PipelineModule (it keeps ``tied_comms``, possibly empty)."""
+    return hasattr(module, "tied_comms")

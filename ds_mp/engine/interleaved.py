@@ -42,16 +42,16 @@ class InterleavedState:
         self.engine = engine
         self.K, self.s = engine.num_stages, engine.stage_id
         self.v = engine.ds_mp_config.pipeline.virtual_stages
-        vparts = engine.module.virtual_parts or engine.module.parts  # chunk bounds over the table, K·v + 1
+        vparts = engine.module.virtual_parts or compat.stage_bounds(engine.module)  # chunk bounds over the table, K·v + 1
         sizes = [vparts[c * self.K + self.s + 1] - vparts[c * self.K + self.s] for c in range(self.v)]
-        self.funcs = engine.module.forward_funcs
+        self.funcs = compat.local_layers(engine.module)
         if sum(sizes) != len(self.funcs):
             raise RuntimeError(f"interleaved: rank {self.s} holds {len(self.funcs)} layers, its chunks {sizes}")
         starts = [sum(sizes[:c]) for c in range(self.v)]
         self.ranges = [(a, a + n) for a, n in zip(starts, sizes)]
         # DeepSpeed's checkpoint-segment flags per chunk (its forward zips them with the segments)
         self.checkpointable = [compat.checkpointable_flags(engine.module, self.funcs[a:b]) for a, b in self.ranges]
-        engine.prev_stage, engine.next_stage = (self.s - 1) % self.K, (self.s + 1) % self.K  # the ring
+        compat.set_neighbours(engine, (self.s - 1) % self.K, (self.s + 1) % self.K)  # the ring
 
     @contextlib.contextmanager
     def chunk(self, c: int) -> Iterator[None]:
@@ -59,14 +59,12 @@ class InterleavedState:
         e, mod = self.engine, self.engine.module
         vs, last = c * self.K + self.s, self.K * self.v - 1
         a, b = self.ranges[c]
-        whole = mod.is_checkpointable_results
-        mod.forward_funcs, mod.is_checkpointable_results = self.funcs[a:b], self.checkpointable[c]
         e.is_first_stage = lambda: vs == 0  # instance attributes shadow PipelineEngine's methods
         e.is_last_stage = lambda: vs == last
         try:
-            yield
+            with compat.running_layers(mod, self.funcs[a:b], self.checkpointable[c]):
+                yield
         finally:
-            mod.forward_funcs, mod.is_checkpointable_results = self.funcs, whole
             del e.is_first_stage, e.is_last_stage
 
     def eval_batch(self, data_iter: Any, *args: Any, num_micro_batches: int | None = None, **kwargs: Any) -> Any:

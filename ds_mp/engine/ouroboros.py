@@ -66,7 +66,7 @@ class OuroborosState:
         self.replay_per_micro = self.repeat_dropout and max(ctx.dropout, ctx.embd_dropout, ctx.attn_dropout) > 0
         self.iteration = 0
         self.owner = module_owner(self.K)
-        funcs = engine.module.forward_funcs
+        funcs = compat.local_layers(engine.module)
         self.ranges = module_ranges(engine.module, cfg, engine.stage_id)
         self.layers = {m: ModuleLayers(funcs[a:b]) for m, (a, b) in self.ranges.items()}
         # G_m's parameters (each once; the tied wte under its first name) and their names in layers[m]

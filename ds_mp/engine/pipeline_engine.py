@@ -1,8 +1,10 @@
-"""``PipelineEngine`` subclass that runs any registered schedule: extra instructions, timing,
-per-micro-batch losses, correct global gradient clipping, sequence-parallel grads.
+"""The engine that runs any registered schedule: extra instructions, timing, per-micro-batch
+losses, correct global gradient clipping, sequence-parallel grads.
 
-Everything else (p2p, optimizer, ZeRO, bf16, checkpoints) is DeepSpeed's own.  Every private
-DeepSpeed name used here is listed in ``ds_mp.deepspeed_compat``.
+It subclasses ``deepspeed_compat.PipelineEngineAdapter``, which translates DeepSpeed's private
+pipeline hooks (``_exec_*``, ``_train_schedule``, …) into the public methods below
+(``run_forward``, ``send_activations``, …; DeepSpeed's own as ``deepspeed_<method>``): no private
+DeepSpeed name appears here.  Everything else (p2p receive, optimizer, ZeRO, bf16) is DeepSpeed's own.
 """
 from __future__ import annotations
 
@@ -10,37 +12,23 @@ import importlib
 import math
 import os
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.deepspeed_compat import stage_gate
-from ds_mp.deepspeed_compat.stage_gate import PipelineStageGate
+from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
 from ds_mp.engine.batches import Step, feeding, micro_layout, prepare_step, warn_no_targets
 from ds_mp.engine.p2p import PostedSends
 from ds_mp.schedules.registry import ENGINE_SUPPORT, resolve
 
 
-def _by_name(name: str) -> Callable:
-    """Dispatch to ``self.<name>`` so subclass overrides of DeepSpeed's handlers apply
-    (DeepSpeed's own map holds the base-class functions)."""
-    def call(self: Any, **kwargs: Any) -> Any:
-        return getattr(self, name)(**kwargs)
-    call.__name__ = name
-    return call
-
-
-class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
-    """DeepSpeed's pipeline engine with a pluggable schedule (``ds_mp.pipeline.schedule``).
-    ``PipelineStageGate`` lets ZeRO-2 past ``PipelineEngine.__init__``'s stage assert
-    (``deepspeed_compat/stage_gate.py``: ds_mp runs stage 2's reduction itself, engine/zero2.py)."""
-
-    _INSTRUCTION_MAP = {instr: _by_name(fn.__name__) for instr, fn in PipelineEngine._INSTRUCTION_MAP.items()}
+class DsMpPipelineEngine(PipelineEngineAdapter):
+    """DeepSpeed's pipeline engine with a pluggable schedule (``ds_mp.pipeline.schedule``)."""
     #: Post activation/gradient sends (isend) and wait for them at the end of the schedule,
     #: instead of DeepSpeed's blocking send (a rendezvous with the receiver on gloo).  Every
     #: schedule's messages keep their order per peer, so the receives see the same stream.
@@ -68,6 +56,7 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
         super().__init__(*args, **kwargs)
         stage_gate.disarm(self)
         compat.check_engine(self)
+        compat.check_overrides()
         if torch.device(self.device).type == "cpu":  # no page faults re-acquiring freed memory every micro-batch
             cpu_heap.keep_freed_memory()
         if zero2.partitions_gradients(self):
@@ -81,19 +70,17 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
         # flight across steps), aggregate_loss() and eval_batch(data_iter, n).
         self.schedule_support = importlib.import_module(support).attach(self) if support else None
 
-    # --- extension points -------------------------------------------------------------
-    @classmethod
-    def register_instruction(cls, instruction: type, method: Callable) -> None:
-        """Map a new ``PipeInstruction`` type to an engine method ``method(self, **kwargs)``."""
-        cls._INSTRUCTION_MAP[instruction] = method
-
-    def _train_schedule(self) -> Any:
+    # --- extension points (register_instruction: the adapter's) -----------------------------
+    def train_schedule(self) -> Any:
+        """The schedule ``train_batch`` runs (the configured one)."""
         cls = resolve(self.schedule_name)
         if hasattr(cls, "from_engine"):
             return cls.from_engine(self)
         return cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
 
-    def _exec_schedule(self, pipe_schedule: Any) -> None:
+    def run_schedule(self, pipe_schedule: Any) -> None:
+        """Run one schedule's instruction steps (DeepSpeed's ``_exec_schedule`` with timing,
+        posted sends and per-buffer micro-batch bookkeeping)."""
         if hasattr(pipe_schedule, "posted_sends"):  # timetable schedules: sends compiled right after their value
             pipe_schedule.posted_sends = self.sends_overtake_receives()
         compat.reserve_pipe_buffers(self, pipe_schedule.num_pipe_buffers())
@@ -105,7 +92,7 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
         self.posted.start(pipe_schedule)
         for step_cmds in pipe_schedule:
             for cmd in step_cmds:
-                method = self._INSTRUCTION_MAP.get(type(cmd))
+                method = self.handler_for(cmd)
                 if method is None:
                     raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}; "
                                        "register it with DsMpPipelineEngine.register_instruction")
@@ -134,21 +121,21 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
         schedules keep their consumer-time order, the same on both ends of every link."""
         return self.post_sends and dist.get_backend(self.topology.pp_group) == "gloo"
 
-    def _exec_send_activations(self, buffer_id: int) -> None:
+    def send_activations(self, buffer_id: int) -> None:
         if not self.post_sends:
-            return super()._exec_send_activations(buffer_id)
-        peer = self.next_stage
+            return self.deepspeed_send_activations(buffer_id)
+        peer = compat.neighbours(self)[1]
         self.posted.post(compat.activation_messages(self, buffer_id), peer, compat.stage_rank(self, peer))
 
-    def _exec_send_grads(self, buffer_id: int) -> None:
+    def send_grads(self, buffer_id: int) -> None:
         if not self.post_sends:
-            return super()._exec_send_grads(buffer_id)
-        peer = self.prev_stage
+            return self.deepspeed_send_grads(buffer_id)
+        peer = compat.neighbours(self)[0]
         self.posted.post(compat.grad_messages(self, buffer_id), peer, compat.stage_rank(self, peer))
 
-    def _exec_recv_grads(self, buffer_id: int) -> None:
-        super()._exec_recv_grads(buffer_id)
-        self.posted.received_from(self.next_stage)
+    def recv_grads(self, buffer_id: int) -> None:
+        self.deepspeed_recv_grads(buffer_id)
+        self.posted.received_from(compat.neighbours(self)[1])
 
     # --- a step's micro-batches: read first, counted, shapes re-announced when they change ---------
     def data_stages(self) -> set[int]:
@@ -172,8 +159,7 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
         the global batch's per-target-token mean loss; a batch without targets skips the step."""
         fed = self._prepare(data_iter, self.micro_batches, training=True)
         if self.step_info.count == 0:
-            self.agg_train_loss = warn_no_targets(self)
-            return self.agg_train_loss
+            return compat.set_train_loss(self, warn_no_targets(self))
         with feeding(self):
             return super().train_batch(fed)
 
@@ -190,9 +176,9 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
         (:func:`ds_mp.engine.batches.micro_layout`)."""
         return micro_layout(self, buffer_id, forward)
 
-    def _aggregate_total_loss(self) -> torch.Tensor:
+    def aggregate_loss(self) -> torch.Tensor:
         hook = getattr(self.schedule_support, "aggregate_loss", None)
-        return hook() if hook is not None else super()._aggregate_total_loss()
+        return hook() if hook is not None else self.deepspeed_aggregate_loss()
 
     # --- schedule state that lives across steps (checkpointed per rank) -----------------
     def schedule_state_dict(self) -> dict | None:
@@ -217,28 +203,30 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
         self._loaded_micro[buffer_id] = self._n_loaded
         self._n_loaded += 1
 
-    def _exec_load_micro_batch(self, buffer_id: int) -> None:
-        super()._exec_load_micro_batch(buffer_id)
+    def load_micro_batch(self, buffer_id: int) -> None:
+        self.deepspeed_load_micro_batch(buffer_id)
         self.note_loaded(buffer_id)
 
-    def _exec_recv_activations(self, buffer_id: int) -> None:
-        super()._exec_recv_activations(buffer_id)
+    def recv_activations(self, buffer_id: int) -> None:
+        self.deepspeed_recv_activations(buffer_id)
         self._recv_micro[buffer_id] = self._n_recv
         self._n_recv += 1
-        self.posted.received_from(self.prev_stage)
+        self.posted.received_from(compat.neighbours(self)[0])
 
-    def _exec_forward_pass(self, buffer_id: int) -> None:
+    def run_forward(self, buffer_id: int) -> None:
+        """Forward pipe buffer ``buffer_id`` through this stage (DeepSpeed's ForwardPass)."""
         if self.is_last_stage() and not self.is_first_stage() and compat.computing_loss(self):
             got, want = self._recv_micro.get(buffer_id), self._loaded_micro.get(buffer_id)
             if got != want:
                 raise RuntimeError(f"schedule {self.schedule_name!r}: buffer {buffer_id} holds activations "
                                    f"of micro-batch {got} but labels of micro-batch {want}")
         with self.micro_layout(buffer_id, forward=True):
-            super()._exec_forward_pass(buffer_id)
+            self.deepspeed_run_forward(buffer_id)
         if self.is_last_stage():
             self._buffer_loss[buffer_id] = self.loss
 
-    def _exec_backward_pass(self, buffer_id: int) -> None:
+    def run_backward(self, buffer_id: int) -> None:
+        """Backward pipe buffer ``buffer_id`` (DeepSpeed's BackwardPass)."""
         with self.micro_layout(buffer_id):  # activation checkpointing recomputes the forward here
             self._backward(buffer_id)
         if zero2.partitions_gradients(self):  # ZeRO-2: this backward's gradients reduced over DP now
@@ -246,18 +234,18 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
 
     def _backward(self, buffer_id: int) -> None:
         if not self.is_last_stage():  # earlier stages backpropagate the (scaled) gradient they received
-            super()._exec_backward_pass(buffer_id)
+            self.deepspeed_run_backward(buffer_id)
             return
         loss = self._buffer_loss.pop(buffer_id)  # this micro-batch's own loss
         scale = compat.unapplied_loss_scale(self)  # fp16 without ZeRO: DeepSpeed's backward skips it
         self.loss = loss if scale is None else loss * scale
         try:
-            super()._exec_backward_pass(buffer_id)
+            self.deepspeed_run_backward(buffer_id)
         finally:
             self.loss = loss
 
     # --- gradients --------------------------------------------------------------------
-    def _exec_reduce_tied_grads(self) -> None:
+    def reduce_tied_gradients(self) -> None:
         """Sum the tied ``wte``'s gradient over its tied group (first and last stage).
 
         DeepSpeed's own handler reads every tied weight's gradient (its fp32 master gradient
@@ -272,7 +260,8 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
             if grad is not None:
                 dist.all_reduce(grad, group=group)
 
-    def _exec_reduce_grads(self) -> None:
+    def reduce_gradients(self) -> None:
+        """The DP gradient reduction of a step (ReduceGrads, with the SP sum and noise probe)."""
         if zero2.partitions_gradients(self):  # reduced per backward; the step's partitions made final
             zero2.close_step(self)
             return
@@ -281,7 +270,7 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
         if measure:  # |G_small|² of this replica before the DP all-reduce, |G_big|² after (or the step's norm)
             probe.before(self.reduction_grad_norm() ** 2, self.device)
         if self.topology.dp > 1 or compat.uses_bf16_optimizer(self) or self.zero_optimization_stage() > 0:
-            super()._exec_reduce_grads()
+            self.deepspeed_reduce_gradients()
         # else: one replica and the gradients already sit in p.grad: DeepSpeed's reduction would
         # flatten every gradient into buckets, all-reduce over a group of one and copy back (two
         # memcpys of the whole gradient per step, a no-op in value; gradient_predivide_factor
@@ -295,7 +284,7 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
             else:  # ZeRO: the reduced gradients sit in DP partitions; their norm is the step's (_exec_optimizer_step)
                 self._noise_b_small = b_small
 
-    def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
+    def optimizer_step(self, lr_kwargs: Any = None) -> None:
         """Skip the update (weights stay finite) when any gradient is NaN/Inf anywhere.
 
         fp32 without ZeRO (``p.grad`` holds the reduced gradients): ds_mp's global norm is
@@ -306,7 +295,7 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
         DeepSpeed's own loss-scaler overflow handling.
         """
         if self.fp16_enabled():
-            return super()._exec_optimizer_step(lr_kwargs)
+            return self.deepspeed_optimizer_step(lr_kwargs)
         if self._fp32_grads():
             norm = self.global_grad_norm()
             self.last_grad_norm = norm
@@ -324,7 +313,7 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
             self.nonfinite_steps += 1
             self.zero_grad()
             return
-        super()._exec_optimizer_step(lr_kwargs)
+        self.deepspeed_optimizer_step(lr_kwargs)
         if self._noise_b_small:  # ZeRO's norm of the reduced gradients, before clipping
             self.noise_scale.after(float(self.get_global_grad_norm()) ** 2, self._noise_b_small)
 
@@ -368,33 +357,17 @@ class DsMpPipelineEngine(PipelineEngine, PipelineStageGate):
         client_state = load_checkpoint(self, load_dir, tag)
         return os.path.join(load_dir, tag), client_state
 
-    # --- public entry points for schedules' engine-side handlers ---------------------------
-    def run_forward(self, buffer_id: int) -> None:
-        """Forward pipe buffer ``buffer_id`` through this stage (DeepSpeed's ForwardPass)."""
-        self._exec_forward_pass(buffer_id)
-
-    def run_backward(self, buffer_id: int) -> None:
-        """Backward pipe buffer ``buffer_id`` (DeepSpeed's BackwardPass)."""
-        self._exec_backward_pass(buffer_id)
-
-    def reduce_gradients(self) -> None:
-        """The DP gradient reduction of a step (ReduceGrads, with the SP sum and noise probe)."""
-        self._exec_reduce_grads()
-
-    def optimizer_step(self) -> None:
-        """The optimizer step of a step (OptimizerStep: NaN skip, clipping, DeepSpeed's step)."""
-        self._exec_optimizer_step()
-
+    # --- norms ------------------------------------------------------------------------------
     def reduction_grad_norm(self) -> float:
         """‖g‖₂ (ownership rule of :meth:`global_grad_norm`) of the gradients DeepSpeed's DP reduction
         averages: ``p.grad`` in fp32 and under ZeRO (before its reduction), BF16_Optimizer's fp32
         gradient buffers (``fp32_groups_gradients``: the bf16 micro-batch gradients accumulated in fp32)."""
         opt, owned = self.optimizer, grads.owned_parameters(self.module, self.topology)
         if compat.uses_bf16_optimizer(self):
-            fp32 = {id(lp): g for lps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients) for lp, g in zip(lps, gs)}
+            fp32 = compat.bf16_fp32_gradients(opt)
             tensors = [fp32.get(id(p)) for p in owned]
         elif self.zero_optimization():
-            tensors = [opt.get_gradient_for_reduction(p) for p in owned]
+            tensors = [compat.zero_gradient_for_reduction(opt, p) for p in owned]
         else:
             return self.global_grad_norm()
         total = grads.sum_of_squares(tensors, self.device)

@@ -47,10 +47,10 @@ from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
-                                                     get_param_groups, reverse_closure, stage_backward_weight)
 
 from ds_mp import deepspeed_compat as compat
+from ds_mp.deepspeed_compat.torch_private import (construct_reverse_graph, get_grad_fn_or_grad_acc, get_param_groups,
+                                                  reverse_closure, stage_backward_weight)
 from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.zero_bubble import BackwardInput, BackwardWeight
 
@@ -65,7 +65,7 @@ class ZeroBubbleState:
 
 def attach(engine: Any) -> ZeroBubbleState:
     if engine.module.activation_checkpoint_interval > 0:  # DeepSpeed's checkpoints refuse torch.autograd.grad
-        engine.module.activation_checkpoint_func = checkpoint
+        compat.use_activation_checkpoint(engine.module, checkpoint)
     engine.zero_bubble = ZeroBubbleState()
     return engine.zero_bubble
 
@@ -110,10 +110,10 @@ def input_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor | None]
     pairs = [(o, torch.ones_like(o) if g is None else g) for o, g in zip(outputs, grads)
              if o.grad_fn is not None or o.requires_grad]
     roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
-    root_nodes = [_get_grad_fn_or_grad_acc(o) for o in roots]
+    root_nodes = [get_grad_fn_or_grad_acc(o) for o in roots]
     reverse = construct_reverse_graph(root_nodes)
-    input_nodes = [_get_grad_fn_or_grad_acc(x) for x in inputs]
-    groups = get_param_groups(input_nodes, [_get_grad_fn_or_grad_acc(w) for w in weights], reverse)
+    input_nodes = [get_grad_fn_or_grad_acc(x) for x in inputs]
+    groups = get_param_groups(input_nodes, [get_grad_fn_or_grad_acc(w) for w in weights], reverse)
     fused = _split_fused_nodes({*reverse, *root_nodes}, reverse_closure(input_nodes, set(), reverse)[0])
     handles = []
     for group in groups:
@@ -216,7 +216,7 @@ def _exec_backward_input(self: Any, buffer_id: int) -> None:
     st = self.zero_bubble
     if self.is_first_stage():  # nothing to send back: the whole backward runs as W
         # a copy: the next RecvGrad overwrites DeepSpeed's gradient buffer in place
-        g = self.grad_layer
+        g = compat.received_grad(self)
         st.pending[buffer_id] = g.clone() if isinstance(g, torch.Tensor) else None if g is None else [t.clone() for t in g]
         return
     weights = _weights(self)
@@ -237,16 +237,16 @@ def _exec_backward_weight(self: Any, buffer_id: int) -> None:
 def _backward_weight(self: Any, buffer_id: int) -> None:
     work = self.zero_bubble.pending.pop(buffer_id)
     if self.is_first_stage():
-        self.grad_layer = work  # the output gradient B received
+        compat.set_received_grad(self, work)  # the output gradient B received
         self.run_backward(buffer_id)
         return
     bf16 = compat.uses_bf16_optimizer(self)
     if bf16:
-        self.optimizer.clear_lp_grads()
+        compat.drop_bf16_grads(self)
     stage_backward_weight(_weights(self), work)
     if bf16:  # into the fp32 master gradients, then cleared: a later B's epilogue must not add them again
         compat.copy_bf16_grads_to_master(self)
-        self.optimizer.clear_lp_grads()
+        compat.drop_bf16_grads(self)
 
 
 DsMpPipelineEngine.register_instruction(BackwardInput, _exec_backward_input)

@@ -8,7 +8,7 @@ block of the same DeepSpeed JSON.
 from __future__ import annotations
 
 from ds_mp.config import ConfigError, DsMpConfig, load_config
-from ds_mp.schedules.registry import SCHEDULES, register_schedule
+from ds_mp.config.registry import SCHEDULES, register_schedule
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(ds_mp.__file__)
 
 # Floors, ground first.  A module may import from its own floor or below.
 FLOORS: list[tuple[str, ...]] = [
-    ("ds_mp", "ds_mp.config", "ds_mp.topology", "ds_mp.deepspeed_compat", "ds_mp.atomic", "ds_mp.schedules.registry"),
+    ("ds_mp", "ds_mp.config", "ds_mp.topology", "ds_mp.deepspeed_compat", "ds_mp.atomic"),
     ("ds_mp.tensor_parallel",),
     ("ds_mp.models",),
     ("ds_mp.data", "ds_mp.optim"),
@@ -114,7 +114,7 @@ def test_config_import_does_not_load_engines() -> None:
 def test_every_registered_schedule_resolves() -> None:
     from deepspeed.runtime.pipe.schedule import PipeSchedule
 
-    from ds_mp.schedules.registry import ENGINE_SUPPORT, SCHEDULES, resolve
+    from ds_mp.config.registry import ENGINE_SUPPORT, SCHEDULES, resolve
 
     import importlib
     for name in SCHEDULES:

@@ -24,7 +24,7 @@ from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
 from ds_mp.engine.batches import Step, feeding, micro_layout, prepare_step, warn_no_targets
 from ds_mp.engine.p2p import PostedSends
-from ds_mp.schedules.registry import ENGINE_SUPPORT, resolve
+from ds_mp.config.registry import ENGINE_SUPPORT, resolve
 
 
 class DsMpPipelineEngine(PipelineEngineAdapter):

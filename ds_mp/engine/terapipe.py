@@ -1,7 +1,7 @@
 """Engine side of TeraPipe: the per-engine state and the handlers of its instructions.
 
 Imported by the engine when the ``terapipe`` schedule is selected (see
-``ds_mp.schedules.registry.ENGINE_SUPPORT``); :func:`attach` gives the engine a
+``ds_mp.config.registry.ENGINE_SUPPORT``); :func:`attach` gives the engine a
 :class:`TeraPipeState`, and the three instructions of ``ds_mp.schedules.terapipe.schedule``
 are mapped to the handlers below.
 """

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ds_mp.schedules.simulate import Deps, Op, OpCost, SimResult, Timetable, simulate
+from ds_mp.schedules.simulate import (Deps, Op, OpCost, SimResult, Timetable, interleaved_deps, interleaved_timetable,
+                                      one_f_one_b_timetable, simulate, zb_h1_timetable, zero_bubble_deps)
 
 DEFERRALS = ("bounded", "paper")
 
@@ -197,4 +198,33 @@ def project(P: int, M: int, cost: OpCost = unit_cost, deferral: str = "bounded",
     return simulate(table, cost, latency=latency, deps=v_deps(P))
 
 
-__all__ = ["DEFERRALS", "unit_cost", "v_deps", "v_peer", "zb_v_timetable", "held_peak", "figure", "project"]
+def lower_bound(P: int, M: int, f: float, b: float, w: float) -> float:
+    """No ZB-V step is shorter than ``(P − 1)·f + 2M(f + b + w)`` with chunk op costs f, b, w:
+    rank P−1 gets its first input after P − 1 chunk forwards and then has 2M of each op to run.
+    The paper's deferral reaches it within P chunk ops (checked): the bubble is that ramp, → 0
+    as M grows."""
+    return (P - 1) * f + 2 * M * (f + b + w)
+
+
+def projection(P: int, M: int, F: float, B: float, W: float) -> dict[str, float]:
+    """Simulated step (seconds) of each schedule at the same work: per-stage op costs F (forward),
+    B (input gradient), W (weight gradient); 1F1B and interleaved run B + W as one backward, a V
+    or interleaved chunk costs half a stage's.  Keys: "1f1b", "zb-h1 auto", "zb-h1 paper",
+    "interleaved" (v = 2; only when P divides M), "zb-v bounded", "zb-v paper"."""
+    stage = {"F": F, "B": B, "W": W}
+    chunk = {k: v / 2 for k, v in stage.items()}
+    whole = lambda costs: lambda s, op: costs["B"] + costs["W"] if op.kind == "B" else costs[op.kind]  # noqa: E731
+    out = {"1f1b": simulate(one_f_one_b_timetable(P, M), whole(stage)).iteration_time}
+    for d in ("auto", "paper"):
+        out[f"zb-h1 {d}"] = simulate(zb_h1_timetable(P, M, d), lambda s, op: stage[op.kind],
+                                     deps=zero_bubble_deps).iteration_time
+    if M % P == 0:
+        out["interleaved"] = simulate(interleaved_timetable(P, M, 2), whole(chunk),
+                                      deps=interleaved_deps(2)).iteration_time
+    for d in DEFERRALS:
+        out[f"zb-v {d}"] = project(P, M, lambda r, op: chunk[op.kind], deferral=d).iteration_time
+    return out
+
+
+__all__ = ["DEFERRALS", "unit_cost", "v_deps", "v_peer", "zb_v_timetable", "held_peak", "figure", "project",
+           "lower_bound", "projection"]

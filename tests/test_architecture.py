@@ -293,3 +293,33 @@ def test_adapter_overrides_are_checked() -> None:
     renamed = type("Adapter", (PipelineEngineAdapter,), {"_exec_reduce_tied_grad_sums": lambda self: None})
     with pytest.raises(compat.DeepSpeedIncompatible, match="no '_exec_reduce_tied_grad_sums'"):
         compat.check_overrides(renamed)
+
+
+RUNTIMES = ("ds_mp.engine.zero_bubble", "ds_mp.engine.terapipe", "ds_mp.engine.interleaved", "ds_mp.engine.ouroboros")
+
+
+def engine_writes(source: str) -> list[str]:
+    """Assignments to an attribute of the engine (``engine.x =``, ``e.x =``, ``self.engine.x =``)."""
+    def is_engine(expr: ast.expr) -> bool:
+        return (isinstance(expr, ast.Name) and expr.id in ("engine", "e")) or \
+            (isinstance(expr, ast.Attribute) and expr.attr == "engine")
+
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(leaf, ast.Attribute) and is_engine(leaf.value):
+                    bad.append(f"line {node.lineno}: {ast.unparse(leaf)}")
+    return bad
+
+
+def test_schedule_runtimes_own_their_state() -> None:
+    """A schedule's runtime keeps its state and handlers itself: it sets no attribute on the engine
+    (no ``engine.zero_bubble =``, no instance method shadowing an engine's)."""
+    assert len(engine_writes("def f(engine, e):\n    engine.terapipe = 1\n    e.is_first_stage = g\n"
+                             "    self.engine.x, y = 1, 2\n")) == 3
+    mods = modules()
+    bad = [f"{m} {hit}" for m in RUNTIMES for hit in engine_writes(open(mods[m]).read())]
+    assert not bad, "schedule runtimes writing to the engine:\n" + "\n".join(bad)

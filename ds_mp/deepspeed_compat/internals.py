@@ -29,6 +29,11 @@ def set_received_grad(engine: Any, grad: Any) -> None:
     engine.grad_layer = grad
 
 
+def release_loss_graph(engine: Any) -> None:
+    """Keep the last stage's loss (``loss``) as a value only: the graph above it may be freed."""
+    engine.loss = engine.loss.detach()
+
+
 def set_train_loss(engine: Any, loss: Any) -> Any:
     """``train_batch``'s reported loss (``agg_train_loss``, read by DeepSpeed's logging); returns it."""
     engine.agg_train_loss = loss
@@ -96,6 +101,6 @@ def has_tied_comms(module: Any) -> bool:
     return hasattr(module, "tied_comms")
 
 
-__all__ = ["neighbours", "set_neighbours", "received_grad", "set_received_grad", "set_train_loss", "drop_bf16_grads",
+__all__ = ["neighbours", "set_neighbours", "received_grad", "set_received_grad", "release_loss_graph", "set_train_loss", "drop_bf16_grads",
            "bf16_fp32_gradients", "zero_gradient_for_reduction", "use_activation_checkpoint", "local_layers",
            "running_layers", "stage_bounds", "tied_parameter_ids", "has_tied_comms"]

@@ -39,7 +39,6 @@ from torch import Tensor
 from ds_mp import deepspeed_compat as compat
 from ds_mp.engine.p2p import PostedSends
 from ds_mp.engine.ouroboros_modules import ModuleLayers, SampleLayouts, accumulate, leaf, module_ranges, replayed
-from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
                                                  SendHidden, UpdateModules, module_owner)
@@ -258,7 +257,40 @@ class OuroborosState:
         dist.recv(buf, self._peer(ring_rank))
         return buf
 
+    # --- instruction handlers (``instructions``: the engine dispatches to these methods) ----
+    def module_forward(self, module: int, sample: int, micro: int | None = None) -> None:
+        self.forward(module, sample, micro)
+
+    def module_backward(self, module: int, sample: int, micro: int | None = None) -> None:
+        self.backward(module, sample, micro)
+
+    def send_hidden(self, module: int, sample: int, peer: int, micro: int | None = None) -> None:
+        self.send(self.acts.pop((module + 1, sample, micro or 0)), peer, header=True)
+
+    def recv_hidden(self, module: int, sample: int, peer: int, micro: int | None = None) -> None:
+        self.acts[(module + 1, sample, micro or 0)] = self.recv(peer)
+
+    def send_delta(self, module: int, sample: int, peer: int, micro: int | None = None) -> None:
+        self.send(self.deltas.pop((module - 1, sample, micro or 0)), peer)
+
+    def recv_delta(self, module: int, sample: int, peer: int, micro: int | None = None) -> None:
+        m, j = module - 1, micro or 0  # delta_m^s of micro-batch j: (B_j, T, C) like G_m's output
+        x = next(chunks[j][0] for s, chunks, _ in self.stash[m] if s == sample)
+        self.deltas[(m, sample, j)] = self.recv(peer, (*x.shape[:2], self.engine.module.ds_mp_ctx.n_embd))
+
+    def update_modules(self) -> None:
+        self.update()
+
+    instructions = {ModuleForward: "module_forward", ModuleBackward: "module_backward", SendHidden: "send_hidden",
+                    RecvHidden: "recv_hidden", SendDelta: "send_delta", RecvDelta: "recv_delta",
+                    UpdateModules: "update_modules"}
+
     # --- engine hooks --------------------------------------------------------------------
+    @staticmethod
+    def data_stages() -> set[int]:
+        """Ring rank 0 holds G_0 and G_{K-1}: it alone reads micro-batches."""
+        return {0}
+
     def aggregate_loss(self) -> Tensor:
         """Ring rank 0's f_t, averaged over DP replicas, on every rank of the ring."""
         e, topo = self.engine, self.engine.topology
@@ -336,47 +368,8 @@ class OuroborosState:
 
 
 def attach(engine: Any) -> OuroborosState:
-    engine.ouroboros = OuroborosState(engine)
-    engine.data_stages = lambda: {0}  # ring rank 0 holds G_0 and G_{K-1}: it alone reads micro-batches
-    return engine.ouroboros
+    """The runtime of an Ouroboros engine (``config.registry.ENGINE_SUPPORT``)."""
+    return OuroborosState(engine)
 
-
-def _exec_module_forward(self: Any, module: int, sample: int, micro: int | None = None) -> None:
-    self.ouroboros.forward(module, sample, micro)
-
-
-def _exec_module_backward(self: Any, module: int, sample: int, micro: int | None = None) -> None:
-    self.ouroboros.backward(module, sample, micro)
-
-
-def _exec_send_hidden(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
-    st = self.ouroboros
-    st.send(st.acts.pop((module + 1, sample, micro or 0)), peer, header=True)
-
-
-def _exec_recv_hidden(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
-    st = self.ouroboros
-    st.acts[(module + 1, sample, micro or 0)] = st.recv(peer)
-
-
-def _exec_send_delta(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
-    st = self.ouroboros
-    st.send(st.deltas.pop((module - 1, sample, micro or 0)), peer)
-
-
-def _exec_recv_delta(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
-    st, m, j = self.ouroboros, module - 1, micro or 0  # delta_m^s of micro-batch j: (B_j, T, C) like G_m's output
-    x = next(chunks[j][0] for s, chunks, _ in st.stash[m] if s == sample)
-    st.deltas[(m, sample, j)] = st.recv(peer, (*x.shape[:2], self.module.ds_mp_ctx.n_embd))
-
-
-def _exec_update_modules(self: Any) -> None:
-    self.ouroboros.update()
-
-
-for _instr, _fn in ((ModuleForward, _exec_module_forward), (ModuleBackward, _exec_module_backward),
-                    (SendHidden, _exec_send_hidden), (RecvHidden, _exec_recv_hidden), (SendDelta, _exec_send_delta),
-                    (RecvDelta, _exec_recv_delta), (UpdateModules, _exec_update_modules)):
-    DsMpPipelineEngine.register_instruction(_instr, _fn)
 
 __all__ = ["OuroborosState", "attach"]

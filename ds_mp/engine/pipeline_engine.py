@@ -8,6 +8,7 @@ DeepSpeed name appears here.  Everything else (p2p receive, optimizer, ZeRO, bf1
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -24,7 +25,7 @@ from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
 from ds_mp.engine.batches import Step, feeding, micro_layout, prepare_step, warn_no_targets
 from ds_mp.engine.p2p import PostedSends
-from ds_mp.config.registry import ENGINE_SUPPORT, resolve
+from ds_mp.config.registry import ENGINE_SUPPORT, ScheduleRuntime, resolve
 
 
 class DsMpPipelineEngine(PipelineEngineAdapter):
@@ -65,10 +66,12 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         if getattr(getattr(self.module, "ds_mp_ctx", None), "sp", False):
             compat.send_whole_activations(self)
         support = ENGINE_SUPPORT.get(self.schedule_name)
-        # The schedule's engine side: importing it registers its instruction handlers; attach()
-        # returns its per-engine state, which may define state_dict/load_state_dict (work in
-        # flight across steps), aggregate_loss() and eval_batch(data_iter, n).
-        self.schedule_support = importlib.import_module(support).attach(self) if support else None
+        if isinstance(support, str):  # a built-in's module: its attach(engine) makes the runtime
+            support = importlib.import_module(support).attach
+        # The schedule's runtime (config.registry.ScheduleRuntime): it owns the schedule's state, its
+        # methods handle the schedule's instructions (``instructions``), and its optional hooks
+        # (state_dict/load_state_dict, aggregate_loss, eval_batch, …) are asked by the engine.
+        self.schedule_support: ScheduleRuntime | None = support(self) if support else None
 
     # --- extension points (register_instruction: the adapter's) -----------------------------
     def train_schedule(self) -> Any:
@@ -90,16 +93,21 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         self._recv_micro.clear()
         self._n_loaded = self._n_recv = 0
         self.posted.start(pipe_schedule)
+        runtime = self.schedule_support  # its instructions are handled by its own (bound) methods
+        handlers = {instr: getattr(runtime, name) for instr, name in getattr(runtime, "instructions", {}).items()}
         for step_cmds in pipe_schedule:
             for cmd in step_cmds:
-                method = self.handler_for(cmd)
+                method = handlers.get(type(cmd))
                 if method is None:
-                    raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}; "
-                                       "register it with DsMpPipelineEngine.register_instruction")
+                    handler = self.handler_for(cmd)  # DeepSpeed's, or one registered on the class
+                    if handler is None:
+                        raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}; "
+                                           "give the schedule's runtime a handler for it (its `instructions`)")
+                    method = functools.partial(handler, self)
                 if self.trace_enabled:  # GPU kernels are asynchronous: sync so each time is its own
                     get_accelerator().synchronize()
                 start = time.perf_counter()
-                method(self, **cmd.kwargs)
+                method(**cmd.kwargs)
                 if self.trace_enabled:
                     get_accelerator().synchronize()
                     name = type(cmd).__name__
@@ -139,8 +147,28 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
 
     # --- a step's micro-batches: read first, counted, shapes re-announced when they change ---------
     def data_stages(self) -> set[int]:
-        """Pipeline stages that read micro-batches (DeepSpeed's: the first and the last)."""
-        return {0, self.num_stages - 1}
+        """Pipeline stages that read micro-batches (DeepSpeed's: the first and the last; the
+        runtime's ``data_stages`` hook where it has one)."""
+        hook = getattr(self.__dict__.get("schedule_support"), "data_stages", None)
+        return hook() if hook is not None else {0, self.num_stages - 1}
+
+    def is_first_stage(self) -> bool:
+        """DeepSpeed's, or the runtime's answer for the virtual stage running now (``stage_ends``)."""
+        ends = self._stage_ends()
+        return super().is_first_stage() if ends is None else ends[0]
+
+    def is_last_stage(self) -> bool:
+        ends = self._stage_ends()
+        return super().is_last_stage() if ends is None else ends[1]
+
+    def _stage_ends(self) -> tuple[bool, bool] | None:
+        hook = getattr(self.__dict__.get("schedule_support"), "stage_ends", None)
+        return hook() if hook is not None else None
+
+    def expect_micro(self, buffer_id: int, micro: int) -> None:
+        """The schedule says ``buffer_id`` holds micro-batch ``micro``'s activations (checked
+        against its labels by the forward)."""
+        self._recv_micro[buffer_id] = micro
 
     def _prepare(self, data_iter: Any, n: int, training: bool) -> Any:
         """:func:`ds_mp.engine.batches.prepare_step`, then keep DeepSpeed's cached activation

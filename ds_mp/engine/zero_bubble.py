@@ -42,7 +42,6 @@ W can re-enter an output node (TP × PP = 2 × 2: the LM head's node returns the
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -51,23 +50,61 @@ from torch.overrides import TorchFunctionMode
 from ds_mp import deepspeed_compat as compat
 from ds_mp.deepspeed_compat.torch_private import (construct_reverse_graph, get_grad_fn_or_grad_acc, get_param_groups,
                                                   reverse_closure, stage_backward_weight)
-from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.zero_bubble import BackwardInput, BackwardWeight
 
 
-@dataclass
 class ZeroBubbleState:
-    """Work a B left for its W, per pipe buffer: the parameter groups with their recorded
-    gradients (later stages), or the received output gradient (first stage)."""
+    """ZB-H1's runtime: the B and W handlers (``instructions``) and the work a B left for its W,
+    per pipe buffer (``pending``): the parameter groups with their recorded gradients (later
+    stages), or the received output gradient (first stage)."""
 
-    pending: dict[int, Any] = field(default_factory=dict)
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.pending: dict[int, Any] = {}
+        if engine.module.activation_checkpoint_interval > 0:  # DeepSpeed's checkpoints refuse torch.autograd.grad
+            compat.use_activation_checkpoint(engine.module, checkpoint)
+
+    def backward_input(self, buffer_id: int) -> None:
+        e = self.engine
+        if e.is_first_stage():  # nothing to send back: the whole backward runs as W
+            # a copy: the next RecvGrad overwrites DeepSpeed's gradient buffer in place
+            g = compat.received_grad(e)
+            self.pending[buffer_id] = (g.clone() if isinstance(g, torch.Tensor) else None if g is None
+                                       else [t.clone() for t in g])
+            return
+        weights = _weights(e)
+        with _InputOnlyBackward(e, buffer_id, weights) as b:
+            e.run_backward(buffer_id)
+        self.pending[buffer_id] = b.groups
+        if e.is_last_stage():  # W starts at the recorded gradients: let the graph above them go now
+            drop_output_hooks(compat.pipe_buffers(e)["outputs"][buffer_id])
+            compat.pipe_buffers(e)["outputs"][buffer_id] = None  # the logits (DeepSpeed drops the others')
+            compat.release_loss_graph(e)
+
+    def backward_weight(self, buffer_id: int) -> None:
+        with self.engine.micro_layout(buffer_id):  # activation checkpointing recomputes the forward in W too
+            self._backward_weight(buffer_id)
+
+    instructions = {BackwardInput: "backward_input", BackwardWeight: "backward_weight"}
+
+    def _backward_weight(self, buffer_id: int) -> None:
+        e, work = self.engine, self.pending.pop(buffer_id)
+        if e.is_first_stage():
+            compat.set_received_grad(e, work)  # the output gradient B received
+            e.run_backward(buffer_id)
+            return
+        bf16 = compat.uses_bf16_optimizer(e)
+        if bf16:
+            compat.drop_bf16_grads(e)
+        stage_backward_weight(_weights(e), work)
+        if bf16:  # into the fp32 master gradients, then cleared: a later B's epilogue must not add them again
+            compat.copy_bf16_grads_to_master(e)
+            compat.drop_bf16_grads(e)
 
 
 def attach(engine: Any) -> ZeroBubbleState:
-    if engine.module.activation_checkpoint_interval > 0:  # DeepSpeed's checkpoints refuse torch.autograd.grad
-        compat.use_activation_checkpoint(engine.module, checkpoint)
-    engine.zero_bubble = ZeroBubbleState()
-    return engine.zero_bubble
+    """The runtime of a ZB-H1 engine (``config.registry.ENGINE_SUPPORT``)."""
+    return ZeroBubbleState(engine)
 
 
 def checkpoint(function: Any, *args: Any) -> Any:
@@ -211,45 +248,5 @@ def drop_output_hooks(outputs: Any) -> None:
 def _weights(engine: Any) -> list[torch.Tensor]:
     return [p for p in engine.module.parameters() if p.requires_grad]
 
-
-def _exec_backward_input(self: Any, buffer_id: int) -> None:
-    st = self.zero_bubble
-    if self.is_first_stage():  # nothing to send back: the whole backward runs as W
-        # a copy: the next RecvGrad overwrites DeepSpeed's gradient buffer in place
-        g = compat.received_grad(self)
-        st.pending[buffer_id] = g.clone() if isinstance(g, torch.Tensor) else None if g is None else [t.clone() for t in g]
-        return
-    weights = _weights(self)
-    with _InputOnlyBackward(self, buffer_id, weights) as b:
-        self.run_backward(buffer_id)
-    st.pending[buffer_id] = b.groups
-    if self.is_last_stage():  # W starts at the recorded gradients: let the graph above them go now
-        drop_output_hooks(compat.pipe_buffers(self)["outputs"][buffer_id])
-        compat.pipe_buffers(self)["outputs"][buffer_id] = None  # the logits (DeepSpeed drops the others')
-        self.loss = self.loss.detach()
-
-
-def _exec_backward_weight(self: Any, buffer_id: int) -> None:
-    with self.micro_layout(buffer_id):  # activation checkpointing recomputes the forward in W too
-        _backward_weight(self, buffer_id)
-
-
-def _backward_weight(self: Any, buffer_id: int) -> None:
-    work = self.zero_bubble.pending.pop(buffer_id)
-    if self.is_first_stage():
-        compat.set_received_grad(self, work)  # the output gradient B received
-        self.run_backward(buffer_id)
-        return
-    bf16 = compat.uses_bf16_optimizer(self)
-    if bf16:
-        compat.drop_bf16_grads(self)
-    stage_backward_weight(_weights(self), work)
-    if bf16:  # into the fp32 master gradients, then cleared: a later B's epilogue must not add them again
-        compat.copy_bf16_grads_to_master(self)
-        compat.drop_bf16_grads(self)
-
-
-DsMpPipelineEngine.register_instruction(BackwardInput, _exec_backward_input)
-DsMpPipelineEngine.register_instruction(BackwardWeight, _exec_backward_weight)
 
 __all__ = ["ZeroBubbleState", "attach", "input_backward"]

@@ -14,10 +14,12 @@
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from ds_mp.schedules.memory import modelled_peak
-from ds_mp.schedules.simulate import Op, one_f_one_b_timetable
+from ds_mp.schedules.simulate import Op, one_f_one_b_timetable, simulate
 from ds_mp.schedules.timetable import rounds
 from ds_mp.schedules.zb_v import (figure, held_peak, lower_bound, project, projection, unit_cost, v_deps, v_peer,
                                  zb_v_timetable)
@@ -117,6 +119,19 @@ def test_compiled_streams_match_messages(P: int, M: int, deferral: str) -> None:
     assert play_rendezvous(streams, P) == table
     sends = sum(kind == "send" for s in streams for kind, _ in s)
     assert sends == 2 * M * 2 * (P - 1)  # F and B messages of 2(P−1) boundaries, none at the turn
+
+
+def test_random_costs_legal_and_bounded() -> None:
+    """Any op costs give a timetable the simulator plays, within 1F1B's held memory (P, M ≥ 2)."""
+    rng = random.Random(0)
+    for P in (2, 3, 5):
+        for M in (2, 3, 7, 12):
+            for deferral, pw in (("bounded", 1.6), ("bounded", 2.0), ("paper", 1.0)):
+                c = {k: rng.uniform(0.2, 2.0) for k in "FBW"}
+                table = zb_v_timetable(P, M, deferral, lambda r, op: c[op.kind], pw)
+                simulate(table, lambda r, op: c[op.kind], deps=v_deps(P))
+                one = max(modelled_peak(ops) for ops in one_f_one_b_timetable(P, M))
+                assert max(held_peak(ops, pw) for ops in table) <= one, (P, M, deferral, pw, c)
 
 
 @pytest.mark.parametrize("P,M", CASES)

@@ -29,15 +29,20 @@ counts it, :func:`~ds_mp.schedules.simulate.zb_deferrals`).  Two deferrals:
 * ``"bounded"`` (default): the scheduler keeps ``held + open + (pending_weight − 1) ≤ L`` where
   ``open`` counts micro-batches whose chunk-0 F ran and chunk-1 F has not (their chunk-1 F is
   reserved): an F of chunk 0 runs only if the next B still fits, a B that would not fit first runs
-  the oldest pending W.  Held memory with recorded gradients ≤ 1F1B's largest rank (M ≥ 2; one
-  micro-batch alone holds ``1 + pending_weight`` units at its B on any V).
+  the oldest pending W.  Held memory with recorded gradients ≤ 1F1B's largest rank for P, M ≥ 2
+  (a lone rank or micro-batch holds ``1 + pending_weight`` units at its chunk-1 B, over 1F1B's 2).
+  The price: at P = 2 with ``pending_weight`` ≥ 1.5 only one micro-batch fits in the V at a time
+  (projected slower than 1F1B, :func:`projection`); the bound is what the storage census measures.
 * ``"paper"``: the paper's unbounded deferral — W only when the rank has nothing else to run;
   the activations (``pending_weight`` = 1: the recorded gradients not counted) bounded by the
   paper's 2P chunk units.
 
 Every stage's op order is read off the schedule as a list (:func:`figure` prints it like the
 paper's figure); :class:`~ds_mp.schedules.timetable.TimetableSchedule` compiles any such table
-into deadlock-free sends and receives with :func:`v_peer`.
+into deadlock-free sends and receives with :func:`v_peer` (nothing crosses the turn; the
+default ``sent_unit`` holds: every message carries its consumer's own chunk).  No schedule name
+selects it yet: the engine runtime (V layer placement, per-chunk neighbours, the local hand-offs
+at the turn, the loss on rank 0) is still to be built.
 """
 from __future__ import annotations
 

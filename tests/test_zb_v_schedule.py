@@ -20,7 +20,7 @@ import pytest
 
 from ds_mp.schedules.memory import modelled_peak
 from ds_mp.schedules.simulate import Op, one_f_one_b_timetable, simulate
-from ds_mp.schedules.timetable import rounds
+from ds_mp.schedules.timetable import Transfer, rounds
 from ds_mp.schedules.zb_v import (figure, held_peak, lower_bound, project, projection, unit_cost, v_deps, v_peer,
                                  zb_v_timetable)
 
@@ -119,6 +119,17 @@ def test_compiled_streams_match_messages(P: int, M: int, deferral: str) -> None:
     assert play_rendezvous(streams, P) == table
     sends = sum(kind == "send" for s in streams for kind, _ in s)
     assert sends == 2 * M * 2 * (P - 1)  # F and B messages of 2(P−1) boundaries, none at the turn
+    # posted sends (the engine's default): each send right after its producer, the consumer's own
+    # unit on the sender (TimetableSchedule's default ``sent_unit`` holds on the V)
+    def producer(m: Transfer) -> Op:
+        return Op("F" if m.kind == "act" else "B", m.op.micro, m.op.slice)
+    for r, stage in enumerate(rounds(table, unit_cost, v_deps(P), v_peer(P), producer)):
+        done: set = set()
+        for kind, x in (item for rnd in stage for item in rnd):
+            if kind == "compute":
+                done.add(x)
+            elif kind == "send":
+                assert (r, producer(x)) in expected_inputs(P, x.dst, x.op) and producer(x) in done, (r, x)
 
 
 def test_random_costs_legal_and_bounded() -> None:

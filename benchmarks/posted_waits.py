@@ -3,7 +3,7 @@
     python -m benchmarks.posted_waits [--micro-batches 16 --steps 3]
 
 After each receive the engine waits for the sends its peer had received before sending that
-message (``ds_mp/engine/posted_sends.py``): they are done, so the wait should cost nothing, and
+message (``ds_mp/engine/p2p.py``): they are done, so the wait should cost nothing, and
 the posted sends keep their speed.  Two spawned CPU ranks (PP = 2, gloo) train a GPT-2 4 × 128
 (vocab 203, micro-batches of 2 × 64) under 1F1B, ZB-H1 and interleaved (v = 2); per rank and
 schedule: the seconds spent in those waits over all steps, how many there were, the step times,
@@ -23,7 +23,7 @@ SCHEDULES = ("1f1b", "zb-h1", "interleaved")
 
 def _rank(rank: int, micro_batches: int, steps: int) -> dict:
     import ds_mp
-    from ds_mp.engine.posted_sends import PostedSends
+    from ds_mp.engine.p2p import PostedSends
     from helpers import batches, ds_config, tiny_gpt2
 
     out, waited, received_from = {}, [0.0, 0], PostedSends.received_from

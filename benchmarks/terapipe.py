@@ -72,7 +72,7 @@ class ScheduleBench(DsMpBench):
         self.engine.schedule_name = schedule
         if plan is not None:  # the engine side of TeraPipe with a fixed plan
             self.engine.schedule_support = terapipe.attach(self.engine)
-            self.engine.terapipe.plan = [(b, list(s)) for b, s in plan]
+            self.engine.schedule_support.plan = [(b, list(s)) for b, s in plan]
 
     def profile(self, granularity: int) -> list[tuple[int, int, float]]:
         """(i, j, seconds) of this rank's stage: forward+backward of i tokens after j."""

@@ -12,7 +12,7 @@ from ds_mp.launcher_guard import arm as _arm_launcher_guard
 _arm_launcher_guard()  # first: a rank of DeepSpeed's launch.py never outlives it (before torch is imported)
 
 from ds_mp.config import ConfigError, DsMpConfig, load_config
-from ds_mp.schedules.registry import SCHEDULES, register_schedule
+from ds_mp.config.registry import SCHEDULES, register_schedule
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(ds_mp.__file__)
 
 # Floors, ground first.  A module may import from its own floor or below.
 FLOORS: list[tuple[str, ...]] = [
-    ("ds_mp", "ds_mp.config", "ds_mp.topology", "ds_mp.deepspeed_compat", "ds_mp.atomic", "ds_mp.schedules.registry"),
+    ("ds_mp", "ds_mp.config", "ds_mp.topology", "ds_mp.deepspeed_compat", "ds_mp.atomic"),
     ("ds_mp.tensor_parallel",),
     ("ds_mp.models",),
     ("ds_mp.data", "ds_mp.optim"),
@@ -115,7 +115,7 @@ def test_config_import_does_not_load_engines() -> None:
 def test_every_registered_schedule_resolves() -> None:
     from deepspeed.runtime.pipe.schedule import PipeSchedule
 
-    from ds_mp.schedules.registry import ENGINE_SUPPORT, SCHEDULES, resolve
+    from ds_mp.config.registry import ENGINE_SUPPORT, SCHEDULES, resolve
 
     import importlib
     for name in SCHEDULES:
@@ -151,3 +151,176 @@ def test_package_is_pyflakes_clean() -> None:
     out = io.StringIO()
     warnings = checkRecursive([ROOT], Reporter(out, out))
     assert warnings == 0, out.getvalue()
+
+
+THIRD_PARTY = ("torch", "deepspeed", "transformers", "peft")
+
+
+def third_party_writes(source: str) -> list[str]:
+    """Assignments (``x.attr = …``, ``x.attr += …``, ``del x.attr``, ``setattr``/``delattr``) to an
+    attribute of a module or class imported from a third-party package (:data:`THIRD_PARTY`):
+    a process-wide patch of someone else's function or state.  Names are those the file binds by
+    an import statement anywhere (``import torch``, ``from deepspeed.runtime.pipe import p2p``)."""
+    tree = ast.parse(source)
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names
+                         if a.name.split(".")[0] in THIRD_PARTY}
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in THIRD_PARTY:
+            imported |= {a.asname or a.name for a in node.names}
+
+    def root(expr: ast.expr) -> str | None:
+        while isinstance(expr, (ast.Attribute, ast.Subscript)):
+            expr = expr.value
+        return expr.id if isinstance(expr, ast.Name) else None
+
+    bad = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args:
+            targets = [ast.Attribute(value=node.args[0], attr="?")]
+        for t in targets:
+            for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(leaf, ast.Attribute) and root(leaf) in imported:
+                    bad.append(f"line {node.lineno}: {ast.unparse(leaf)}")
+    return bad
+
+
+def test_detector_sees_process_wide_patches() -> None:
+    old = ("import torch\nfrom deepspeed.runtime.pipe import p2p\nimport deepspeed.ops\n"
+           "def f(post):\n    torch.Tensor.backward = post\n    p2p.send = post\n"
+           "    setattr(torch.Tensor, 'backward', post)\n    deepspeed.ops.x = 1\n")
+    assert len(third_party_writes(old)) == 4
+    fine = "import torch\ndef f(t, engine):\n    t.grad = None\n    engine.x = torch.ones(1)\n"
+    assert third_party_writes(fine) == []
+
+
+def test_nothing_patches_a_third_party_module_or_class() -> None:
+    """No module of the package assigns to an attribute of torch, DeepSpeed, transformers or PEFT
+    modules or classes (ZB-H1's input-only backward is a scoped ``TorchFunctionMode``; posted
+    sends are ds_mp's own ``isend``s, ``engine/p2p.py``)."""
+    bad = []
+    for module, path in modules().items():
+        bad += [f"{module} {hit}" for hit in third_party_writes(open(path).read())]
+    assert not bad, "process-wide patches of third-party code:\n" + "\n".join(bad)
+
+
+#: DeepSpeed internals that are not underscored: used only in deepspeed_compat/ (accessors there).
+DEEPSPEED_INTERNALS = {"agg_train_loss", "grad_layer", "bf16_groups", "fp32_groups_gradients",
+                       "get_gradient_for_reduction", "clear_lp_grads", "activation_checkpoint_func", "forward_funcs",
+                       "is_checkpointable_results", "tied_modules", "tied_comms", "prev_stage", "next_stage"}
+#: The PipelineModule subclass still lives with the model code (its move to deepspeed_compat/ is
+#: part of the model-family folder work): it may override DeepSpeed's module hooks.
+DEEPSPEED_SUBCLASSES_OUTSIDE = {"ds_mp.models.pipeline"}
+
+
+def deepspeed_private_names() -> set[str]:
+    """Every underscored name DeepSpeed's pipeline engine, its base engine and the pipeline module
+    define (class attributes and ``self._x =`` in their source)."""
+    import inspect
+    import re
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    names: set[str] = set()
+    for cls in (PipelineEngine, PipelineModule, DeepSpeedEngine):
+        for k in cls.__mro__:
+            if k.__module__.startswith("deepspeed"):
+                names |= {n for n in vars(k) if n.startswith("_") and not n.startswith("__")}
+        names |= set(re.findall(r"self\.(_[A-Za-z]\w*)\s*=", inspect.getsource(cls)))
+    return names
+
+
+def deepspeed_internal_uses(source: str, private: set[str]) -> list[str]:
+    """Uses of DeepSpeed internals in ``source``: an attribute or a method definition named in
+    ``private`` or :data:`DEEPSPEED_INTERNALS`, ``<…>module.parts``, an import from a private
+    torch/DeepSpeed module (a dotted path with an underscored part)."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        name = None
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            is_module = (isinstance(base, ast.Name) and base.id == "module") or \
+                (isinstance(base, ast.Attribute) and base.attr == "module")
+            if node.attr in private or node.attr in DEEPSPEED_INTERNALS or (node.attr == "parts" and is_module):
+                name = ast.unparse(node)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in private:
+            name = f"def {node.name}"
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            parts = (node.module or "").split(".")
+            if parts[0] in ("torch", "deepspeed") and any(p.startswith("_") for p in parts[1:]):
+                name = f"from {node.module} import …"
+        if name:
+            bad.append(f"line {node.lineno}: {name}")
+    return bad
+
+
+def test_detector_sees_deepspeed_internals() -> None:
+    old = ("from torch.distributed.pipelining._backward import stage_backward_weight\n"
+           "class E:\n    def _exec_reduce_tied_grads(self):\n        self.grad_layer = self.module.parts\n"
+           "        self.optimizer.clear_lp_grads()\n        return self._INSTRUCTION_MAP\n")
+    assert len(deepspeed_internal_uses(old, deepspeed_private_names())) == 6
+    fine = "def f(self, engine):\n    self.parts = compat.stage_bounds(engine.module)\n    return self.parts[0]\n"
+    assert deepspeed_internal_uses(fine, deepspeed_private_names()) == []
+
+
+def test_deepspeed_internals_only_in_deepspeed_compat() -> None:
+    """Every private DeepSpeed name and internal attribute (and torch's private split backward) is
+    used only inside ``ds_mp/deepspeed_compat/``, behind accessors checked when an engine is built."""
+    private, bad = deepspeed_private_names(), []
+    for module, path in modules().items():
+        if module.startswith("ds_mp.deepspeed_compat") or module in DEEPSPEED_SUBCLASSES_OUTSIDE:
+            continue
+        bad += [f"{module} {hit}" for hit in deepspeed_internal_uses(open(path).read(), private)]
+    assert not bad, "DeepSpeed internals outside deepspeed_compat/:\n" + "\n".join(bad)
+
+
+def test_adapter_overrides_are_checked() -> None:
+    """The adapter's overrides of DeepSpeed's private hooks come from the class itself, each one
+    checked against DeepSpeed (``_exec_reduce_tied_grads`` included), and a rename fails naming it."""
+    from ds_mp import deepspeed_compat as compat
+    from ds_mp.deepspeed_compat.engine_adapter import HANDLERS, PipelineEngineAdapter
+
+    names = compat.check_overrides()
+    assert {"_exec_reduce_tied_grads", "_INSTRUCTION_MAP", *HANDLERS} <= set(names)
+    renamed = type("Adapter", (PipelineEngineAdapter,), {"_exec_reduce_tied_grad_sums": lambda self: None})
+    with pytest.raises(compat.DeepSpeedIncompatible, match="no '_exec_reduce_tied_grad_sums'"):
+        compat.check_overrides(renamed)
+
+
+RUNTIMES = ("ds_mp.engine.zero_bubble", "ds_mp.engine.terapipe", "ds_mp.engine.interleaved", "ds_mp.engine.ouroboros")
+
+
+def engine_writes(source: str) -> list[str]:
+    """Assignments to an attribute of the engine (``engine.x =``, ``e.x =``, ``self.engine.x =``)."""
+    def is_engine(expr: ast.expr) -> bool:
+        return (isinstance(expr, ast.Name) and expr.id in ("engine", "e")) or \
+            (isinstance(expr, ast.Attribute) and expr.attr == "engine")
+
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(leaf, ast.Attribute) and is_engine(leaf.value):
+                    bad.append(f"line {node.lineno}: {ast.unparse(leaf)}")
+    return bad
+
+
+def test_schedule_runtimes_own_their_state() -> None:
+    """A schedule's runtime keeps its state and handlers itself: it sets no attribute on the engine
+    (no ``engine.zero_bubble =``, no instance method shadowing an engine's)."""
+    assert len(engine_writes("def f(engine, e):\n    engine.terapipe = 1\n    e.is_first_stage = g\n"
+                             "    self.engine.x, y = 1, 2\n")) == 3
+    mods = modules()
+    bad = [f"{m} {hit}" for m in RUNTIMES for hit in engine_writes(open(mods[m]).read())]
+    assert not bad, "schedule runtimes writing to the engine:\n" + "\n".join(bad)

@@ -194,9 +194,9 @@ def _rank(rank: int, world: int, root: str) -> dict:
         evaluated = float(engine.eval_batch(iter(case["steps"][0][d * gas:(d + 1) * gas]))) \
             if case["name"] == "v2" else None
         if case["cfg"]["ds_mp"]["pipeline"]["activation_checkpoint_interval"]:  # a chunk's blocks are checkpointed
-            assert any(any(flags) for flags in engine.interleaved.checkpointable)
+            assert any(any(flags) for flags in engine.schedule_support.checkpointable)
         assert engine.module.ds_mp_ctx.sp == case["cfg"]["ds_mp"]["tensor_parallel"]["sequence_parallel"]
-        chunks = len(engine.interleaved.ranges) if hasattr(engine, "interleaved") else 1
+        chunks = len(engine.schedule_support.ranges) if engine.schedule_name == "interleaved" else 1
         assert chunks == case["cfg"]["ds_mp"]["pipeline"].get("virtual_stages", 1)
         out[case["name"]] = (losses, norms, gather_weights(engine)[0], evaluated)
         if engine.trace_enabled:  # v3_l6: 6 chunks of one block each, the LM head adds to the last

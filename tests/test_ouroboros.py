@@ -75,7 +75,7 @@ def train_job(cfg: dict, shards: int = 1, gas: int = 1, micro: int = 2, dropout:
     losses = [float(engine.train_batch(iter(shard(data, t, shards, d, gas)))) for t in range(STEPS)]
     eval_loss = float(engine.eval_batch(iter(shard(data, 0, shards, d, gas))))
     return {"losses": losses, "eval": eval_loss, "weights": full_weights(engine), "steps": engine.global_steps,
-            "iteration": getattr(getattr(engine, "ouroboros", None), "iteration", None), "nonfinite": engine.nonfinite_steps, "lr": engine.get_lr()[0],
+            "iteration": getattr(engine.schedule_support, "iteration", None), "nonfinite": engine.nonfinite_steps, "lr": engine.get_lr()[0],
             "instructions": sorted(engine.instruction_times())}
 
 
@@ -93,7 +93,7 @@ def resume_job(cfg: dict, ckpt: str, split: int) -> dict:
         losses.append(float(engine.train_batch(iter([b]))))
     resumed, *_ = ds_mp.initialize(model=tiny_gpt2(), config=cfg)
     load_checkpoint(resumed, ckpt)
-    assert resumed.ouroboros.iteration == resumed.global_steps == split
+    assert resumed.schedule_support.iteration == resumed.global_steps == split
     tail = [float(resumed.train_batch(iter([b]))) for b in data[split:]]
     return {"losses": losses, "tail": tail, "weights": full_weights(engine), "resumed": full_weights(resumed),
             "resumed_at": split}

@@ -37,7 +37,7 @@ def bf16_job(rank: int, opt: str, params: dict) -> dict:
     opt = engine.optimizer
     steps = [int(opt.optimizer.state[flat]["step"]) if "step" in opt.optimizer.state.get(flat, {}) else 0
              for flat in compat.flat_partitions(opt)]
-    keys = engine.ouroboros.holders
+    keys = engine.schedule_support.holders
     group_modules = [sorted({m for p in g for m, _ in keys[id(p)]}) for g in compat.flat_group_params(opt)]
     return {"losses": losses, "first": first, "weights": full_weights(engine), "group_steps": steps,
             "group_modules": group_modules}

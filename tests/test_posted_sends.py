@@ -2,7 +2,7 @@
 
 DeepSpeed's ``p2p.send`` blocks until the receiver posts its receive (gloo).  ds_mp's engine
 posts activation and gradient sends (``DsMpPipelineEngine.post_sends``) and waits for each once a
-message from its peer shows the peer has received it (``ds_mp/engine/posted_sends.py``), the
+message from its peer shows the peer has received it (``ds_mp/engine/p2p.py``), the
 rest at the end of the schedule.  Here rank 1 holds its first receive until rank 0's first
 send instruction has returned: posted, it returns at once; blocking (the control), it cannot
 return before rank 1 receives, so rank 1 gives up waiting.  Both give the same step bit for bit.

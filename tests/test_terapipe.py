@@ -279,7 +279,7 @@ def _case(tp: int, pp: int, micro: int, gas: int, terapipe: dict, out_dir: str =
         diff = max(diff, float((p.detach() - want).abs().max()))
         names.append(hf)
     return {"loss": max(abs(a - b) for a, b in zip(losses, hf_losses)), "weights": diff, "names": names,
-            "all_names": sorted(hf_w), "plan": engine.terapipe.plan, "cache_left": len(engine.terapipe.context)}
+            "all_names": sorted(hf_w), "plan": engine.schedule_support.plan, "cache_left": len(engine.schedule_support.context)}
 
 
 def _ranks(rank: int, cases: list[dict]) -> list[dict]:

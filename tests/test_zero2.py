@@ -206,15 +206,39 @@ def test_zero2_skips_a_nonfinite_step() -> None:
         assert r["nonfinite"] >= 1 and r["finite"], r
 
 
+def _stage_rank(rank: int) -> dict:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    import ds_mp
+
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(vocab=VOCAB), config=zero2_config(1, 1))
+    return {"stage": engine.zero_optimization_stage(), "armed": "_ds_mp_stage_for_pipeline_assert" in engine.__dict__,
+            "optimizer": isinstance(engine.optimizer, DeepSpeedZeroOptimizer) and engine.optimizer.partition_gradients}
+
+
 def test_zero2_stage_hidden_only_from_the_pipeline_constructor_assert() -> None:
-    import sys
+    """The stage gate (deepspeed_compat/stage_gate.py) hands ``min(stage, 1)`` to exactly one read,
+    the one armed when ``DeepSpeedEngine.__init__`` returns (PipelineEngine's assert); the optimizer
+    was built at stage 2 and every read after construction sees 2."""
     from types import SimpleNamespace
 
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
     from ds_mp import deepspeed_compat as compat
+    from ds_mp.deepspeed_compat.stage_gate import PipelineStageGate, disarm
 
-    compat.check_zero2()  # the installed DeepSpeed reads the stage once in PipelineEngine.__init__
-    assert compat.zero_stage_for(2, SimpleNamespace(f_code=PipelineEngine.__init__.__code__)) == 1
-    assert compat.zero_stage_for(2, sys._getframe()) == 2
-    assert compat.zero_stage_for(1, SimpleNamespace(f_code=PipelineEngine.__init__.__code__)) == 1
+    compat.check_zero2()
+    gate = PipelineStageGate.__new__(PipelineStageGate)
+    gate.__dict__["_config"] = SimpleNamespace(zero_optimization_stage=2)
+    assert gate.zero_optimization_stage() == 2  # not armed: the real stage (the optimizer's construction)
+    gate.__dict__["_ds_mp_stage_for_pipeline_assert"] = True  # as DeepSpeedEngine.__init__ returns
+    assert gate.zero_optimization_stage() == 1  # the assert on PipelineEngine.__init__'s next line
+    assert gate.zero_optimization_stage() == 2  # one shot
+    gate.__dict__["_config"] = SimpleNamespace(zero_optimization_stage=1)
+    gate.__dict__["_ds_mp_stage_for_pipeline_assert"] = True
+    assert gate.zero_optimization_stage() == 1
+    disarm(gate)
+    gate.__dict__["_ds_mp_stage_for_pipeline_assert"] = True
+    disarm(gate)
+    gate.__dict__["_config"] = SimpleNamespace(zero_optimization_stage=2)
+    assert gate.zero_optimization_stage() == 2  # disarmed after the constructor
+    (r,) = run_ranks(_stage_rank, 1, timeout=300)
+    assert r == {"stage": 2, "armed": False, "optimizer": True}, r

@@ -222,8 +222,8 @@ def _rank(rank: int, world: int) -> dict:
             for step in case["steps"]:
                 losses.append(float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))))
                 norms.append(float(engine.get_global_grad_norm()))
-            out[case["name"]] = (losses, norms, gather_weights(engine)[0], len(engine.zero_bubble.pending)
-                                 if hasattr(engine, "zero_bubble") else 0, dict(fused))
+            out[case["name"]] = (losses, norms, gather_weights(engine)[0], len(engine.schedule_support.pending)
+                                 if engine.schedule_name == "zb-h1" else 0, dict(fused))
             if case["name"] == "pp2":
                 out["stage_weights"] = stage_weights(engine.module)
     finally:

@@ -221,7 +221,7 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
             torch.save({"layout": layout_of(engine), "state": extra}, schedule_file(tmp, topo))
             written.append(schedule_file(tmp, topo))
         if topo.rank == 0:
-            meta = make_meta(engine.hf_config, topo.tp, list(engine.module.parts),
+            meta = make_meta(engine.hf_config, topo.tp, compat.stage_bounds(engine.module),
                              engine.module.ds_mp_ctx.padded_vocab, has_optimizer=opt is not None,
                              layers=engine.module.layer_names, lora=_lora_meta(engine))
             write_meta(tmp, meta)

@@ -13,7 +13,7 @@ import warnings
 from ds_mp.config.batching import check_batch_ramp, check_noise_scale
 from ds_mp.config.schema import (LLAMA_SCHEDULES, MODEL_TYPES, ConfigError, DsMpConfig, InlineModel, parse_config,
                                  positive)
-from ds_mp.schedules.registry import SCHEDULES
+from ds_mp.config.registry import SCHEDULES
 
 
 def _model_shape(cfg: DsMpConfig) -> InlineModel:

@@ -15,23 +15,38 @@ from __future__ import annotations
 
 from ds_mp.deepspeed_compat.optimizers import (flat_group_params, skipping_flat_groups, master_grad, FLAT_PARTITIONS,
     flat_partitions, full_flat_state, set_flat_state, LP_GROUPS, flat_state_extras, flat_state_keys,
-    set_flat_state_extras, ZERO2_ASSUMPTIONS, check_zero2, zero_stage_for, zero2_close_backward, zero2_close_step,
+    set_flat_state_extras, ZERO2_ASSUMPTIONS, check_zero2, zero2_close_backward, zero2_close_step,
     zero2_partition_grads, zero2_full_grad, zero2_set_full_grad, fp16_slot, slot_view, SCALER_FIELDS,
     loss_scaler_state, set_loss_scaler_state, master_weights, FLAT_LP_GROUPS, flat_fragments)
 from ds_mp.deepspeed_compat.pipeline import (ASSUMPTIONS, ENGINE_ATTRIBUTES, Assumption, DeepSpeedIncompatible,
-    check, check_engine, checkpointable_flags, inference_schedule, instruction_handlers, layer_spec_arguments, posted_sends, skip_op_build, set_global_grad_norm, uses_bf16_optimizer, copy_bf16_grads_to_master,
+    check, check_engine, checkpointable_flags, inference_schedule, instruction_handlers, layer_spec_arguments, skip_op_build, set_global_grad_norm, uses_bf16_optimizer, copy_bf16_grads_to_master,
     reserve_pipe_buffers, reset_forward_outputs, computing_loss, tied_weights, set_local_layers, next_batch,
     pipe_buffers, forget_partitioned_shapes, send_whole_activations, module_grid, module_topology,
     unapplied_loss_scale, output_hook_managers)
+from ds_mp.deepspeed_compat.p2p import activation_messages, grad_messages, stage_rank
+from ds_mp.deepspeed_compat.internals import (neighbours, set_neighbours, received_grad, set_received_grad,
+    release_loss_graph, set_train_loss, drop_bf16_grads, bf16_fp32_gradients, zero_gradient_for_reduction, use_activation_checkpoint,
+    local_layers, running_layers, stage_bounds, tied_parameter_ids, has_tied_comms)
 
-__all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine", "checkpointable_flags", "inference_schedule", "instruction_handlers", "layer_spec_arguments", "posted_sends",
+__all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine", "checkpointable_flags", "inference_schedule", "instruction_handlers", "layer_spec_arguments", "activation_messages", "grad_messages", "stage_rank",
            "skip_op_build", "set_global_grad_norm", "uses_bf16_optimizer", "copy_bf16_grads_to_master",
            "reserve_pipe_buffers", "reset_forward_outputs", "computing_loss", "tied_weights", "set_local_layers",
            "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations", "module_grid",
-           "module_topology", "unapplied_loss_scale", "output_hook_managers",
+           "module_topology", "unapplied_loss_scale", "output_hook_managers", "neighbours", "set_neighbours",
+           "received_grad", "set_received_grad", "release_loss_graph", "set_train_loss", "drop_bf16_grads", "bf16_fp32_gradients",
+           "zero_gradient_for_reduction", "use_activation_checkpoint", "local_layers", "running_layers", "stage_bounds",
+           "tied_parameter_ids", "has_tied_comms",
            "flat_group_params", "skipping_flat_groups", "master_grad", "FLAT_PARTITIONS",
            "flat_partitions", "full_flat_state", "set_flat_state", "LP_GROUPS", "flat_state_extras",
-           "flat_state_keys", "set_flat_state_extras", "ZERO2_ASSUMPTIONS", "check_zero2", "zero_stage_for",
+           "flat_state_keys", "set_flat_state_extras", "ZERO2_ASSUMPTIONS", "check_zero2",
            "zero2_close_backward", "zero2_close_step", "zero2_partition_grads", "zero2_full_grad",
            "zero2_set_full_grad", "fp16_slot", "slot_view", "SCALER_FIELDS", "loss_scaler_state",
-           "set_loss_scaler_state", "master_weights", "FLAT_LP_GROUPS", "flat_fragments"]
+           "set_loss_scaler_state", "master_weights", "FLAT_LP_GROUPS", "flat_fragments", "check_overrides"]
+
+
+def check_overrides(adapter: type | None = None) -> list[str]:
+    """:func:`ds_mp.deepspeed_compat.engine_adapter.check_overrides` (imported when called: it
+    loads DeepSpeed's pipeline engine)."""
+    from ds_mp.deepspeed_compat import engine_adapter
+
+    return engine_adapter.check_overrides() if adapter is None else engine_adapter.check_overrides(adapter)

@@ -145,13 +145,8 @@ def master_grad(param: Any) -> Any:
 
 
 # --- ZeRO-2 (gradient partitioning) in the pipeline engine: see ds_mp/engine/zero2.py ---------
-# ``PipelineEngine.__init__`` asserts ``zero_optimization_stage() < 2`` right after
-# ``DeepSpeedEngine.__init__`` has built the stage-2 optimizer; ds_mp drives stage 2's gradient
-# reduction from the pipeline's own instructions (engine/zero2.py), so the stage is reported
-# as 1 to that one assert (the only read of the stage in PipelineEngine.__init__).
+# ``PipelineEngine.__init__``'s assert ``zero_optimization_stage() < 2``: stage_gate.py.
 ZERO2_ASSUMPTIONS: tuple[Assumption, ...] = (
-    Assumption("pipe_init", "zero_optimization_stage(", "PipelineEngine.__init__ reads the ZeRO stage once, in its "
-               "assert stage < 2, after DeepSpeedEngine.__init__ built the optimizer"),
     Assumption("zero", "overlapping_partition_gradients_reduce_epilogue", "stage 2: reduces the last bucket of "
                "one backward, adds its partition gradients to the step's accumulators (all_grad_tensors) and "
                "clears params_already_reduced; builds averaged_gradients only at a boundary"),
@@ -165,30 +160,15 @@ ZERO2_ASSUMPTIONS: tuple[Assumption, ...] = (
 
 def check_zero2(engine: Any = None) -> None:
     """Raise :class:`DeepSpeedIncompatible` naming the first broken ZeRO-2 assumption."""
-    import inspect
-
-    from deepspeed.runtime.pipe.engine import PipelineEngine
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     for a in ZERO2_ASSUMPTIONS:
-        if a.owner == "pipe_init":
-            ok = inspect.getsource(PipelineEngine.__init__).count(a.name) == 1
-        elif a.owner == "zero":
+        if a.owner == "zero":
             ok = hasattr(DeepSpeedZeroOptimizer, a.name)
         else:
             ok = engine is None or hasattr(engine.optimizer, a.name)
         if not ok:
-            raise _fail(a, "PipelineEngine.__init__" if a.owner == "pipe_init" else "DeepSpeedZeroOptimizer")
-
-
-def zero_stage_for(stage: int, caller: Any) -> int:
-    """The ZeRO stage the engine reports to the code object of frame ``caller``: 1 instead of 2
-    to ``PipelineEngine.__init__`` (its assert), the real stage to everything else."""
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    if stage == 2 and caller.f_code is PipelineEngine.__init__.__code__:
-        return 1
-    return stage
+            raise _fail(a, "DeepSpeedZeroOptimizer")
 
 
 def zero2_close_backward(optimizer: Any) -> None:

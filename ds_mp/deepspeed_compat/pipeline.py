@@ -13,7 +13,8 @@ class DeepSpeedIncompatible(RuntimeError):
 
 @dataclass(frozen=True)
 class Assumption:
-    owner: str  # "engine" (PipelineEngine), "module" (PipelineModule), "ops" (deepspeed.ops), "p2p" (pipe.p2p)
+    owner: str  # "engine" (PipelineEngine), "module" (PipelineModule), "ops" (deepspeed.ops), "p2p" (pipe.p2p),
+    # "bf16" (BF16_Optimizer), "zero" (DeepSpeedZeroOptimizer)
     name: str
     behaviour: str  # what ds_mp relies on
 
@@ -52,9 +53,17 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("module", "_precompute_checkpointable_values", "fills is_checkpointable_results (one flag per "
                "activation-checkpoint segment of forward_funcs) unless is_checkpointable_results_interval is current"),
     Assumption("ops", "__compatible_ops__", "dict op name -> bool; False skips the op's JIT build"),
-    Assumption("p2p", "send", "the engine's send handlers (and their shape announcements) send every tensor "
-               "through p2p.send(tensor, stage); a module attribute, looked up at each call"),
-    Assumption("p2p", "_grid", "the PipelineParallelGrid p2p sends over: stage_to_global(stage_id=) gives a rank"),
+    Assumption("bf16", "clear_lp_grads", "BF16_Optimizer: drops the bf16 .grad of every parameter"),
+    Assumption("bf16", "update_hp_grads", "BF16_Optimizer: adds the bf16 .grad into the fp32 gradient buffers"),
+    Assumption("bf16", "accumulate_hp_grads_and_remove_lp", "BF16_Optimizer (immediate_grad_update): moves one "
+               "parameter's bf16 gradient into its fp32 buffer"),
+    Assumption("zero", "get_gradient_for_reduction", "ZeRO-1/2: a parameter's gradient before the DP reduction"),
+    Assumption("p2p", "send", "the engine's send handlers send every message blocking through p2p.send(tensor, "
+               "stage), the shape announcement first: activation_messages/grad_messages list the same messages"),
+    Assumption("engine", "_send_tensor_meta", "announces a send's type, dtypes and shapes in one int32 buffer of "
+               "TENSOR_META_SIZE ([0, dtype, ndim, *shape] or [2, n, (dtype, ndim, *shape)...]): _tensor_meta "
+               "builds the same"),
+    Assumption("engine", "DTYPE_TO_ID", "dtype -> the id _send_tensor_meta announces"),
 )
 
 # Instance attributes, set in PipelineEngine.__init__ (checked on a live engine).
@@ -73,8 +82,21 @@ ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
     Assumption("engine", "data_iterator", "the iterator _next_batch reads (set by set_dataiterator on the first "
                "and last stage); ds_mp reads a step's micro-batches from it first (engine/batches.py)"),
     Assumption("engine", "batch_fn", "set_batch_fn's post-processing of each micro-batch, or None"),
+    Assumption("engine", "first_output_send", "True until the first activation send announced its shape"),
+    Assumption("engine", "dynamic_shape", "every activation send announces its shape"),
+    Assumption("engine", "has_attention_mask", "the last output/input is a bool mask sent as half, no gradient"),
+    Assumption("engine", "has_bool_tensors", "as has_attention_mask"),
+    Assumption("engine", "grid", "the PipelineParallelGrid: stage_to_global(stage_id=) gives a stage's rank"),
     Assumption("engine", "torch_autocast_z0_gradscaler", "torch autocast's grad scaler or None; with it, "
                "DeepSpeedEngine.backward scales the loss itself (read by unapplied_loss_scale)"),
+    Assumption("engine", "grad_layer", "the gradient the last RecvGrad wrote, what BackwardPass backpropagates "
+               "on a non-last stage (one buffer, overwritten by every RecvGrad)"),
+    Assumption("engine", "agg_train_loss", "train_batch's reported loss"),
+    Assumption("engine", "prev_stage", "the stage RecvActivation/SendGrad exchange with"),
+    Assumption("engine", "next_stage", "the stage SendActivation/RecvGrad exchange with"),
+    Assumption("module", "parts", "the first layer of every stage and the end (stages + 1 entries)"),
+    Assumption("module", "tied_modules", "key -> the tied layer this stage holds"),
+    Assumption("module", "activation_checkpoint_func", "forward() checkpoints its segments with it"),
     Assumption("module", "tied_comms", "key -> {'module', 'weight_attr', 'group', 'ranks'} of each tied weight"),
     Assumption("module", "_grid", "the PipelineParallelGrid the module created (process groups)"),
     Assumption("module", "_topo", "the ProcessTopology the module was built with"),
@@ -91,7 +113,11 @@ def _owners() -> dict[str, Any]:
 
     from deepspeed.runtime.pipe import p2p
 
-    return {"engine": PipelineEngine, "module": PipelineModule, "ops": deepspeed.ops, "p2p": p2p}
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return {"engine": PipelineEngine, "module": PipelineModule, "ops": deepspeed.ops, "p2p": p2p,
+            "bf16": BF16_Optimizer, "zero": DeepSpeedZeroOptimizer}
 
 
 def _fail(a: Assumption, where: str) -> DeepSpeedIncompatible:
@@ -107,6 +133,13 @@ def check(owners: dict[str, Any] | None = None) -> None:
     for a in ASSUMPTIONS:
         if not hasattr(owners[a.owner], a.name):
             raise _fail(a, getattr(owners[a.owner], "__name__", a.owner))
+    import inspect
+
+    from deepspeed.runtime.utils import OutputBackwardHookManager
+
+    if HOOK_MANAGERS_ATTR not in inspect.getsource(OutputBackwardHookManager):
+        raise _fail(Assumption("utils", HOOK_MANAGERS_ATTR, "the tensor attribute OutputBackwardHookManager keeps "
+                               "its managers in (ZB-H1 removes them after B)"), "OutputBackwardHookManager")
 
 
 def check_engine(engine: Any) -> None:
@@ -178,8 +211,14 @@ def copy_bf16_grads_to_master(engine: Any) -> None:
 def output_hook_managers(tensor: Any) -> list:
     """The ``OutputBackwardHookManager``s DeepSpeed 0.19's engine forward attaches to an output
     tensor (``_backward_hook_managers``: hooks that scale its gradient by 1/gradient accumulation
-    unless the running graph task is the engine's own backward); [] when it has none."""
-    return list(getattr(tensor, "_backward_hook_managers", []))
+    unless the running graph task is the engine's own backward); [] when it has none.  The name is
+    checked where DeepSpeed sets it (:func:`check`: ``OutputBackwardHookManager``'s source), so a
+    rename fails there instead of leaving the hooks in place (which halves a TP × PP gradient)."""
+    return list(getattr(tensor, HOOK_MANAGERS_ATTR, []))
+
+
+#: The tensor attribute DeepSpeed's ``OutputBackwardHookManager`` appends itself to.
+HOOK_MANAGERS_ATTR = "_backward_hook_managers"
 
 
 def reserve_pipe_buffers(engine: Any, n: int) -> None:
@@ -243,30 +282,6 @@ def instruction_handlers(engine: Any, wrap: Any) -> Iterator[None]:
         yield
     finally:
         del engine._INSTRUCTION_MAP
-
-
-@contextlib.contextmanager
-def posted_sends(pending: list) -> Iterator[None]:
-    """Within the body DeepSpeed's pipeline sends are posted (``isend``), not waited for.
-
-    DeepSpeed's ``p2p.send`` is a blocking ``dist.send``; on gloo that is a rendezvous: it
-    returns once the receiver has posted its matching receive (measured: a 16 MiB send to a
-    rank that receives 0.5 s later blocks 0.5 s).  Here each send is posted and ``(work, tensor)``
-    appended to ``pending``; the caller keeps the tensors unmodified until the works complete.
-    Messages to one peer still leave in program order (one tag), so they match the receives as before.
-    """
-    import torch.distributed as dist
-    from deepspeed.runtime.pipe import p2p
-
-    def post(tensor: Any, dest_stage: int, async_op: bool = False) -> None:  # noqa: ARG001 - p2p.send's signature
-        pending.append((dist.isend(tensor, p2p._grid.stage_to_global(stage_id=dest_stage)), tensor))
-
-    blocking = p2p.send
-    p2p.send = post
-    try:
-        yield
-    finally:
-        p2p.send = blocking
 
 
 def set_local_layers(module: Any, start: int, stop: int) -> None:

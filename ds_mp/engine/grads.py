@@ -16,13 +16,13 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from ds_mp import deepspeed_compat as compat
+
 
 def owned_parameters(module: torch.nn.Module, topology: Any) -> list[torch.nn.Parameter]:
     """The parameters whose squares this rank contributes to the global norm (see module doc)."""
-    tied_ids: set[int] = set()
-    for key in getattr(module, "tied_modules", {}):
-        tied_ids |= {id(p) for p in module.tied_modules[key].parameters()}
-    tied_first = not (hasattr(module, "tied_comms") and topology.pp > 1) or topology.pp_rank == 0
+    tied_ids = compat.tied_parameter_ids(module)
+    tied_first = not (compat.has_tied_comms(module) and topology.pp > 1) or topology.pp_rank == 0
     out = []
     for p in module.parameters():
         if id(p) in tied_ids and not tied_first:

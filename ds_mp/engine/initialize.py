@@ -15,7 +15,7 @@ from ds_mp.models.family import causal_lm_family, inline_config
 from ds_mp.models.partition import LayerCosts
 from ds_mp.models.pipeline import build_pipeline
 from ds_mp.models.weights import WeightSource, fresh_source
-from ds_mp.schedules.registry import resolve
+from ds_mp.config.registry import resolve
 from ds_mp.topology import Topology
 
 

@@ -31,7 +31,6 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.engine.batches import feeding
-from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B
 
 
@@ -42,32 +41,44 @@ class InterleavedState:
         self.engine = engine
         self.K, self.s = engine.num_stages, engine.stage_id
         self.v = engine.ds_mp_config.pipeline.virtual_stages
-        vparts = engine.module.virtual_parts or engine.module.parts  # chunk bounds over the table, K·v + 1
+        vparts = engine.module.virtual_parts or compat.stage_bounds(engine.module)  # chunk bounds over the table, K·v + 1
         sizes = [vparts[c * self.K + self.s + 1] - vparts[c * self.K + self.s] for c in range(self.v)]
-        self.funcs = engine.module.forward_funcs
+        self.funcs = compat.local_layers(engine.module)
         if sum(sizes) != len(self.funcs):
             raise RuntimeError(f"interleaved: rank {self.s} holds {len(self.funcs)} layers, its chunks {sizes}")
         starts = [sum(sizes[:c]) for c in range(self.v)]
         self.ranges = [(a, a + n) for a, n in zip(starts, sizes)]
         # DeepSpeed's checkpoint-segment flags per chunk (its forward zips them with the segments)
         self.checkpointable = [compat.checkpointable_flags(engine.module, self.funcs[a:b]) for a, b in self.ranges]
-        engine.prev_stage, engine.next_stage = (self.s - 1) % self.K, (self.s + 1) % self.K  # the ring
+        compat.set_neighbours(engine, (self.s - 1) % self.K, (self.s + 1) % self.K)  # the ring
+        self.ends: tuple[bool, bool] | None = None  # inside a chunk: (first, last) virtual stage
 
     @contextlib.contextmanager
     def chunk(self, c: int) -> Iterator[None]:
         """Inside: the module runs local chunk ``c`` only and the engine is virtual stage c·K + s."""
-        e, mod = self.engine, self.engine.module
         vs, last = c * self.K + self.s, self.K * self.v - 1
         a, b = self.ranges[c]
-        whole = mod.is_checkpointable_results
-        mod.forward_funcs, mod.is_checkpointable_results = self.funcs[a:b], self.checkpointable[c]
-        e.is_first_stage = lambda: vs == 0  # instance attributes shadow PipelineEngine's methods
-        e.is_last_stage = lambda: vs == last
+        self.ends = (vs == 0, vs == last)  # what the engine's is_first_stage / is_last_stage answer
         try:
-            yield
+            with compat.running_layers(self.engine.module, self.funcs[a:b], self.checkpointable[c]):
+                yield
         finally:
-            mod.forward_funcs, mod.is_checkpointable_results = self.funcs, whole
-            del e.is_first_stage, e.is_last_stage
+            self.ends = None
+
+    def stage_ends(self) -> tuple[bool, bool] | None:
+        """Inside a chunk: whether its virtual stage is the pipe's first / last (None outside)."""
+        return self.ends
+
+    def chunk_forward(self, buffer_id: int, chunk: int, micro: int) -> None:
+        with self.chunk(chunk):
+            self.engine.expect_micro(buffer_id, micro)  # the schedule's micro-batch: checked against the labels
+            self.engine.run_forward(buffer_id)
+
+    def chunk_backward(self, buffer_id: int, chunk: int, micro: int) -> None:  # noqa: ARG002 - traced
+        with self.chunk(chunk):
+            self.engine.run_backward(buffer_id)
+
+    instructions = {ChunkForward: "chunk_forward", ChunkBackward: "chunk_backward"}
 
     def eval_batch(self, data_iter: Any, *args: Any, num_micro_batches: int | None = None, **kwargs: Any) -> Any:
         """DeepSpeed's ``eval_batch`` with the forward-only interleaved timetable (every chunk of
@@ -80,22 +91,8 @@ class InterleavedState:
 
 
 def attach(engine: Any) -> InterleavedState:
-    engine.interleaved = InterleavedState(engine)
-    return engine.interleaved
+    """The runtime of an interleaved engine (``config.registry.ENGINE_SUPPORT``)."""
+    return InterleavedState(engine)
 
-
-def _exec_chunk_forward(self: Any, buffer_id: int, chunk: int, micro: int) -> None:
-    with self.interleaved.chunk(chunk):
-        self._recv_micro[buffer_id] = micro  # the schedule's micro-batch: checked against the loaded labels
-        self.run_forward(buffer_id)
-
-
-def _exec_chunk_backward(self: Any, buffer_id: int, chunk: int, micro: int) -> None:  # noqa: ARG001 - traced
-    with self.interleaved.chunk(chunk):
-        self.run_backward(buffer_id)
-
-
-DsMpPipelineEngine.register_instruction(ChunkForward, _exec_chunk_forward)
-DsMpPipelineEngine.register_instruction(ChunkBackward, _exec_chunk_backward)
 
 __all__ = ["InterleavedState", "attach"]

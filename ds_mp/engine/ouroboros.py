@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ds_mp import deepspeed_compat as compat
+from ds_mp.engine.p2p import PostedSends
 from ds_mp.engine.ouroboros_modules import ModuleLayers, SampleLayouts, accumulate, leaf, module_ranges, replayed
-from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
                                                  SendHidden, UpdateModules, module_owner)
@@ -65,7 +65,7 @@ class OuroborosState:
         self.replay_per_micro = self.repeat_dropout and max(ctx.dropout, ctx.embd_dropout, ctx.attn_dropout) > 0
         self.iteration = 0
         self.owner = module_owner(self.K)
-        funcs = engine.module.forward_funcs
+        funcs = compat.local_layers(engine.module)
         self.ranges = module_ranges(engine.module, cfg, engine.stage_id)
         self.layers = {m: ModuleLayers(funcs[a:b]) for m, (a, b) in self.ranges.items()}
         # G_m's parameters (each once; the tied wte under its first name) and their names in layers[m]
@@ -82,7 +82,7 @@ class OuroborosState:
         self.grads: dict[int, list[Tensor]] = {}
         self.loss: Tensor | None = None
         self.labels: list[Tensor] = []  # ring rank 0: the labels of x_t's micro-batches read so far
-        self.pending: list[tuple[Any, Tensor]] = []  # posted sends (work, buffer kept alive until done)
+        self.sends = PostedSends()  # posted sends, each buffer kept alive until done (engine/p2p.py)
 
     def next_iteration(self) -> int:
         t, self.iteration = self.iteration, self.iteration + 1
@@ -238,16 +238,14 @@ class OuroborosState:
     def send(self, x: Tensor, ring_rank: int, header: bool = False) -> None:
         """Post the send of ``x`` (and first its (B, T, C) if ``header``) without waiting for the
         receiver; :meth:`flush` completes every posted send."""
-        dev, peer = self.engine.device, self._peer(ring_rank)
+        dev = self.engine.device
         bufs = [torch.tensor(x.shape, dtype=torch.long, device=dev)] if header else []
-        for buf in [*bufs, x.contiguous()]:  # deltas have the shape of a stashed micro-batch's output
-            self.pending.append((dist.isend(buf, peer), buf))
+        # deltas have the shape of a stashed micro-batch's output
+        self.sends.post([*bufs, x.contiguous()], ring_rank, self._peer(ring_rank))
 
     def flush(self) -> None:
         """Wait for every posted send (their buffers may then be freed)."""
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
+        self.sends.wait_all()
 
     def recv(self, ring_rank: int, shape: tuple[int, ...] | None = None) -> Tensor:
         dev = self.engine.device
@@ -259,7 +257,40 @@ class OuroborosState:
         dist.recv(buf, self._peer(ring_rank))
         return buf
 
+    # --- instruction handlers (``instructions``: the engine dispatches to these methods) ----
+    def module_forward(self, module: int, sample: int, micro: int | None = None) -> None:
+        self.forward(module, sample, micro)
+
+    def module_backward(self, module: int, sample: int, micro: int | None = None) -> None:
+        self.backward(module, sample, micro)
+
+    def send_hidden(self, module: int, sample: int, peer: int, micro: int | None = None) -> None:
+        self.send(self.acts.pop((module + 1, sample, micro or 0)), peer, header=True)
+
+    def recv_hidden(self, module: int, sample: int, peer: int, micro: int | None = None) -> None:
+        self.acts[(module + 1, sample, micro or 0)] = self.recv(peer)
+
+    def send_delta(self, module: int, sample: int, peer: int, micro: int | None = None) -> None:
+        self.send(self.deltas.pop((module - 1, sample, micro or 0)), peer)
+
+    def recv_delta(self, module: int, sample: int, peer: int, micro: int | None = None) -> None:
+        m, j = module - 1, micro or 0  # delta_m^s of micro-batch j: (B_j, T, C) like G_m's output
+        x = next(chunks[j][0] for s, chunks, _ in self.stash[m] if s == sample)
+        self.deltas[(m, sample, j)] = self.recv(peer, (*x.shape[:2], self.engine.module.ds_mp_ctx.n_embd))
+
+    def update_modules(self) -> None:
+        self.update()
+
+    instructions = {ModuleForward: "module_forward", ModuleBackward: "module_backward", SendHidden: "send_hidden",
+                    RecvHidden: "recv_hidden", SendDelta: "send_delta", RecvDelta: "recv_delta",
+                    UpdateModules: "update_modules"}
+
     # --- engine hooks --------------------------------------------------------------------
+    @staticmethod
+    def data_stages() -> set[int]:
+        """Ring rank 0 holds G_0 and G_{K-1}: it alone reads micro-batches."""
+        return {0}
+
     def aggregate_loss(self) -> Tensor:
         """Ring rank 0's f_t, averaged over DP replicas, on every rank of the ring."""
         e, topo = self.engine, self.engine.topology
@@ -337,47 +368,8 @@ class OuroborosState:
 
 
 def attach(engine: Any) -> OuroborosState:
-    engine.ouroboros = OuroborosState(engine)
-    engine.data_stages = lambda: {0}  # ring rank 0 holds G_0 and G_{K-1}: it alone reads micro-batches
-    return engine.ouroboros
+    """The runtime of an Ouroboros engine (``config.registry.ENGINE_SUPPORT``)."""
+    return OuroborosState(engine)
 
-
-def _exec_module_forward(self: Any, module: int, sample: int, micro: int | None = None) -> None:
-    self.ouroboros.forward(module, sample, micro)
-
-
-def _exec_module_backward(self: Any, module: int, sample: int, micro: int | None = None) -> None:
-    self.ouroboros.backward(module, sample, micro)
-
-
-def _exec_send_hidden(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
-    st = self.ouroboros
-    st.send(st.acts.pop((module + 1, sample, micro or 0)), peer, header=True)
-
-
-def _exec_recv_hidden(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
-    st = self.ouroboros
-    st.acts[(module + 1, sample, micro or 0)] = st.recv(peer)
-
-
-def _exec_send_delta(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
-    st = self.ouroboros
-    st.send(st.deltas.pop((module - 1, sample, micro or 0)), peer)
-
-
-def _exec_recv_delta(self: Any, module: int, sample: int, peer: int, micro: int | None = None) -> None:
-    st, m, j = self.ouroboros, module - 1, micro or 0  # delta_m^s of micro-batch j: (B_j, T, C) like G_m's output
-    x = next(chunks[j][0] for s, chunks, _ in st.stash[m] if s == sample)
-    st.deltas[(m, sample, j)] = st.recv(peer, (*x.shape[:2], self.module.ds_mp_ctx.n_embd))
-
-
-def _exec_update_modules(self: Any) -> None:
-    self.ouroboros.update()
-
-
-for _instr, _fn in ((ModuleForward, _exec_module_forward), (ModuleBackward, _exec_module_backward),
-                    (SendHidden, _exec_send_hidden), (RecvHidden, _exec_recv_hidden), (SendDelta, _exec_send_delta),
-                    (RecvDelta, _exec_recv_delta), (UpdateModules, _exec_update_modules)):
-    DsMpPipelineEngine.register_instruction(_instr, _fn)
 
 __all__ = ["OuroborosState", "attach"]

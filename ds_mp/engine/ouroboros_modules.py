@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
+from ds_mp import deepspeed_compat as compat
 from ds_mp.schedules.ouroboros.timetable import config_split, ring_layout
 from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 
@@ -101,10 +102,10 @@ class SampleLayouts:
 
 
 def module_ranges(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, int]]:
-    """Module index m -> the range [a, b) of ``net.forward_funcs`` (ring rank ``stage_id``'s
+    """Module index m -> the range [a, b) of the local layers of ``net`` (ring rank ``stage_id``'s
     pipeline layers) that forms G_m: ring rank 0 holds [the family's lead layers (GPT-2: wte, wpe),
     G_0 blocks, G_{K-1} blocks, its tail layers (norm, head)], rank r the blocks of G_r."""
-    K, n = cfg.pipeline.stages + 1, len(net.forward_funcs)
+    K, n = cfg.pipeline.stages + 1, len(compat.local_layers(net))
     if stage_id == 0:
         n0 = net.family.lead_layers + len(config_split(cfg, net.ds_mp_ctx.hf)[0])
         return {0: (0, n0), K - 1: (n0, n)}
@@ -120,7 +121,7 @@ def param_group_keys(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, 
     """
     keys: dict[int, list[int]] = {}
     for m, (a, b) in sorted(module_ranges(net, cfg, stage_id).items()):
-        for p in ModuleLayers(net.forward_funcs[a:b]).parameters():
+        for p in ModuleLayers(compat.local_layers(net)[a:b]).parameters():
             keys.setdefault(id(p), []).append(m)
     return {k: tuple(v) for k, v in keys.items()}
 

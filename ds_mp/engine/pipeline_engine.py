@@ -1,43 +1,35 @@
-"""``PipelineEngine`` subclass that runs any registered schedule: extra instructions, timing,
-per-micro-batch losses, correct global gradient clipping, sequence-parallel grads.
+"""The engine that runs any registered schedule: extra instructions, timing, per-micro-batch
+losses, correct global gradient clipping, sequence-parallel grads.
 
-Everything else (p2p, optimizer, ZeRO, bf16, checkpoints) is DeepSpeed's own.  Every private
-DeepSpeed name used here is listed in ``ds_mp.deepspeed_compat``.
+It subclasses ``deepspeed_compat.PipelineEngineAdapter``, which translates DeepSpeed's private
+pipeline hooks (``_exec_*``, ``_train_schedule``, …) into the public methods below
+(``run_forward``, ``send_activations``, …; DeepSpeed's own as ``deepspeed_<method>``): no private
+DeepSpeed name appears here.  Everything else (p2p receive, optimizer, ZeRO, bf16) is DeepSpeed's own.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
-import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
+from ds_mp.deepspeed_compat import stage_gate
+from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
 from ds_mp.engine.batches import Step, feeding, micro_layout, prepare_step, warn_no_targets
-from ds_mp.engine.posted_sends import PostedSends
-from ds_mp.schedules.registry import ENGINE_SUPPORT, resolve
+from ds_mp.engine.p2p import PostedSends
+from ds_mp.config.registry import ENGINE_SUPPORT, ScheduleRuntime, resolve
 
 
-def _by_name(name: str) -> Callable:
-    """Dispatch to ``self.<name>`` so subclass overrides of DeepSpeed's handlers apply
-    (DeepSpeed's own map holds the base-class functions)."""
-    def call(self: Any, **kwargs: Any) -> Any:
-        return getattr(self, name)(**kwargs)
-    call.__name__ = name
-    return call
-
-
-class DsMpPipelineEngine(PipelineEngine):
+class DsMpPipelineEngine(PipelineEngineAdapter):
     """DeepSpeed's pipeline engine with a pluggable schedule (``ds_mp.pipeline.schedule``)."""
-
-    _INSTRUCTION_MAP = {instr: _by_name(fn.__name__) for instr, fn in PipelineEngine._INSTRUCTION_MAP.items()}
     #: Post activation/gradient sends (isend) and wait for them at the end of the schedule,
     #: instead of DeepSpeed's blocking send (a rendezvous with the receiver on gloo).  Every
     #: schedule's messages keep their order per peer, so the receives see the same stream.
@@ -63,7 +55,9 @@ class DsMpPipelineEngine(PipelineEngine):
         self.ds_mp_source: Any = None  # the data iterator steps read (train_batch's argument, kept)
         self.ds_mp_fed: Any = None  # the normalized micro-batches handed to DeepSpeed this step
         super().__init__(*args, **kwargs)
+        stage_gate.disarm(self)
         compat.check_engine(self)
+        compat.check_overrides()
         if torch.device(self.device).type == "cpu":  # no page faults re-acquiring freed memory every micro-batch
             cpu_heap.keep_freed_memory()
         if zero2.partitions_gradients(self):
@@ -72,29 +66,24 @@ class DsMpPipelineEngine(PipelineEngine):
         if getattr(getattr(self.module, "ds_mp_ctx", None), "sp", False):
             compat.send_whole_activations(self)
         support = ENGINE_SUPPORT.get(self.schedule_name)
-        # The schedule's engine side: importing it registers its instruction handlers; attach()
-        # returns its per-engine state, which may define state_dict/load_state_dict (work in
-        # flight across steps), aggregate_loss() and eval_batch(data_iter, n).
-        self.schedule_support = importlib.import_module(support).attach(self) if support else None
+        if isinstance(support, str):  # a built-in's module: its attach(engine) makes the runtime
+            support = importlib.import_module(support).attach
+        # The schedule's runtime (config.registry.ScheduleRuntime): it owns the schedule's state, its
+        # methods handle the schedule's instructions (``instructions``), and its optional hooks
+        # (state_dict/load_state_dict, aggregate_loss, eval_batch, …) are asked by the engine.
+        self.schedule_support: ScheduleRuntime | None = support(self) if support else None
 
-    def zero_optimization_stage(self) -> int:
-        """DeepSpeed's stage, except 1 for ZeRO-2 to ``PipelineEngine.__init__``'s assert
-        (ds_mp runs stage 2's reduction itself: engine/zero2.py)."""
-        return compat.zero_stage_for(super().zero_optimization_stage(), sys._getframe(1))
-
-    # --- extension points -------------------------------------------------------------
-    @classmethod
-    def register_instruction(cls, instruction: type, method: Callable) -> None:
-        """Map a new ``PipeInstruction`` type to an engine method ``method(self, **kwargs)``."""
-        cls._INSTRUCTION_MAP[instruction] = method
-
-    def _train_schedule(self) -> Any:
+    # --- extension points (register_instruction: the adapter's) -----------------------------
+    def train_schedule(self) -> Any:
+        """The schedule ``train_batch`` runs (the configured one)."""
         cls = resolve(self.schedule_name)
         if hasattr(cls, "from_engine"):
             return cls.from_engine(self)
         return cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
 
-    def _exec_schedule(self, pipe_schedule: Any) -> None:
+    def run_schedule(self, pipe_schedule: Any) -> None:
+        """Run one schedule's instruction steps (DeepSpeed's ``_exec_schedule`` with timing,
+        posted sends and per-buffer micro-batch bookkeeping)."""
         if hasattr(pipe_schedule, "posted_sends"):  # timetable schedules: sends compiled right after their value
             pipe_schedule.posted_sends = self.sends_overtake_receives()
         compat.reserve_pipe_buffers(self, pipe_schedule.num_pipe_buffers())
@@ -104,16 +93,21 @@ class DsMpPipelineEngine(PipelineEngine):
         self._recv_micro.clear()
         self._n_loaded = self._n_recv = 0
         self.posted.start(pipe_schedule)
+        runtime = self.schedule_support  # its instructions are handled by its own (bound) methods
+        handlers = {instr: getattr(runtime, name) for instr, name in getattr(runtime, "instructions", {}).items()}
         for step_cmds in pipe_schedule:
             for cmd in step_cmds:
-                method = self._INSTRUCTION_MAP.get(type(cmd))
+                method = handlers.get(type(cmd))
                 if method is None:
-                    raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}; "
-                                       "register it with DsMpPipelineEngine.register_instruction")
+                    handler = self.handler_for(cmd)  # DeepSpeed's, or one registered on the class
+                    if handler is None:
+                        raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}; "
+                                           "give the schedule's runtime a handler for it (its `instructions`)")
+                    method = functools.partial(handler, self)
                 if self.trace_enabled:  # GPU kernels are asynchronous: sync so each time is its own
                     get_accelerator().synchronize()
                 start = time.perf_counter()
-                method(self, **cmd.kwargs)
+                method(**cmd.kwargs)
                 if self.trace_enabled:
                     get_accelerator().synchronize()
                     name = type(cmd).__name__
@@ -122,7 +116,7 @@ class DsMpPipelineEngine(PipelineEngine):
                     self.trace.append((name, cmd.kwargs.get("buffer_id", -1), start, time.perf_counter()))
         self.wait_posted_sends()
 
-    # --- p2p sends: posted, waited for once received (engine/posted_sends.py) ---------------
+    # --- p2p sends: posted, waited for once received (engine/p2p.py) ---------------------------
     def wait_posted_sends(self) -> None:
         """Wait until every posted send has left (its tensor may then change or be freed)."""
         self.posted.wait_all()
@@ -135,26 +129,46 @@ class DsMpPipelineEngine(PipelineEngine):
         schedules keep their consumer-time order, the same on both ends of every link."""
         return self.post_sends and dist.get_backend(self.topology.pp_group) == "gloo"
 
-    def _send(self, handler: Callable[[int], None], buffer_id: int, peer: int) -> None:
-        if self.post_sends:
-            self.posted.post(handler, buffer_id, peer)
-        else:
-            handler(buffer_id)
+    def send_activations(self, buffer_id: int) -> None:
+        if not self.post_sends:
+            return self.deepspeed_send_activations(buffer_id)
+        peer = compat.neighbours(self)[1]
+        self.posted.post(compat.activation_messages(self, buffer_id), peer, compat.stage_rank(self, peer))
 
-    def _exec_send_activations(self, buffer_id: int) -> None:
-        self._send(super()._exec_send_activations, buffer_id, self.next_stage)
+    def send_grads(self, buffer_id: int) -> None:
+        if not self.post_sends:
+            return self.deepspeed_send_grads(buffer_id)
+        peer = compat.neighbours(self)[0]
+        self.posted.post(compat.grad_messages(self, buffer_id), peer, compat.stage_rank(self, peer))
 
-    def _exec_send_grads(self, buffer_id: int) -> None:
-        self._send(super()._exec_send_grads, buffer_id, self.prev_stage)
-
-    def _exec_recv_grads(self, buffer_id: int) -> None:
-        super()._exec_recv_grads(buffer_id)
-        self.posted.received_from(self.next_stage)
+    def recv_grads(self, buffer_id: int) -> None:
+        self.deepspeed_recv_grads(buffer_id)
+        self.posted.received_from(compat.neighbours(self)[1])
 
     # --- a step's micro-batches: read first, counted, shapes re-announced when they change ---------
     def data_stages(self) -> set[int]:
-        """Pipeline stages that read micro-batches (DeepSpeed's: the first and the last)."""
-        return {0, self.num_stages - 1}
+        """Pipeline stages that read micro-batches (DeepSpeed's: the first and the last; the
+        runtime's ``data_stages`` hook where it has one)."""
+        hook = getattr(self.__dict__.get("schedule_support"), "data_stages", None)
+        return hook() if hook is not None else {0, self.num_stages - 1}
+
+    def is_first_stage(self) -> bool:
+        """DeepSpeed's, or the runtime's answer for the virtual stage running now (``stage_ends``)."""
+        ends = self._stage_ends()
+        return super().is_first_stage() if ends is None else ends[0]
+
+    def is_last_stage(self) -> bool:
+        ends = self._stage_ends()
+        return super().is_last_stage() if ends is None else ends[1]
+
+    def _stage_ends(self) -> tuple[bool, bool] | None:
+        hook = getattr(self.__dict__.get("schedule_support"), "stage_ends", None)
+        return hook() if hook is not None else None
+
+    def expect_micro(self, buffer_id: int, micro: int) -> None:
+        """The schedule says ``buffer_id`` holds micro-batch ``micro``'s activations (checked
+        against its labels by the forward)."""
+        self._recv_micro[buffer_id] = micro
 
     def _prepare(self, data_iter: Any, n: int, training: bool) -> Any:
         """:func:`ds_mp.engine.batches.prepare_step`, then keep DeepSpeed's cached activation
@@ -173,8 +187,7 @@ class DsMpPipelineEngine(PipelineEngine):
         the global batch's per-target-token mean loss; a batch without targets skips the step."""
         fed = self._prepare(data_iter, self.micro_batches, training=True)
         if self.step_info.count == 0:
-            self.agg_train_loss = warn_no_targets(self)
-            return self.agg_train_loss
+            return compat.set_train_loss(self, warn_no_targets(self))
         with feeding(self):
             return super().train_batch(fed)
 
@@ -191,9 +204,9 @@ class DsMpPipelineEngine(PipelineEngine):
         (:func:`ds_mp.engine.batches.micro_layout`)."""
         return micro_layout(self, buffer_id, forward)
 
-    def _aggregate_total_loss(self) -> torch.Tensor:
+    def aggregate_loss(self) -> torch.Tensor:
         hook = getattr(self.schedule_support, "aggregate_loss", None)
-        return hook() if hook is not None else super()._aggregate_total_loss()
+        return hook() if hook is not None else self.deepspeed_aggregate_loss()
 
     # --- schedule state that lives across steps (checkpointed per rank) -----------------
     def schedule_state_dict(self) -> dict | None:
@@ -218,28 +231,30 @@ class DsMpPipelineEngine(PipelineEngine):
         self._loaded_micro[buffer_id] = self._n_loaded
         self._n_loaded += 1
 
-    def _exec_load_micro_batch(self, buffer_id: int) -> None:
-        super()._exec_load_micro_batch(buffer_id)
+    def load_micro_batch(self, buffer_id: int) -> None:
+        self.deepspeed_load_micro_batch(buffer_id)
         self.note_loaded(buffer_id)
 
-    def _exec_recv_activations(self, buffer_id: int) -> None:
-        super()._exec_recv_activations(buffer_id)
+    def recv_activations(self, buffer_id: int) -> None:
+        self.deepspeed_recv_activations(buffer_id)
         self._recv_micro[buffer_id] = self._n_recv
         self._n_recv += 1
-        self.posted.received_from(self.prev_stage)
+        self.posted.received_from(compat.neighbours(self)[0])
 
-    def _exec_forward_pass(self, buffer_id: int) -> None:
+    def run_forward(self, buffer_id: int) -> None:
+        """Forward pipe buffer ``buffer_id`` through this stage (DeepSpeed's ForwardPass)."""
         if self.is_last_stage() and not self.is_first_stage() and compat.computing_loss(self):
             got, want = self._recv_micro.get(buffer_id), self._loaded_micro.get(buffer_id)
             if got != want:
                 raise RuntimeError(f"schedule {self.schedule_name!r}: buffer {buffer_id} holds activations "
                                    f"of micro-batch {got} but labels of micro-batch {want}")
         with self.micro_layout(buffer_id, forward=True):
-            super()._exec_forward_pass(buffer_id)
+            self.deepspeed_run_forward(buffer_id)
         if self.is_last_stage():
             self._buffer_loss[buffer_id] = self.loss
 
-    def _exec_backward_pass(self, buffer_id: int) -> None:
+    def run_backward(self, buffer_id: int) -> None:
+        """Backward pipe buffer ``buffer_id`` (DeepSpeed's BackwardPass)."""
         with self.micro_layout(buffer_id):  # activation checkpointing recomputes the forward here
             self._backward(buffer_id)
         if zero2.partitions_gradients(self):  # ZeRO-2: this backward's gradients reduced over DP now
@@ -247,18 +262,18 @@ class DsMpPipelineEngine(PipelineEngine):
 
     def _backward(self, buffer_id: int) -> None:
         if not self.is_last_stage():  # earlier stages backpropagate the (scaled) gradient they received
-            super()._exec_backward_pass(buffer_id)
+            self.deepspeed_run_backward(buffer_id)
             return
         loss = self._buffer_loss.pop(buffer_id)  # this micro-batch's own loss
         scale = compat.unapplied_loss_scale(self)  # fp16 without ZeRO: DeepSpeed's backward skips it
         self.loss = loss if scale is None else loss * scale
         try:
-            super()._exec_backward_pass(buffer_id)
+            self.deepspeed_run_backward(buffer_id)
         finally:
             self.loss = loss
 
     # --- gradients --------------------------------------------------------------------
-    def _exec_reduce_tied_grads(self) -> None:
+    def reduce_tied_gradients(self) -> None:
         """Sum the tied ``wte``'s gradient over its tied group (first and last stage).
 
         DeepSpeed's own handler reads every tied weight's gradient (its fp32 master gradient
@@ -273,7 +288,8 @@ class DsMpPipelineEngine(PipelineEngine):
             if grad is not None:
                 dist.all_reduce(grad, group=group)
 
-    def _exec_reduce_grads(self) -> None:
+    def reduce_gradients(self) -> None:
+        """The DP gradient reduction of a step (ReduceGrads, with the SP sum and noise probe)."""
         if zero2.partitions_gradients(self):  # reduced per backward; the step's partitions made final
             zero2.close_step(self)
             return
@@ -282,7 +298,7 @@ class DsMpPipelineEngine(PipelineEngine):
         if measure:  # |G_small|² of this replica before the DP all-reduce, |G_big|² after (or the step's norm)
             probe.before(self.reduction_grad_norm() ** 2, self.device)
         if self.topology.dp > 1 or compat.uses_bf16_optimizer(self) or self.zero_optimization_stage() > 0:
-            super()._exec_reduce_grads()
+            self.deepspeed_reduce_gradients()
         # else: one replica and the gradients already sit in p.grad: DeepSpeed's reduction would
         # flatten every gradient into buckets, all-reduce over a group of one and copy back (two
         # memcpys of the whole gradient per step, a no-op in value; gradient_predivide_factor
@@ -296,7 +312,7 @@ class DsMpPipelineEngine(PipelineEngine):
             else:  # ZeRO: the reduced gradients sit in DP partitions; their norm is the step's (_exec_optimizer_step)
                 self._noise_b_small = b_small
 
-    def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
+    def optimizer_step(self, lr_kwargs: Any = None) -> None:
         """Skip the update (weights stay finite) when any gradient is NaN/Inf anywhere.
 
         fp32 without ZeRO (``p.grad`` holds the reduced gradients): ds_mp's global norm is
@@ -307,7 +323,7 @@ class DsMpPipelineEngine(PipelineEngine):
         DeepSpeed's own loss-scaler overflow handling.
         """
         if self.fp16_enabled():
-            return super()._exec_optimizer_step(lr_kwargs)
+            return self.deepspeed_optimizer_step(lr_kwargs)
         if self._fp32_grads():
             norm = self.global_grad_norm()
             self.last_grad_norm = norm
@@ -325,7 +341,7 @@ class DsMpPipelineEngine(PipelineEngine):
             self.nonfinite_steps += 1
             self.zero_grad()
             return
-        super()._exec_optimizer_step(lr_kwargs)
+        self.deepspeed_optimizer_step(lr_kwargs)
         if self._noise_b_small:  # ZeRO's norm of the reduced gradients, before clipping
             self.noise_scale.after(float(self.get_global_grad_norm()) ** 2, self._noise_b_small)
 
@@ -369,33 +385,17 @@ class DsMpPipelineEngine(PipelineEngine):
         client_state = load_checkpoint(self, load_dir, tag)
         return os.path.join(load_dir, tag), client_state
 
-    # --- public entry points for schedules' engine-side handlers ---------------------------
-    def run_forward(self, buffer_id: int) -> None:
-        """Forward pipe buffer ``buffer_id`` through this stage (DeepSpeed's ForwardPass)."""
-        self._exec_forward_pass(buffer_id)
-
-    def run_backward(self, buffer_id: int) -> None:
-        """Backward pipe buffer ``buffer_id`` (DeepSpeed's BackwardPass)."""
-        self._exec_backward_pass(buffer_id)
-
-    def reduce_gradients(self) -> None:
-        """The DP gradient reduction of a step (ReduceGrads, with the SP sum and noise probe)."""
-        self._exec_reduce_grads()
-
-    def optimizer_step(self) -> None:
-        """The optimizer step of a step (OptimizerStep: NaN skip, clipping, DeepSpeed's step)."""
-        self._exec_optimizer_step()
-
+    # --- norms ------------------------------------------------------------------------------
     def reduction_grad_norm(self) -> float:
         """‖g‖₂ (ownership rule of :meth:`global_grad_norm`) of the gradients DeepSpeed's DP reduction
         averages: ``p.grad`` in fp32 and under ZeRO (before its reduction), BF16_Optimizer's fp32
         gradient buffers (``fp32_groups_gradients``: the bf16 micro-batch gradients accumulated in fp32)."""
         opt, owned = self.optimizer, grads.owned_parameters(self.module, self.topology)
         if compat.uses_bf16_optimizer(self):
-            fp32 = {id(lp): g for lps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients) for lp, g in zip(lps, gs)}
+            fp32 = compat.bf16_fp32_gradients(opt)
             tensors = [fp32.get(id(p)) for p in owned]
         elif self.zero_optimization():
-            tensors = [opt.get_gradient_for_reduction(p) for p in owned]
+            tensors = [compat.zero_gradient_for_reduction(opt, p) for p in owned]
         else:
             return self.global_grad_norm()
         total = grads.sum_of_squares(tensors, self.device)

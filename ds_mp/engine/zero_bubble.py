@@ -3,8 +3,9 @@
 Imported by the engine when the ``zb-h1`` schedule is selected (``ENGINE_SUPPORT``).
 
 **B** runs DeepSpeed's own backward handler (``BackwardPass``: partitioned-gradient restore,
-loss scaling by gradient accumulation and fp16/ZeRO, bf16 bookkeeping) with
-``Tensor.backward`` replaced, for the duration of the call, by an input-only backward: the
+loss scaling by gradient accumulation and fp16/ZeRO, bf16 bookkeeping) inside a torch function
+mode (:class:`_InputOnlyBackward`: scoped to the call and the thread, nothing is replaced) that
+answers the handler's ``Tensor.backward`` with an input-only backward: the
 autograd graph is walked once to find, for every parameter, the nodes where it meets the path
 from the stage input to the output ("intermediates"); ``torch.autograd.grad`` then computes
 only ``dX`` of the stage input (what ``SendGrad`` sends), keeping the graph and recording the
@@ -41,31 +42,69 @@ W can re-enter an output node (TP × PP = 2 × 2: the LM head's node returns the
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
-                                                     get_param_groups, reverse_closure, stage_backward_weight)
+from torch.overrides import TorchFunctionMode
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
+from ds_mp.deepspeed_compat.torch_private import (construct_reverse_graph, get_grad_fn_or_grad_acc, get_param_groups,
+                                                  reverse_closure, stage_backward_weight)
 from ds_mp.schedules.zero_bubble import BackwardInput, BackwardWeight
 
 
-@dataclass
 class ZeroBubbleState:
-    """Work a B left for its W, per pipe buffer: the parameter groups with their recorded
-    gradients (later stages), or the received output gradient (first stage)."""
+    """ZB-H1's runtime: the B and W handlers (``instructions``) and the work a B left for its W,
+    per pipe buffer (``pending``): the parameter groups with their recorded gradients (later
+    stages), or the received output gradient (first stage)."""
 
-    pending: dict[int, Any] = field(default_factory=dict)
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.pending: dict[int, Any] = {}
+        if engine.module.activation_checkpoint_interval > 0:  # DeepSpeed's checkpoints refuse torch.autograd.grad
+            compat.use_activation_checkpoint(engine.module, checkpoint)
+
+    def backward_input(self, buffer_id: int) -> None:
+        e = self.engine
+        if e.is_first_stage():  # nothing to send back: the whole backward runs as W
+            # a copy: the next RecvGrad overwrites DeepSpeed's gradient buffer in place
+            g = compat.received_grad(e)
+            self.pending[buffer_id] = (g.clone() if isinstance(g, torch.Tensor) else None if g is None
+                                       else [t.clone() for t in g])
+            return
+        weights = _weights(e)
+        with _InputOnlyBackward(e, buffer_id, weights) as b:
+            e.run_backward(buffer_id)
+        self.pending[buffer_id] = b.groups
+        if e.is_last_stage():  # W starts at the recorded gradients: let the graph above them go now
+            drop_output_hooks(compat.pipe_buffers(e)["outputs"][buffer_id])
+            compat.pipe_buffers(e)["outputs"][buffer_id] = None  # the logits (DeepSpeed drops the others')
+            compat.release_loss_graph(e)
+
+    def backward_weight(self, buffer_id: int) -> None:
+        with self.engine.micro_layout(buffer_id):  # activation checkpointing recomputes the forward in W too
+            self._backward_weight(buffer_id)
+
+    instructions = {BackwardInput: "backward_input", BackwardWeight: "backward_weight"}
+
+    def _backward_weight(self, buffer_id: int) -> None:
+        e, work = self.engine, self.pending.pop(buffer_id)
+        if e.is_first_stage():
+            compat.set_received_grad(e, work)  # the output gradient B received
+            e.run_backward(buffer_id)
+            return
+        bf16 = compat.uses_bf16_optimizer(e)
+        if bf16:
+            compat.drop_bf16_grads(e)
+        stage_backward_weight(_weights(e), work)
+        if bf16:  # into the fp32 master gradients, then cleared: a later B's epilogue must not add them again
+            compat.copy_bf16_grads_to_master(e)
+            compat.drop_bf16_grads(e)
 
 
 def attach(engine: Any) -> ZeroBubbleState:
-    if engine.module.activation_checkpoint_interval > 0:  # DeepSpeed's checkpoints refuse torch.autograd.grad
-        engine.module.activation_checkpoint_func = checkpoint
-    engine.zero_bubble = ZeroBubbleState()
-    return engine.zero_bubble
+    """The runtime of a ZB-H1 engine (``config.registry.ENGINE_SUPPORT``)."""
+    return ZeroBubbleState(engine)
 
 
 def checkpoint(function: Any, *args: Any) -> Any:
@@ -108,10 +147,10 @@ def input_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor | None]
     pairs = [(o, torch.ones_like(o) if g is None else g) for o, g in zip(outputs, grads)
              if o.grad_fn is not None or o.requires_grad]
     roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
-    root_nodes = [_get_grad_fn_or_grad_acc(o) for o in roots]
+    root_nodes = [get_grad_fn_or_grad_acc(o) for o in roots]
     reverse = construct_reverse_graph(root_nodes)
-    input_nodes = [_get_grad_fn_or_grad_acc(x) for x in inputs]
-    groups = get_param_groups(input_nodes, [_get_grad_fn_or_grad_acc(w) for w in weights], reverse)
+    input_nodes = [get_grad_fn_or_grad_acc(x) for x in inputs]
+    groups = get_param_groups(input_nodes, [get_grad_fn_or_grad_acc(w) for w in weights], reverse)
     fused = _split_fused_nodes({*reverse, *root_nodes}, reverse_closure(input_nodes, set(), reverse)[0])
     handles = []
     for group in groups:
@@ -155,32 +194,42 @@ def _split_fused_nodes(nodes: set, input_closure: set) -> list[Any]:
     return marked
 
 
-@contextlib.contextmanager
-def _backward_is_input_only(engine: Any, buffer_id: int, weights: list[torch.Tensor]) -> Iterator[dict]:
-    """Inside: ``Tensor.backward`` (as DeepSpeed's handler calls it) runs :func:`input_backward` on
-    the buffer's stage inputs; calls with ``retain_graph`` (all outputs but the last) are gathered
-    and run together with the last one.  Yields a dict that receives ``"groups"``."""
-    original, calls, out = torch.Tensor.backward, [], {}
+class _InputOnlyBackward(TorchFunctionMode):
+    """Inside (this thread, this ``with`` block only): a ``Tensor.backward`` call (as DeepSpeed's
+    handler makes it) runs :func:`input_backward` on the buffer's stage inputs instead; calls with
+    ``retain_graph`` (all outputs but the last) are gathered and run together with the last one.
+    After the block ``groups`` holds W's starting point.
 
-    def backward(tensor: torch.Tensor, gradient: Any = None, retain_graph: bool | None = None,
-                 create_graph: bool = False, inputs: Any = None) -> None:
+    A ``TorchFunctionMode`` is torch's own scoped interception (``Tensor.backward`` asks the mode
+    stack before it runs): nothing is replaced, other threads and code after the block see torch's
+    ``backward``.  Every other torch function passes through unchanged."""
+
+    def __init__(self, engine: Any, buffer_id: int, weights: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.engine, self.buffer_id, self.weights = engine, buffer_id, weights
+        self.calls: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.groups: list[dict] | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.Tensor.backward:
+            return func(*args, **kwargs)
+        self._backward(*args, **kwargs)
+        return None
+
+    def _backward(self, tensor: torch.Tensor, gradient: Any = None, retain_graph: bool | None = None,
+                  create_graph: bool = False, inputs: Any = None) -> None:  # noqa: ARG002 - backward's signature
         if isinstance(gradient, (tuple, list)):  # DeepSpeed hands a one-tensor output its gradient as a tuple
             (gradient,) = gradient
         # A copy: DeepSpeed receives every gradient into the same buffer, and autograd passes it on
         # uncopied (residual adds), so the gradients recorded for W could alias it.
-        calls.append((tensor, None if gradient is None else gradient.clone()))
+        self.calls.append((tensor, None if gradient is None else gradient.clone()))
         if retain_graph:
             return
-        outs, grads = [t for t, _ in calls], [g for _, g in calls]
-        calls.clear()
-        out["groups"] = input_backward(outs, grads, _stage_inputs(engine, buffer_id), weights)
+        outs, grads = [t for t, _ in self.calls], [g for _, g in self.calls]
+        self.calls.clear()
+        self.groups = input_backward(outs, grads, _stage_inputs(self.engine, self.buffer_id), self.weights)
         drop_output_hooks(outs)
-
-    torch.Tensor.backward = backward
-    try:
-        yield out
-    finally:
-        torch.Tensor.backward = original
 
 
 def drop_output_hooks(outputs: Any) -> None:
@@ -199,45 +248,5 @@ def drop_output_hooks(outputs: Any) -> None:
 def _weights(engine: Any) -> list[torch.Tensor]:
     return [p for p in engine.module.parameters() if p.requires_grad]
 
-
-def _exec_backward_input(self: Any, buffer_id: int) -> None:
-    st = self.zero_bubble
-    if self.is_first_stage():  # nothing to send back: the whole backward runs as W
-        # a copy: the next RecvGrad overwrites DeepSpeed's gradient buffer in place
-        g = self.grad_layer
-        st.pending[buffer_id] = g.clone() if isinstance(g, torch.Tensor) else None if g is None else [t.clone() for t in g]
-        return
-    weights = _weights(self)
-    with _backward_is_input_only(self, buffer_id, weights) as out:
-        self.run_backward(buffer_id)
-    st.pending[buffer_id] = out["groups"]
-    if self.is_last_stage():  # W starts at the recorded gradients: let the graph above them go now
-        drop_output_hooks(compat.pipe_buffers(self)["outputs"][buffer_id])
-        compat.pipe_buffers(self)["outputs"][buffer_id] = None  # the logits (DeepSpeed drops the others')
-        self.loss = self.loss.detach()
-
-
-def _exec_backward_weight(self: Any, buffer_id: int) -> None:
-    with self.micro_layout(buffer_id):  # activation checkpointing recomputes the forward in W too
-        _backward_weight(self, buffer_id)
-
-
-def _backward_weight(self: Any, buffer_id: int) -> None:
-    work = self.zero_bubble.pending.pop(buffer_id)
-    if self.is_first_stage():
-        self.grad_layer = work  # the output gradient B received
-        self.run_backward(buffer_id)
-        return
-    bf16 = compat.uses_bf16_optimizer(self)
-    if bf16:
-        self.optimizer.clear_lp_grads()
-    stage_backward_weight(_weights(self), work)
-    if bf16:  # into the fp32 master gradients, then cleared: a later B's epilogue must not add them again
-        compat.copy_bf16_grads_to_master(self)
-        self.optimizer.clear_lp_grads()
-
-
-DsMpPipelineEngine.register_instruction(BackwardInput, _exec_backward_input)
-DsMpPipelineEngine.register_instruction(BackwardWeight, _exec_backward_weight)
 
 __all__ = ["ZeroBubbleState", "attach", "input_backward"]

@@ -3,7 +3,7 @@
 A schedule is DeepSpeed's shape: a ``PipeSchedule`` whose ``steps()`` yields, per step,
 the list of instructions this stage executes.  Sends at step ``t`` on stage ``s`` are
 matched by receives at step ``t`` on the neighbour, so a barrier between steps cannot
-deadlock.  Names are in :mod:`ds_mp.schedules.registry`.
+deadlock.  Names are in :mod:`ds_mp.config.registry`.
 """
 from __future__ import annotations
 

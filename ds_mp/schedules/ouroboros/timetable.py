@@ -267,7 +267,7 @@ class OuroborosSchedule(PipeSchedule):
 
     @classmethod
     def from_engine(cls, engine) -> "OuroborosSchedule":
-        state = engine.ouroboros
+        state = engine.schedule_support
         return cls(micro_batches=1, stages=engine.num_stages, stage_id=engine.stage_id,
                    start=state.next_iteration(), delay=state.delay, chunks=engine.micro_batches)
 

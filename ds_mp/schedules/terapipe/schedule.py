@@ -110,7 +110,7 @@ class TeraPipeSchedule(FillDrain):
         """The order ``terapipe.order`` names: "gpipe" (this class) or "1f1b" (:class:`TeraPipe1F1B`)."""
         order = getattr(engine.ds_mp_config.terapipe, "order", "gpipe") if engine.ds_mp_config else "gpipe"
         kind = TeraPipe1F1B if order == "1f1b" else cls
-        return kind(engine.micro_batches, engine.num_stages, engine.stage_id, engine.terapipe.new_batch())
+        return kind(engine.micro_batches, engine.num_stages, engine.stage_id, engine.schedule_support.new_batch())
 
     reverse_backward = True  # slice i's backward needs the key/value gradients of slices > i
 

@@ -1,8 +1,12 @@
-"""Posted p2p sends (``isend``), each waited for once its receiver has taken it.
+"""Posted p2p sends (``isend``), each waited for once its receiver has taken it: the one place
+where every schedule's sends are posted (DeepSpeed's pipe instructions, Ouroboros' ring).
 
 DeepSpeed's pipeline ``p2p.send`` is blocking; on gloo that is a rendezvous with the receiver.
-The engine posts its activation and gradient sends instead (``compat.posted_sends``) and keeps
-every posted tensor referenced, unmodified, until its send is done.  On gloo a posted send's
+The engine posts its activation and gradient sends instead: ``deepspeed_compat`` lists the
+messages DeepSpeed's send handler would send (``activation_messages`` / ``grad_messages``, the
+shape announcement first when due, so DeepSpeed's own receive handlers read them unchanged) and
+:class:`PostedSends` posts them with ``isend``, keeping every posted tensor referenced,
+unmodified, until its send is done.  Nothing of DeepSpeed's is replaced.  On gloo a posted send's
 ``is_completed()`` stays False until ``wait()`` (DEEPSPEED_FACTS.md), so "done" must be known,
 not polled: a send is known received when a message arrives from its peer that the peer sent
 after receiving it.  Waiting for it then returns at once.
@@ -21,9 +25,10 @@ What is left in flight at the end of a schedule is waited for there.  With NCCL
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-from ds_mp import deepspeed_compat as compat
+import torch
+import torch.distributed as dist
 
 
 class PostedSends:
@@ -43,11 +48,10 @@ class PostedSends:
         acknowledged = getattr(schedule, "acknowledged", None)
         self.acks = iter(acknowledged()) if acknowledged is not None else None
 
-    def post(self, handler: Callable[[int], None], buffer_id: int, peer: int) -> None:
-        """Run DeepSpeed's send handler with its sends to stage ``peer`` posted."""
-        works: list = []
-        with compat.posted_sends(works):
-            handler(buffer_id)
+    def post(self, messages: list[torch.Tensor], peer: int, rank: int, group: Any = None) -> None:
+        """Post ``messages`` to stage ``peer`` (global rank ``rank``) in order, as one send of
+        this schedule (acknowledged as one)."""
+        works = [(dist.isend(t, rank, group=group), t) for t in messages]
         n = self.sent.get(peer, 0)
         self.sent[peer] = n + 1
         queue = self.inflight.setdefault(peer, [])

@@ -39,6 +39,19 @@ def _implied_dp(raw: dict, name: str) -> int:
     return int(m.group(1)) if m else 1
 
 
+def _trainer_autos_filled(raw: dict) -> dict:
+    """A Trainer recipe (``ds_configs/trainer_*.json``) leaves batch and clipping keys ``"auto"``:
+    ``ds_mp.hf.args.deepspeed_dict`` fills them from ``TrainingArguments`` (tests/test_hf_trainer.py
+    runs that path); here they take the arguments' defaults (8 rows, no accumulation, clipping 1.0)
+    and ``train_batch_size`` is dropped, as ds_mp.hf derives it from DP."""
+    if "auto" not in raw.values():
+        return raw
+    defaults = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
+    filled = {k: defaults.get(k, v) if v == "auto" else v for k, v in raw.items() if k != "train_batch_size"}
+    assert "auto" not in filled.values(), [k for k, v in filled.items() if v == "auto"]
+    return filled
+
+
 def _with_model_stub(raw: dict, tmp_path) -> dict:
     model = raw.get("ds_mp", {}).get("model")
     if isinstance(model, str) and not os.path.isfile(os.path.join(model, "config.json")):
@@ -53,13 +66,14 @@ def test_recipe_validates_and_deepspeed_accepts_it(recipe: str, tmp_path) -> Non
     from deepspeed.runtime.config import DeepSpeedConfig
 
     builtin = recipe.startswith("<")
-    original = DEFAULT if builtin else json.load(open(recipe))
+    on_disk = DEFAULT if builtin else json.load(open(recipe))
+    original = _trainer_autos_filled(on_disk)
     raw = _with_model_stub(original, tmp_path)
     block = raw.get("ds_mp", {})
     tp = block.get("tensor_parallel", {}).get("size", 1)
     pp = block.get("pipeline", {}).get("stages", 1)
     dp = _implied_dp(raw, os.path.basename(recipe))
-    cfg, full = load_config(recipe if raw is original and not builtin else raw, tp * pp * dp)
+    cfg, full = load_config(recipe if raw is on_disk and not builtin else raw, tp * pp * dp)
     assert (cfg.tp, cfg.pp, cfg.dp) == (tp, pp, dp)
     assert cfg.shape is not None and cfg.shape.n_head % cfg.tp == 0
     # DeepSpeed ignores the unknown top-level "ds_mp" key; train_batch_size is checked

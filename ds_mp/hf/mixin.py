@@ -289,19 +289,24 @@ class PipelineTrainerMixin:
 
 
 def _process_state_from_torch(args: Any) -> bool:
-    """Make ``args.process_index`` / ``local_process_index`` / ``world_size`` (hence ``should_log``,
-    ``should_save``, the Trainer's world-process-zero) those of ``torch.distributed``.  Accelerate's
-    DeepSpeed state on CPU (the ``deepspeed`` launcher without ``use_cpu``) reports one process of
-    index 0 on every rank, so every rank printed the logs and the progress bar and rotated the
-    checkpoints.  Returns whether anything was corrected."""
+    """Make Accelerate's process state (hence ``args.process_index`` / ``local_process_index`` /
+    ``world_size``, ``should_log``, ``should_save``, the Trainer's world-process-zero and the data
+    loader's shard) that of ``torch.distributed``.  Accelerate's DeepSpeed state on CPU (no
+    ``use_cpu``: no backend) reports one process of index 0 on every rank, so every rank printed the
+    logs and the progress bar, rotated the checkpoints and read every row (no DP split).  Returns
+    whether anything was corrected."""
+    from accelerate.state import AcceleratorState, PartialState
+
     state = getattr(args, "distributed_state", None)
     if state is None or not torch.distributed.is_initialized():
         return False
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if (state.process_index, state.num_processes) == (rank, world):
         return False
-    state.process_index, state.num_processes = rank, world  # PartialState's shared state: every instance
-    state.local_process_index = int(os.environ.get("LOCAL_RANK", rank))
+    fix = {"process_index": rank, "num_processes": world, "local_process_index": int(os.environ.get("LOCAL_RANK", rank))}
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):  # every instance reads these
+        if shared:
+            shared.update(fix)
     return True
 
 

@@ -108,7 +108,7 @@ def run(quick: bool, out_dir: str) -> dict:
                              ["loop", "median step s", "steps timed"],
                              [["engine.train_batch (launch/train.py's loop)", f"{med['direct']:.3f}",
                                len(flat["direct"])],
-                              ["ds_mp.hf.Trainer.train()", f"{med['trainer']:.3f}", len(times["trainer"])]])],
+                              ["ds_mp.hf.Trainer.train()", f"{med['trainer']:.3f}", len(flat["trainer"])]])],
             "summary": [f"Trainer step / own loop: {ratio} (target <= 1.05x: {ratio.verdict(1.05, at_least=False)}); "
                         f"load {load0:.1f} -> {load_avg():.1f}",
                         f"by order: direct block first {by_order['direct']}, Trainer block first {by_order['trainer']}"],

@@ -1,8 +1,14 @@
-"""launch/trl_sft.py through the real ``deepspeed`` launcher with ds_configs/trainer_tp2_pp2.json (4 CPU
-ranks, TP2 × PP2, the script's built-in tiny Qwen2 and chats): it trains, logs the Trainer's losses,
-and ``save_model()`` writes a directory that ``from_pretrained`` loads with its chat template."""
+"""launch/trl_sft.py through the real launchers (CPU ranks, the script's built-in tiny Qwen2 and chats).
+
+* ``deepspeed`` with ds_configs/trainer_tp2_pp2.json (4 ranks, TP2 × PP2): it trains, logs each of
+  the Trainer's loss lines once per job (not once per rank), and ``save_model()`` writes a directory
+  that ``from_pretrained`` loads with its chat template.
+* ``deepspeed``, ``accelerate launch`` and ``torchrun`` (2 ranks, TP = 2, 2 steps) train the same
+  model: the same saved weights, the same logged losses.
+"""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,24 +20,62 @@ from dist_utils import free_port
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SFT_ARGS = ["--bf16", "false", "--max_length", "48", "--packing", "true", "--assistant_only_loss", "true",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--logging_steps", "1",
+            "--report_to", "none", "--save_strategy", "no", "--eval_strategy", "no", "--disable_tqdm", "true"]
+
+
+def launch(kind: str, ranks: int, config: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """launch/trl_sft.py through ``kind`` (deepspeed, accelerate, torchrun) on ``ranks`` CPU ranks."""
+    bin_dir, port = os.path.dirname(sys.executable), str(free_port())
+    cmd = {"deepspeed": [os.path.join(bin_dir, "deepspeed"), "--master_port", port, "--num_gpus", str(ranks)],
+           "torchrun": [os.path.join(bin_dir, "torchrun"), "--nproc_per_node", str(ranks), "--master_port", port],
+           "accelerate": [os.path.join(bin_dir, "accelerate"), "launch", "--use_deepspeed", "--num_processes",
+                          str(ranks), "--deepspeed_config_file", config, "--main_process_port", port]}[kind]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_MP_TIMEOUT="120", PYTHONUNBUFFERED="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd + ["launch/trl_sft.py", "--deepspeed", config, *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, f"{kind}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def logged_losses(stdout: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\{'loss': '([-+.0-9e]+)'", stdout)]
 
 
 def test_trl_sft_script_through_the_deepspeed_launcher(tmp_path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = str(tmp_path / "run")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--master_port", str(free_port()),
-           "--num_gpus", "4", "launch/trl_sft.py", "--deepspeed", "ds_configs/trainer_tp2_pp2.json",
-           "--output_dir", out, "--bf16", "false", "--max_steps", "3", "--max_length", "48", "--packing", "true",
-           "--assistant_only_loss", "true", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-           "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--eval_strategy", "no",
-           "--disable_tqdm", "true"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_MP_TIMEOUT="120", PYTHONUNBUFFERED="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    losses = [float(x) for x in re.findall(r"\{'loss': '([-+.0-9e]+)'", proc.stdout)]  # lines of ranks may interleave
-    assert len(losses) >= 3 and all(0 < x < 20 for x in losses), proc.stdout[-3000:]
+    proc = launch("deepspeed", 4, "ds_configs/trainer_tp2_pp2.json", ["--output_dir", out, "--max_steps", "3",
+                                                                      *SFT_ARGS])
+    losses = logged_losses(proc.stdout)
+    assert len(losses) == 3 and all(0 < x < 20 for x in losses), proc.stdout[-3000:]  # once per job, not per rank
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     assert model.config.model_type == "qwen2" and "{% generation %}" in tok.chat_template
+
+
+@pytest.mark.slow
+def test_three_launchers_train_the_same_sft_model(tmp_path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    config = str(tmp_path / "ds.json")
+    with open(config, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                   "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 0},
+                   "ds_mp": {"tensor_parallel": {"size": 2}}}, f)
+    got = {}
+    for kind in ("deepspeed", "accelerate", "torchrun"):
+        out = str(tmp_path / kind)
+        proc = launch(kind, 2, config, ["--output_dir", out, "--max_steps", "2", *SFT_ARGS])
+        got[kind] = (logged_losses(proc.stdout), load_file(os.path.join(out, "model.safetensors")))
+    losses, weights = got["deepspeed"]
+    assert len(losses) == 2
+    for kind, (other_losses, other_weights) in got.items():
+        assert other_losses == losses, kind
+        assert other_weights.keys() == weights.keys(), kind
+        for k in weights:
+            torch.testing.assert_close(other_weights[k], weights[k], rtol=1e-6, atol=1e-6, msg=f"{kind}: {k}")

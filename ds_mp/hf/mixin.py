@@ -16,7 +16,8 @@ Where it plugs into the Trainer (transformers 5.2x), and nowhere else:
   ``optimizer.step()`` / ``lr_scheduler.step()`` are Accelerate's DeepSpeed no-op wrappers.
 * ``_clip_grad_norm`` / ``_get_grad_norm`` / ``_get_learning_rate``: the engine's pre-clip global
   norm and the LR the step used.
-* ``evaluate``: per-target-token loss over the whole eval set through ``engine.eval_batch``.
+* ``evaluate``: per-target-token loss over the whole eval set through ``engine.eval_batch``, read
+  ``per_device_eval_batch_size`` rows per eval step (``on_prediction_step`` per step).
 * ``save_model``: an HF directory (``from_pretrained`` loads it) + the tokenizer;
   ``_save_optimizer_and_scheduler``: ds_mp's layout-free checkpoint (``<checkpoint>/ds_mp``, with
   the scheduler); ``train(resume_from_checkpoint=...)`` loads it at any layout.
@@ -72,6 +73,9 @@ class PipelineTrainerMixin:
         engine, _, _, _ = ds_mp.initialize(model=source, config=raw, lr_scheduler=BoundLater)
         self.ds_mp_engine = engine
         self.ds_mp_topology = engine.topology
+        if _process_state_from_torch(self.args):  # logging, progress bar, saving: once per job
+            self.state.is_world_process_zero = self.is_world_process_zero()
+            self.state.is_local_process_zero = self.is_local_process_zero()
         self._ds_mp_lr: float | None = None
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
@@ -175,18 +179,20 @@ class PipelineTrainerMixin:
             raise ValueError("evaluate: no eval_dataset; pass one to the Trainer or to evaluate()")
         self._memory_tracker.start()
         start = time.time()
-        loss, passes = self._ds_mp_eval_loss(dataset)
+        loss, steps = self._ds_mp_eval_loss(dataset)
         metrics = {f"{metric_key_prefix}_loss": loss}
-        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=len(dataset), num_steps=passes))
+        metrics.update(speed_metrics(metric_key_prefix, start, num_samples=len(dataset), num_steps=steps))
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         self._memory_tracker.stop_and_update_metrics(metrics)
         return metrics
 
     def _ds_mp_eval_loss(self, dataset: Any) -> tuple[float, int]:
-        """(per-token loss, passes): micro-batch i of the eval set (in order, training rows) goes to
-        DP rank i mod DP; each pass evaluates GA micro-batches per replica; passes are weighted by
-        their global target counts."""
+        """(per-token loss, eval steps of this replica).  As the Trainer reads it, an eval step is
+        ``per_device_eval_batch_size`` rows; eval step i (in order) goes to DP rank i mod DP and is cut
+        into micro-batches of ``per_device_train_batch_size`` rows (the pipeline's fixed shape),
+        each collated on its own; each pass evaluates GA micro-batches per replica; passes are
+        weighted by their global target counts.  ``on_prediction_step`` fires once per eval step."""
         from torch.utils.data import DataLoader
 
         engine, topo = self.ds_mp_engine, self.ds_mp_topology
@@ -201,15 +207,22 @@ class PipelineTrainerMixin:
         except ImportError:
             collator = self._get_collator_with_removed_columns(collator, description="evaluation")
         rows, seq = engine.train_micro_batch_size_per_gpu(), engine.ds_mp_config.data.seq_len
-        loader = DataLoader(dataset, batch_size=rows, collate_fn=collator, shuffle=False)
-        mine = [fixed_rows({k: v.to(engine.device) for k, v in b.items()}, rows, seq)
-                for i, b in enumerate(loader) if i % topo.dp == topo.dp_rank]
-        n = engine.micro_batches
-        total = -(-len(loader) // topo.dp)  # micro-batches of the replica that reads the most
-        passes = -(-total // n)
-        template = mine[0] if mine else None
+        per_step = self.args.per_device_eval_batch_size
+        loader = DataLoader(dataset, batch_size=per_step, shuffle=False,
+                            collate_fn=lambda feats: [collator(feats[i:i + rows]) for i in range(0, len(feats), rows)])
+        sizes = [min(per_step, len(dataset) - i * per_step) for i in range(len(loader))]
+        micro = [sum(-(-b // rows) for b in sizes[d::topo.dp]) for d in range(topo.dp)]
+        mine, template = [], None
+        for i, chunks in enumerate(loader):  # every replica collates all (a replica may own no eval step)
+            fixed = [fixed_rows({k: v.to(engine.device) for k, v in c.items()}, rows, seq) for c in chunks]
+            template = fixed[0] if template is None else template
+            if i % topo.dp == topo.dp_rank:
+                mine += fixed
+                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         if template is None:
-            raise ValueError("evaluate: the eval set is empty on this DP replica; use more eval rows than DP replicas")
+            raise ValueError("evaluate: the eval set is empty; pass an eval_dataset with rows")
+        n = engine.micro_batches
+        passes = -(-max(micro) // n)  # the replica that reads the most micro-batches sets the passes
         summed, count = 0.0, 0
         for p in range(passes):
             chunk = mine[p * n:(p + 1) * n]
@@ -217,7 +230,7 @@ class PipelineTrainerMixin:
             loss = float(engine.eval_batch(iter(chunk), num_micro_batches=n))
             summed += loss * engine.step_info.count
             count += engine.step_info.count
-        return summed / max(count, 1), passes
+        return summed / max(count, 1), len(sizes[topo.dp_rank::topo.dp])
 
     def predict(self, *a: Any, **kw: Any) -> Any:
         raise NotImplementedError("predict: ds_mp.hf evaluates the loss only (evaluate()); export with save_model() "
@@ -273,6 +286,28 @@ class PipelineTrainerMixin:
         topo = self.ds_mp_topology
         if state.get("layout") == [topo.tp, topo.pp, topo.dp] and state.get("rng"):
             set_rng_state(state["rng"][torch.distributed.get_rank()])
+
+
+def _process_state_from_torch(args: Any) -> bool:
+    """Make Accelerate's process state (hence ``args.process_index`` / ``local_process_index`` /
+    ``world_size``, ``should_log``, ``should_save``, the Trainer's world-process-zero and the data
+    loader's shard) that of ``torch.distributed``.  Accelerate's DeepSpeed state on CPU (no
+    ``use_cpu``: no backend) reports one process of index 0 on every rank, so every rank printed the
+    logs and the progress bar, rotated the checkpoints and read every row (no DP split).  Returns
+    whether anything was corrected."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    state = getattr(args, "distributed_state", None)
+    if state is None or not torch.distributed.is_initialized():
+        return False
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if (state.process_index, state.num_processes) == (rank, world):
+        return False
+    fix = {"process_index": rank, "num_processes": world, "local_process_index": int(os.environ.get("LOCAL_RANK", rank))}
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):  # every instance reads these
+        if shared:
+            shared.update(fix)
+    return True
 
 
 def _model_and_source(model: Any) -> tuple[Any, Any]:

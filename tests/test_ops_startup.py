@@ -138,6 +138,7 @@ def _errors(stderr: str) -> list[str]:
     ({"optimizer": {"type": "SGD", "params": {"lr": 0.01, "torch_adam": True}}}, "optimizer.params.torch_adam"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "3e-4", "torch_adam": True}}}, "optimizer.params.lr"),
     ({"scheduler": {"type": "WarmupCosineLr", "params": {}}}, "did you mean 'WarmupCosineLR'"),
+    ({"scheduler": {"type": "ExponentialLr", "params": {"gamma": 0.9}}}, "did you mean 'ExponentialLR'"),
 ])
 def test_deepspeed_config_mistakes_are_one_line(data, tmp_path, ds, key):
     """DeepSpeed-side mistakes (a leftover ``torch_adam`` under SGD, ``lr`` as a string, a misspelt

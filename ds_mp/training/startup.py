@@ -189,8 +189,12 @@ def check_deepspeed_blocks(raw: dict) -> None:
     sched = raw.get("scheduler")
     if sched:
         name = sched.get("type")
-        if name not in VALID_LR_SCHEDULES:
-            close = difflib.get_close_matches(str(name), VALID_LR_SCHEDULES, n=1)
+        # DeepSpeed takes its own schedulers or, failing that, any class of torch.optim.lr_scheduler
+        # (DeepSpeedEngine._scheduler_from_config)
+        torch_names = [n for n in dir(torch.optim.lr_scheduler)
+                       if isinstance(getattr(torch.optim.lr_scheduler, n), type) and not n.startswith("_")]
+        if name not in VALID_LR_SCHEDULES and name not in torch_names:
+            close = difflib.get_close_matches(str(name), [*VALID_LR_SCHEDULES, *torch_names], n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"scheduler.type: {name!r} is not a DeepSpeed scheduler; {hint}use one of "
-                              f"{', '.join(VALID_LR_SCHEDULES)}")
+            raise ConfigError(f"scheduler.type: {name!r} is neither a DeepSpeed scheduler nor a class of "
+                              f"torch.optim.lr_scheduler; {hint}DeepSpeed's are {', '.join(VALID_LR_SCHEDULES)}")

@@ -119,3 +119,18 @@ def read_log(run_dir: str) -> list[dict]:
 
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+
+
+def loop_rank(rank: int, cfg_path: str, args: list[str]) -> tuple[int, str]:
+    """Rank program for ``dist_utils.run_ranks``: ``ds_mp.training.loop.main`` on ``cfg_path`` with
+    ``args``; returns its exit code and what it wrote to stderr (the one-line errors tests read)."""
+    import io
+    import sys
+
+    from ds_mp.training.loop import main
+
+    err, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        return main(["--deepspeed_config", cfg_path, *args]), sys.stderr.getvalue()
+    finally:
+        sys.stderr = err

@@ -15,7 +15,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from helpers import batches, ds_config, tiny_gpt2
-from launcher_utils import tiny_dataset, train_config
+from launcher_utils import loop_rank, tiny_dataset, train_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -23,17 +23,6 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> str:
     return tiny_dataset(str(tmp_path_factory.mktemp("nan")))
-
-
-def _loop(rank: int, cfg_path: str, args: list[str]) -> tuple[int, str]:
-    """Rank program: ``ds_mp.training.loop.main``; returns its exit code and stderr."""
-    from ds_mp.training.loop import main
-
-    err, sys.stderr = sys.stderr, io.StringIO()
-    try:
-        return main(["--deepspeed_config", cfg_path, *args]), sys.stderr.getvalue()
-    finally:
-        sys.stderr = err
 
 
 def _diverging(tmp: str, data: str, **training) -> tuple[str, str]:
@@ -53,7 +42,7 @@ def _errors(stderr: str) -> list[str]:
 
 def test_nan_stop_keeps_latest_on_the_last_good_checkpoint(data, tmp_path):
     path, ckpts = _diverging(str(tmp_path), data, on_nan="stop")
-    rc, err = run_ranks(_loop, 1, path, [], timeout=240)[0]
+    rc, err = run_ranks(loop_rank, 1, path, [], timeout=240)[0]
     lines = _errors(err)
     assert rc == 3 and len(lines) == 1, err[-3000:]
     assert os.path.isdir(os.path.join(ckpts, "nan-step2"))
@@ -66,7 +55,7 @@ def test_nan_stop_keeps_latest_on_the_last_good_checkpoint(data, tmp_path):
 
 def test_skip_stops_after_max_consecutive_skips(data, tmp_path):
     path, ckpts = _diverging(str(tmp_path), data, on_nan="skip", max_consecutive_skips=3)
-    rc, err = run_ranks(_loop, 1, path, [], timeout=240)[0]
+    rc, err = run_ranks(loop_rank, 1, path, [], timeout=240)[0]
     lines = _errors(err)
     assert rc == 3 and len(lines) == 1, err[-3000:]
     assert "3 steps in a row" in lines[0] and "steps 2-4" in lines[0] and "max_consecutive_skips=3" in lines[0]

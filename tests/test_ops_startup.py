@@ -6,7 +6,6 @@ wrong answer or advice that did not work."""
 from __future__ import annotations
 
 import errno
-import io
 import json
 import os
 import socket
@@ -16,7 +15,7 @@ import time
 
 import pytest
 from dist_utils import run_ranks
-from launcher_utils import REPO, tiny_dataset, train_config
+from launcher_utils import REPO, loop_rank, tiny_dataset, train_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -112,17 +111,6 @@ def test_lock_held_by_another_program_names_it(tmp_path):
         holder.wait()
 
 
-def _loop(rank: int, cfg_path: str, args: list[str]) -> tuple[int, str]:
-    """Rank program: ``ds_mp.training.loop.main``; returns its exit code and stderr."""
-    from ds_mp.training.loop import main
-
-    err, sys.stderr = sys.stderr, io.StringIO()
-    try:
-        return main(["--deepspeed_config", cfg_path, *args]), sys.stderr.getvalue()
-    finally:
-        sys.stderr = err
-
-
 def _write(tmp: str, cfg: dict, name: str = "config.json") -> str:
     path = os.path.join(tmp, name)
     with open(path, "w") as f:
@@ -145,7 +133,7 @@ def test_deepspeed_config_mistakes_are_one_line(data, tmp_path, ds, key):
     scheduler) stop every rank before the engine with one line naming the key (main: TypeError /
     AssertionError tracebacks from inside DeepSpeed)."""
     cfg = train_config(str(tmp_path), data, pp=1, steps=2, ds=ds, training={"export_hf": False})
-    rc, err = run_ranks(_loop, 1, _write(str(tmp_path), cfg), [], timeout=240)[0]
+    rc, err = run_ranks(loop_rank, 1, _write(str(tmp_path), cfg), [], timeout=240)[0]
     lines = _errors(err)
     assert rc == 2 and len(lines) == 1 and key in lines[0], err[-3000:]
     assert "Traceback" not in err
@@ -157,15 +145,15 @@ def test_changed_seq_len_on_resume_names_the_key(data, tmp_path):
     the saved seq_len) then works."""
     tmp = str(tmp_path)
     cfg = train_config(tmp, data, pp=1, steps=2, training={"export_hf": False, "eval_interval": 0})
-    rc, err = run_ranks(_loop, 1, _write(tmp, cfg), [], timeout=240)[0]
+    rc, err = run_ranks(loop_rank, 1, _write(tmp, cfg), [], timeout=240)[0]
     assert rc == 0, err[-3000:]
     cfg["ds_mp"]["training"]["steps"] = 3
     cfg["ds_mp"]["data"]["seq_len"] = 16
-    rc, err = run_ranks(_loop, 1, _write(tmp, cfg, "short.json"), ["--resume"], timeout=240)[0]
+    rc, err = run_ranks(loop_rank, 1, _write(tmp, cfg, "short.json"), ["--resume"], timeout=240)[0]
     lines = _errors(err)
     assert rc == 2 and len(lines) == 1 and "ds_mp.data.seq_len" in lines[0] and "32" in lines[0], err[-3000:]
     cfg["ds_mp"]["data"]["seq_len"] = 32
-    rc, err = run_ranks(_loop, 1, _write(tmp, cfg, "same.json"), ["--resume"], timeout=240)[0]
+    rc, err = run_ranks(loop_rank, 1, _write(tmp, cfg, "same.json"), ["--resume"], timeout=240)[0]
     assert rc == 0, err[-3000:]
 
 

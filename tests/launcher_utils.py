@@ -134,3 +134,15 @@ def loop_rank(rank: int, cfg_path: str, args: list[str]) -> tuple[int, str]:
         return main(["--deepspeed_config", cfg_path, *args]), sys.stderr.getvalue()
     finally:
         sys.stderr = err
+
+
+# Variables an in-process test of the same pytest session may have left in os.environ (Accelerate's
+# settings written by TrainingArguments, a rank's rendezvous): a launched job must not inherit them.
+_SESSION_LEFTOVERS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """``os.environ`` without Accelerate's ``ACCELERATE_*`` settings and rendezvous variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_") and k not in _SESSION_LEFTOVERS}
+    env.update(extra)
+    return env

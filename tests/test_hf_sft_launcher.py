@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from dist_utils import free_port
+from launcher_utils import clean_env
 
 pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,8 +33,8 @@ def launch(kind: str, ranks: int, config: str, argv: list[str]) -> subprocess.Co
            "torchrun": [os.path.join(bin_dir, "torchrun"), "--nproc_per_node", str(ranks), "--master_port", port],
            "accelerate": [os.path.join(bin_dir, "accelerate"), "launch", "--use_deepspeed", "--num_processes",
                           str(ranks), "--deepspeed_config_file", config, "--main_process_port", port]}[kind]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_MP_TIMEOUT="120", PYTHONUNBUFFERED="1",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = clean_env(OMP_NUM_THREADS="1", DS_MP_TIMEOUT="120", PYTHONUNBUFFERED="1",
+                    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd + ["launch/trl_sft.py", "--deepspeed", config, *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, f"{kind}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -31,7 +31,7 @@ import torch
 
 from dist_utils import free_port, run_ranks
 from helpers import tiny_gpt2
-from launcher_utils import REPO
+from launcher_utils import REPO, clean_env
 
 SEQ = 16
 
@@ -352,7 +352,7 @@ def _launch(kind: str, script: str, argv: list[str]) -> subprocess.CompletedProc
            "torchrun": [os.path.join(bin_dir, "torchrun"), "--nproc_per_node", "2", "--master_port", port],
            "accelerate": [os.path.join(bin_dir, "accelerate"), "launch", "--use_deepspeed", "--num_processes", "2",
                           "--deepspeed_config_file", argv[2], "--main_process_port", port]}[kind]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_MP_TIMEOUT="120", PYTHONPATH=REPO)
+    env = clean_env(OMP_NUM_THREADS="1", DS_MP_TIMEOUT="120", PYTHONPATH=REPO)
     return subprocess.run(cmd + [script, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -151,10 +151,8 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     engine = DsMpPipelineEngine(args=args, model=net, optimizer=optimizer, model_parameters=params,
                                 training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                                 config=ds_dict, config_class=DeepSpeedConfig(ds_dict, mpu),
-                                ds_mp_config=cfg, topology=topology)
-    engine.hf_config = src.config
-    engine.optimizer_hparams = dict((raw.get("optimizer") or {}).get("params") or {})  # kept by checkpoints
-    engine.layer_costs = costs  # what "partition": "cost" balanced (None otherwise)
+                                ds_mp_config=cfg, topology=topology, hf_config=src.config,
+                                optimizer_hparams=(raw.get("optimizer") or {}).get("params"), layer_costs=costs)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -35,8 +35,12 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
     #: schedule's messages keep their order per peer, so the receives see the same stream.
     post_sends: bool = True
 
-    def __init__(self, *args: Any, ds_mp_config: Any = None, topology: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ds_mp_config: Any = None, topology: Any = None, hf_config: Any = None,
+                 optimizer_hparams: dict | None = None, layer_costs: Any = None, **kwargs: Any) -> None:
         self.ds_mp_config, self.topology = ds_mp_config, topology
+        self.hf_config = hf_config  # the model's HF config (exports, checkpoints)
+        self.optimizer_hparams = dict(optimizer_hparams or {})  # the JSON optimizer's params, kept by checkpoints
+        self.layer_costs = layer_costs  # what "partition": "cost" balanced (None otherwise)
         self.schedule_name = ds_mp_config.pipeline.schedule if ds_mp_config else "1f1b"
         self.trace: list[tuple[str, int, float, float]] = []  # (instruction, buffer, start, end)
         self.trace_enabled = False

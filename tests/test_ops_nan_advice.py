@@ -8,8 +8,8 @@ import os
 
 import pytest
 from dist_utils import run_ranks
-from launcher_utils import tiny_dataset, train_config
-from test_ops_startup import _errors, _loop
+from launcher_utils import loop_rank, tiny_dataset, train_config
+from test_ops_startup import _errors
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,7 +28,7 @@ def _run(tmp: str, data: str, lr: float, interval: int, steps: int, args: list[s
     path = os.path.join(tmp, f"config-{lr}.json")
     with open(path, "w") as f:
         json.dump(cfg, f)
-    return run_ranks(_loop, 1, path, args, timeout=240)[0]
+    return run_ranks(loop_rank, 1, path, args, timeout=240)[0]
 
 
 @pytest.mark.parametrize("case", ["no_checkpoint", "only_diverged", "earlier"])

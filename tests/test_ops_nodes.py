@@ -15,8 +15,8 @@ import time
 
 import pytest
 from dist_utils import run_ranks
-from launcher_utils import tiny_dataset, train_config
-from test_ops_startup import _errors, _loop
+from launcher_utils import loop_rank, tiny_dataset, train_config
+from test_ops_startup import _errors
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,7 +37,7 @@ def _node(rank: int, configs: list[str], args: list[str]) -> tuple[int, str, flo
 
     socket.gethostname = lambda: f"node{rank}"
     t0 = time.time()
-    rc, err = _loop(rank, configs[rank], args)
+    rc, err = loop_rank(rank, configs[rank], args)
     return rc, err, time.time() - t0
 
 
@@ -78,7 +78,7 @@ def test_resume_with_the_checkpoint_on_one_node_says_node_local(data, tmp_path):
                                                              "output_dir": os.path.join(tmp, "node0-disk", "run")})
     with open(os.path.join(tmp, "first.json"), "w") as f:
         json.dump(first, f)
-    assert run_ranks(_loop, 1, os.path.join(tmp, "first.json"), [], timeout=240)[0][0] == 0
+    assert run_ranks(loop_rank, 1, os.path.join(tmp, "first.json"), [], timeout=240)[0][0] == 0
     configs = _configs(tmp, data, [{"t": {"output_dir": os.path.join(tmp, f"node{r}-disk", "run")}} for r in (0, 1)])
     results = run_ranks(_node, 2, configs, ["--resume"], timeout=300)
     lines = _ended_with(results, "node0 sees step2; node1 sees none", "node-local", "filesystem every node shares")

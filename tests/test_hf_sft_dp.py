@@ -34,17 +34,9 @@ def _with(args: list[str], **kw: Any) -> list[str]:
 
 
 def test_sft_dp2_with_accumulation_equals_plain_trl_with_twice_the_accumulation(tmp_path: Any) -> None:
-    import test_hf_sft
-
     root = str(tmp_path / "plain")
     os.makedirs(root)
-    saved_args = test_hf_sft.ARGS
-    try:
-        test_hf_sft.ARGS = _with(ARGS, gradient_accumulation_steps=4)  # the oracle: one process, GA × DP
-        ref = plain(root)
-    finally:
-        test_hf_sft.ARGS = saved_args
-        test_hf_sft._PLAIN.clear()
+    ref = plain(root, args=_with(ARGS, gradient_accumulation_steps=4))  # the oracle: one process, GA × DP
     out = str(tmp_path / "ds_mp")
     cfg = ds_json(str(tmp_path / "ds.json"))
     res = run_ranks(_run, 2, ARGS + ["--output_dir", out, "--deepspeed", cfg], False, timeout=900)[0]

@@ -1,14 +1,33 @@
 #!/usr/bin/env bash
 # README command 2: set up, then run the test suite (unit tests in-process, multi-rank
 # tests over gloo, a few real `deepspeed` launcher runs). Extra args go to pytest.
+#
+# Two phases: everything not marked `serial` on two pytest-xdist workers, one test file per
+# worker at a time (most in-process tests use one core: OMP_NUM_THREADS=1), then the `serial`
+# tests alone, because they bound a wall time (kill-to-exit, start-up, planner speed) that a
+# second worker's load would eat into. DS_MP_TEST_WORKERS=0 runs the first phase in-process.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh || exit 1
 . .venv/bin/activate
-python -m pytest -q "$@"
-rc=$?
-if [ "$rc" -eq 5 ]; then
+workers=${DS_MP_TEST_WORKERS:-2}
+parallel=()
+if [ "$workers" != "0" ]; then
+    parallel=(-n "$workers" --dist loadfile)
+fi
+python -m pytest -q "${parallel[@]}" -m "not serial" "$@"
+rc1=$?
+python -m pytest -q -m "serial" "$@"
+rc2=$?
+# pytest exits 5 when it collected no test. One phase may legitimately select nothing (e.g. a
+# file with no serial test); the suite as a whole selecting nothing is a failure.
+if [ "$rc1" -eq 5 ] && [ "$rc2" -eq 5 ]; then
     echo "scripts/test.sh: pytest collected no tests; treating that as a failure" >&2
     exit 1
 fi
-exit "$rc"
+for rc in "$rc1" "$rc2"; do
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+        exit "$rc"
+    fi
+done
+exit 0

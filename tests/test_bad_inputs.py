@@ -202,6 +202,7 @@ def test_convert_missing_input(tmp_path, capsys):
 
 
 @pytest.mark.launcher
+@pytest.mark.serial  # bounds the time to exit
 @pytest.mark.parametrize("case", ["world_size_mismatch", "truncated_safetensors", "tokenizer_vocab_mismatch",
                                   "unknown_key_near_miss"])
 def test_bad_input_on_two_ranks_exits_fast(case, tmp_path, data, hf_dir):

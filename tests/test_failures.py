@@ -8,7 +8,7 @@ import time
 import pytest
 from launcher_utils import children, cmdline, explain, launch, read_log, start, tiny_dataset, train_config, wait_for_steps
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.launcher, pytest.mark.serial, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

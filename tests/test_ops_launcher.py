@@ -17,7 +17,7 @@ import pytest
 from launcher_utils import children, cmdline, start, tiny_dataset, train_config
 from test_signals import _alive
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.launcher, pytest.mark.serial, pytest.mark.timeout(600)]
 
 #: The ranks end within a poll (0.2 s) of importing ds_mp; importing torch and DeepSpeed on a busy
 #: 2-core machine is most of the bound, which stays far below a run that trains on.

@@ -20,7 +20,7 @@ import time
 import pytest
 from launcher_utils import REPO, tiny_dataset, train_config
 
-pytestmark = [pytest.mark.launcher, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.launcher, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(900)]
 if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
     pytestmark.append(pytest.mark.skip(reason="needs root, ip and unshare for network namespaces"))
 

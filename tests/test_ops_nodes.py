@@ -18,7 +18,7 @@ from dist_utils import run_ranks
 from launcher_utils import loop_rank, tiny_dataset, train_config
 from test_ops_startup import _errors
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(600)]  # bounds the time every node takes to end
 
 #: The docs promise every node ends within 30 s of a failed start-up check; the bound leaves room
 #: for a busy 2-core machine (importing torch and DeepSpeed is most of it) and stays far below

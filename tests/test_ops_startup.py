@@ -157,6 +157,7 @@ def test_changed_seq_len_on_resume_names_the_key(data, tmp_path):
     assert rc == 0, err[-3000:]
 
 
+@pytest.mark.serial  # bounds the time to exit
 def test_taken_rendezvous_port_is_one_line(data, tmp_path):
     """A second job on the rendezvous port of a running one (EADDRINUSE): one line naming the port
     and ``--master_port`` (main: a DistNetworkError traceback)."""

@@ -28,6 +28,7 @@ from dist_utils import run_ranks
 from helpers import batches, ds_config, tiny_gpt2
 from p2p_play import posted
 
+pytestmark = pytest.mark.serial  # a rank waits a bounded time for its peer's flag
 VOCAB = 203
 
 

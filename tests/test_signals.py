@@ -18,6 +18,8 @@ import pytest
 from launcher_utils import children, cmdline, explain, launch, read_log, start, tiny_dataset, train_config, \
     wait_for_steps
 
+pytestmark = pytest.mark.serial  # bounds the time from a signal to every process gone
+
 #: A step and a save take about 1 s here; the bound leaves room for a busy 2-core machine.
 STOP_BOUND_S = 120
 

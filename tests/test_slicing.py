@@ -69,6 +69,7 @@ def test_granularity_respected() -> None:
     assert all(l % 16 == 0 for l in plan.slices[:-1])
 
 
+@pytest.mark.serial  # bounds the planner's wall time
 def test_long_sequence_plans_fast_and_beats_uniform() -> None:
     cost = CostModel(c0=1e-3, c1=1e-5, c2=1e-9, a0=1e-4, a1=1e-6, a2=1e-7, a3=2e-9)
     t0 = time.perf_counter()

@@ -6,6 +6,10 @@
   uneven lengths with an ``attention_mask`` (HF with the mask: losses, every weight after 3 steps,
   ``eval_batch``), and plain rows with clipping active (losses, pre-clip norms, weights), under the
   bounded and the paper deferral — each within 1e-5;
+* widened, each against its outside oracle: activation checkpointing, ZeRO-1 and bf16 (within a
+  stated tolerance) with clipping against HF, the Llama family (tied Qwen2, untied Llama) against
+  HF, LoRA against PEFT, PP=2 × DP=2 with each replica on its own rows; save at zb-v -> resume as
+  1F1B at TP=2 and back, against the uninterrupted run; the export loads in HF and generates;
 * refusals: one line naming the key and the fix.
 """
 from __future__ import annotations
@@ -110,6 +114,107 @@ def test_zb_v_trains_as_hf(results: list[dict]) -> None:
         assert seen == set(want_w), f"{case['name']}: {set(want_w) ^ seen} not covered"
 
 
+# ------------------------------------------------------------------ widened: each against its oracle
+
+BF16_VS_HF = 1e-2  # bf16 losses and pre-clip norms against HF's fp32 (relative; zb-h1's bound)
+
+
+def _widen_rank(rank: int, root: str) -> dict:
+    import ds_mp
+    from test_llama import CLIP, LR as QWEN_LR, SEQ as QWEN_SEQ, _train, steps_for, tiny_llama
+    from test_lora import LR as LORA_LR, SEQ as LORA_SEQ, lora_block, peft_model, steps_data
+    from test_zero_bubble import resume_across_schedules
+
+    out = {"resume": resume_across_schedules(f"{root}/resume", "zb-v")}
+    for name, extra in (("ckpt", {"pipeline": {"activation_checkpoint_interval": 1}}), ("zero1", {"zero": 1}),
+                        ("bf16", {"bf16": True})):
+        case = _clip_case(name)
+        cfg = ds_config(pp=2, micro=2, gas=4, lr=LR, clip=0.5, schedule="zb-v", seq=SEQ, **extra)
+        engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=cfg)
+        losses = [float(engine.train_batch(iter(step))) for step in case["steps"]]
+        norms = [float(engine.get_global_grad_norm())]
+        out[name] = (losses, norms, gather_weights(engine)[0])
+        if name == "ckpt":  # a chunk's blocks are checkpointed
+            assert any(any(flags) for flags in engine.schedule_support.checkpointable)
+            ds_mp.save_hf(engine, f"{root}/export")
+    for kind, tied in (("qwen2", True), ("llama", False)):
+        cfg = ds_config(pp=2, micro=2, gas=3, lr=QWEN_LR, clip=CLIP, seq=QWEN_SEQ, schedule="zb-v")
+        out[kind] = _train(rank, tiny_llama(kind, 2, tied, n_layer=4), steps_for(micro_batches=3), cfg)
+    cfg = ds_config(pp=2, gas=2, lr=LORA_LR, seq=LORA_SEQ, schedule="zb-v", lora=lora_block())
+    engine, *_ = ds_mp.initialize(model=peft_model(), config=cfg)
+    out["lora"] = [float(engine.train_batch(iter(mbs))) for mbs in steps_data()]
+    assert not [n for n, p in engine.module.named_parameters() if not p.requires_grad and p.grad is not None]
+    return out
+
+
+def test_zb_v_widened_against_oracles(tmp_path) -> None:
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from helpers import hf_reference
+    from test_llama import CLIP, LR as QWEN_LR, _assert_trains_as_hf, steps_for, tiny_llama
+    from test_lora import LR as LORA_LR, peft_model, steps_data
+
+    results = run_ranks(_widen_rank, 2, str(tmp_path), timeout=900)
+    want, want_norms, want_w = hf_train(tiny_gpt2(), _clip_case("x")["steps"], LR, 0.5)
+    for name in ("ckpt", "zero1", "bf16"):
+        seen: set = set()
+        for rank, res in enumerate(results):
+            losses, norms, w = res[name]
+            where = f"{name} rank {rank}: {losses} {norms} vs HF {want} {want_norms}"
+            if name == "bf16":
+                assert all(abs(a - b) <= BF16_VS_HF * b for a, b in zip(losses, want)), where
+                assert abs(norms[0] - want_norms[-1]) <= BF16_VS_HF * want_norms[-1], where
+            else:
+                assert max(abs(a - b) for a, b in zip(losses, want)) <= TOL, where
+                assert abs(norms[0] - want_norms[-1]) <= TOL * want_norms[-1], where
+                assert max_diff(w, want_w) <= TOL, f"{where}: weights {max_diff(w, want_w)}"
+            seen |= set(w)
+        assert seen == set(want_w), name
+    exported = GPT2LMHeadModel.from_pretrained(str(tmp_path / "export")).eval()
+    hf = tiny_gpt2()
+    hf.load_state_dict({**want_w, "lm_head.weight": want_w["transformer.wte.weight"]})
+    ids = torch.arange(20).view(2, 10) * 7 % V
+    with torch.no_grad():
+        assert (exported(input_ids=ids).logits - hf(input_ids=ids).logits).abs().max() <= TOL
+    assert exported.generate(ids[:1, :4], max_new_tokens=5, do_sample=False).shape == (1, 9)
+    for kind, tied in (("qwen2", True), ("llama", False)):
+        want_losses, _, want_llama = hf_train(tiny_llama(kind, 2, tied, n_layer=4), steps_for(micro_batches=3),
+                                              lr=QWEN_LR, clip=CLIP)
+        _assert_trains_as_hf([res[kind] for res in results], want_losses, want_llama)
+    peft, _ = hf_reference(peft_model(), steps_data(), lr=LORA_LR)
+    for res in results:
+        assert res["lora"] == pytest.approx(peft, abs=2e-5), (res["lora"], peft)
+    r = results[0]["resume"]
+    for name in ("zb-v->1f1b", "1f1b->zb-v"):
+        assert r[name] == pytest.approx(r["uninterrupted"], rel=1e-5), (name, r[name], r["uninterrupted"])
+
+
+def _dp_rank(rank: int) -> tuple[list[float], dict]:
+    import ds_mp
+
+    case, d = _clip_case("dp2", gas=2), rank % 2
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=case["cfg"])
+    losses = [float(engine.train_batch(iter(step[d * 2:(d + 1) * 2]))) for step in _dp_steps()]
+    return losses, gather_weights(engine)[0]
+
+
+def _dp_steps() -> list[list]:
+    return _steps(3, 4, seed=23)
+
+
+@pytest.mark.slow
+def test_zb_v_pp2_dp2_equals_hf() -> None:
+    """PP=2 × DP=2 (4 ranks): each replica trains on its own half of the global batch."""
+    want, _, want_w = hf_train(tiny_gpt2(), _dp_steps(), LR, 0.5)
+    seen: set = set()
+    for rank, (losses, w) in enumerate(run_ranks(_dp_rank, 4, timeout=600)):
+        assert max(abs(a - b) for a, b in zip(losses, want)) <= TOL, (rank, losses, want)
+        assert max_diff(w, want_w) <= TOL, (rank, max_diff(w, want_w))
+        seen |= set(w)
+    assert seen == set(want_w)
+
+
 # ------------------------------------------------------------------ refusals
 
 @pytest.mark.parametrize("ds_mp, extra, match", [
@@ -117,9 +222,7 @@ def test_zb_v_trains_as_hf(results: list[dict]) -> None:
     ({"model": {"n_layer": 3}}, {}, "zb-v cuts the 3 blocks into 2·stages = 4 chunks"),
     ({"pipeline": {"partition": [2, 2]}}, {}, "ds_mp.pipeline.partition: \\[2, 2\\] with zb-v"),
     ({"pipeline": {"zb_max_pending_w": 1}}, {}, "ds_mp.pipeline.zb_max_pending_w: 1; zb-v defers"),
-    ({"tensor_parallel": {"size": 2}}, {}, "ds_mp.tensor_parallel.size: 2 is not supported by the zb-v"),
-    ({"lora": {"r": 4}}, {}, "ds_mp.lora.r is not supported by the zb-v"),
-    ({"pipeline": {"activation_checkpoint_interval": 1}}, {}, "activation_checkpoint_interval is not supported")])
+    ({"tensor_parallel": {"size": 2}}, {}, "ds_mp.tensor_parallel.size: 2 is not supported by the zb-v")])
 def test_refused_combinations(ds_mp: dict, extra: dict, match: str) -> None:
     from ds_mp.config import ConfigError, load_config
     from ds_mp.models.family import inline_config

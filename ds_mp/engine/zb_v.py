@@ -158,15 +158,15 @@ def _as_leaf(outputs: Any) -> Any:
 
 
 def refuse_precision(engine: Any) -> None:
-    """What the engine's DeepSpeed JSON asks that ZB-V does not run yet (bf16, fp16, ZeRO), refused
-    with one line on every rank (the ``ds_mp`` block's refusals: ``ZeroBubbleV.pipeline_layout``)."""
+    """What the engine's DeepSpeed JSON asks that ZB-V does not run (fp16: untested, this CPU has none;
+    ZeRO-2: its per-parameter reduction hooks do not see W's gradients, as for zb-h1), refused with
+    one line on every rank (the ``ds_mp`` block's refusals: ``ZeroBubbleV.pipeline_layout``)."""
     from ds_mp.config import ConfigError
 
-    for on, key, fix in ((engine.bfloat16_enabled(), "bf16.enabled", "train in fp32 or use zb-h1"),
-                         (engine.fp16_enabled(), "fp16.enabled", "train in fp32 or use zb-h1"),
-                         (engine.zero_optimization_stage() > 0, "zero_optimization.stage", "set it to 0")):
+    for on, key, fix in ((engine.fp16_enabled(), "fp16.enabled", "train in fp32 or bf16"),
+                         (engine.zero_optimization_stage() >= 2, "zero_optimization.stage", "set it to 0 or 1")):
         if on:
-            raise ConfigError(f"{key}: not supported by the zb-v schedule yet; {fix}")
+            raise ConfigError(f"{key}: not supported by the zb-v schedule; {fix}")
 
 
 def attach(engine: Any) -> ZeroBubbleVState:

@@ -4,8 +4,9 @@
   compiled instruction streams (one op per instruction, nothing sent across the turn);
 * two ranks (PP=2, fp32, tied GPT-2) against HF on one process with torch SGD: padded rows of
   uneven lengths with an ``attention_mask`` (HF with the mask: losses, every weight after 3 steps,
-  ``eval_batch``), and plain rows with clipping active (losses, pre-clip norms, weights), under the
-  bounded and the paper deferral — each within 1e-5;
+  ``eval_batch``), packed documents (HF on each document alone, per-token loss), and plain rows
+  with clipping active (losses, pre-clip norms, weights), under the bounded and the paper
+  deferral — each within 1e-5;
 * widened, each against its outside oracle: activation checkpointing, ZeRO-1 and bf16 (within a
   stated tolerance) with clipping against HF, the Llama family (tied Qwen2, untied Llama) against
   HF, LoRA against PEFT, PP=2 × DP=2 with each replica on its own rows; save at zb-v -> resume as
@@ -21,7 +22,7 @@ from ds_mp.models.partition import v_layout
 from ds_mp.schedules.simulate import Op
 from ds_mp.schedules.zb_v import VBackwardInput, VBackwardWeight, VForward, ZeroBubbleV
 from helpers import ds_config, tiny_gpt2
-from sft_data import hf_masked, padded
+from sft_data import hf_masked, hf_per_document, micro_batches, padded
 from test_tensor_parallel import gather_weights, hf_train, max_diff
 from test_zero_bubble import _steps  # 2-row micro-batches of 16 tokens, a masked label in each step
 
@@ -69,7 +70,14 @@ def _clip_case(name: str, gas: int = 4, **pipeline) -> dict:
             "cfg": ds_config(pp=2, micro=2, gas=gas, lr=LR, clip=0.5, schedule="zb-v", seq=SEQ, pipeline=pipeline)}
 
 
-CASES = [_padded_case("masked"), _clip_case("clip"), _clip_case("clip_paper_m3", gas=3, zb_max_pending_w="paper")]
+def _packed_case(name: str) -> dict:
+    steps, docs = zip(*(micro_batches(4, ROWS, SEQ, V, seed=31 + i) for i in range(3)))
+    return {"name": name, "steps": list(steps), "docs": list(docs), "clip": 0.0,
+            "cfg": ds_config(pp=2, micro=ROWS, gas=4, lr=LR, schedule="zb-v", seq=SEQ)}
+
+
+CASES = [_padded_case("masked"), _packed_case("packed"), _clip_case("clip"),
+         _clip_case("clip_paper_m3", gas=3, zb_max_pending_w="paper")]
 
 
 def _rank(rank: int) -> dict:
@@ -98,6 +106,8 @@ def test_zb_v_trains_as_hf(results: list[dict]) -> None:
         if case["clip"]:
             want, want_norms, want_w = hf_train(model, case["steps"], LR, case["clip"])
             assert min(want_norms) > case["clip"], "clipping must be active to be tested"
+        elif "docs" in case:  # packed rows: HF on each document alone
+            (want, want_w), want_norms = hf_per_document(model, case["docs"], LR), None
         else:
             (want, want_w), want_norms = hf_masked(model, case["steps"], LR), None
         seen: set = set()

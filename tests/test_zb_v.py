@@ -62,7 +62,8 @@ def test_compiled_streams_run_each_op_once_and_nothing_crosses_the_turn(deferral
 def _padded_case(name: str, **pipeline) -> dict:
     steps = [padded(4, ROWS, SEQ, V, seed=7 + i, side="right") for i in range(3)]
     return {"name": name, "steps": steps, "clip": 0.0,
-            "cfg": ds_config(pp=2, micro=ROWS, gas=4, lr=LR, schedule="zb-v", seq=SEQ, pipeline=pipeline)}
+            "cfg": ds_config(pp=pipeline.pop("stages", 2), micro=ROWS, gas=4, lr=LR, schedule="zb-v", seq=SEQ,
+                             pipeline=pipeline)}
 
 
 def _clip_case(name: str, gas: int = 4, **pipeline) -> dict:
@@ -225,10 +226,39 @@ def test_zb_v_pp2_dp2_equals_hf() -> None:
     assert seen == set(want_w)
 
 
+def _pp3_rank(rank: int) -> dict:
+    import ds_mp
+
+    out = {}
+    for deferral in ("auto", "paper"):
+        case = _padded_case("pp3", stages=3, zb_max_pending_w=deferral)
+        engine, *_ = ds_mp.initialize(model=tiny_gpt2(n_layer=6), config=case["cfg"])
+        losses = [float(engine.train_batch(iter(step))) for step in case["steps"]]
+        out[deferral] = (losses, gather_weights(engine)[0])
+    return out
+
+
+@pytest.mark.slow
+def test_zb_v_pp3_equals_hf() -> None:
+    """PP=3 (3 ranks, 6 blocks in 6 chunks): the middle rank's neighbours change with the chunk and
+    it receives activations from both sides; padded rows with a mask, both deferrals."""
+    case = _padded_case("pp3")
+    want, want_w = hf_masked(tiny_gpt2(n_layer=6), case["steps"], LR)
+    results = run_ranks(_pp3_rank, 3, timeout=600)
+    for deferral in ("auto", "paper"):
+        seen: set = set()
+        for rank, res in enumerate(results):
+            losses, w = res[deferral]
+            assert max(abs(a - b) for a, b in zip(losses, want)) <= TOL, (deferral, rank, losses, want)
+            assert max_diff(w, want_w) <= TOL, (deferral, rank, max_diff(w, want_w))
+            seen |= set(w)
+        assert seen == set(want_w), deferral
+
+
 # ------------------------------------------------------------------ refusals
 
 @pytest.mark.parametrize("ds_mp, extra, match", [
-    ({"pipeline": {"stages": 3}}, {}, "ds_mp.pipeline.stages: 3; the zb-v schedule runs at 2 stages"),
+    ({"pipeline": {"stages": 1}}, {}, "ds_mp.pipeline.stages: 1; the zb-v schedule needs at least 2 stages"),
     ({"model": {"n_layer": 3}}, {}, "zb-v cuts the 3 blocks into 2·stages = 4 chunks"),
     ({"pipeline": {"partition": [2, 2]}}, {}, "ds_mp.pipeline.partition: \\[2, 2\\] with zb-v"),
     ({"pipeline": {"zb_max_pending_w": 1}}, {}, "ds_mp.pipeline.zb_max_pending_w: 1; zb-v defers"),

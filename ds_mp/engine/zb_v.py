@@ -26,9 +26,11 @@ What the V adds (this module):
   micro-batches and DP replicas and broadcasts it along the pipe (DeepSpeed's reads the physical
   last stage).  ``eval_batch`` runs the forward-only V with the same bookkeeping.
 
-p2p: at P = 2 both neighbours of a rank are the other rank (the ring's, which the chunk switch
-sets), and every boundary carries the hidden state ``(B, T, H)``, so DeepSpeed's once-announced
-shapes hold on both links.
+p2p: a rank's neighbours change with the chunk (chunk 0 flows down the ranks, chunk 1 up), so
+every transfer is preceded by :class:`~ds_mp.schedules.zb_v.VPeer` naming its other end.  Every
+boundary carries the hidden state ``(B, T, H)``: at P = 2 each rank has one peer and DeepSpeed's
+once-announced shapes hold; at P > 2 a middle rank receives from both sides, and every message
+announces its shape (DeepSpeed's ``dynamic_shape`` behaviour).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from ds_mp.engine.batches import feeding
 from ds_mp.engine.interleaved import InterleavedState
 from ds_mp.engine.zero_bubble import ZeroBubbleState
 from ds_mp.models.pipeline import v_pipeline_layout
-from ds_mp.schedules.zb_v import VBackwardInput, VBackwardWeight, VForward, ZeroBubbleV
+from ds_mp.schedules.zb_v import VBackwardInput, VBackwardWeight, VForward, VPeer, ZeroBubbleV
 
 
 class ZeroBubbleVState(InterleavedState):
@@ -60,8 +62,16 @@ class ZeroBubbleVState(InterleavedState):
         self.labels: dict[int, Any] = {}  # micro-batch -> its labels, loaded at chunk 0 (rank 0)
         self.turn: dict[int, Any] = {}  # micro-batch -> chunk P − 1's output, then chunk P's input gradient
         self.loss_sum: torch.Tensor | None = None  # this step's micro-batch losses, summed (rank 0)
+        if P > 2:  # a middle rank receives activations from both sides: each message announces its shape
+            compat.announce_every_shape(engine)
 
-    instructions = {VForward: "forward", VBackwardInput: "backward_input", VBackwardWeight: "backward_weight"}
+    instructions = {VForward: "forward", VBackwardInput: "backward_input", VBackwardWeight: "backward_weight",
+                    VPeer: "peer"}
+
+    def peer(self, prev: int | None = None, next: int | None = None) -> None:  # noqa: A002 - the instruction's kwarg
+        """Point the pipe's p2p at the next transfer's other end (:class:`VPeer`)."""
+        was = compat.neighbours(self.engine)
+        compat.set_neighbours(self.engine, was[0] if prev is None else prev, was[1] if next is None else next)
 
     def data_stages(self) -> set[int]:
         """Only rank 0 reads micro-batches (both ends of the V)."""

@@ -52,7 +52,7 @@ from deepspeed.runtime.pipe import schedule as ds
 
 from ds_mp.schedules.simulate import (Deps, Op, OpCost, SimResult, Timetable, interleaved_deps, interleaved_timetable,
                                       one_f_one_b_timetable, simulate, zb_h1_timetable, zero_bubble_deps)
-from ds_mp.schedules.timetable import TimetableSchedule
+from ds_mp.schedules.timetable import TimetableSchedule, Transfer
 
 DEFERRALS = ("bounded", "paper")
 
@@ -235,7 +235,7 @@ def projection(P: int, M: int, F: float, B: float, W: float) -> dict[str, float]
 
 
 __all__ = ["DEFERRALS", "unit_cost", "v_deps", "v_peer", "zb_v_timetable", "held_peak", "figure", "project",
-           "lower_bound", "projection", "VForward", "VBackwardInput", "VBackwardWeight", "ZeroBubbleV"]
+           "lower_bound", "projection", "VForward", "VBackwardInput", "VBackwardWeight", "VPeer", "ZeroBubbleV"]
 
 
 # ------------------------------------------------------------------ as a DeepSpeed schedule
@@ -251,6 +251,12 @@ class VBackwardInput(ds.BufferOpInstruction):
 
 class VBackwardWeight(ds.BufferOpInstruction):
     """W (weight gradient) of ``micro`` through local chunk ``chunk``.  kwargs as :class:`VForward`."""
+
+
+class VPeer(ds.PipeInstruction):
+    """The next transfer's peer: the rank it goes to or comes from (chunk 0 flows down the ranks,
+    chunk 1 up, so a rank's neighbours change with the chunk).  kwargs: ``prev`` (where activations
+    come from and gradients go) or ``next`` (where activations go and gradients come from)."""
 
 
 INSTRUCTIONS = {"F": VForward, "B": VBackwardInput, "W": VBackwardWeight}
@@ -302,6 +308,12 @@ class ZeroBubbleV(TimetableSchedule):
         over locally at the turn."""
         return [INSTRUCTIONS[op.kind](buffer_id=buffer_id, chunk=op.slice, micro=op.micro)]
 
+    def transfer(self, side: str, move: Transfer, buffer_id: int) -> list:
+        """DeepSpeed's send/receive, after :class:`VPeer` pointing it at this transfer's other end."""
+        peer = move.dst if side == "send" else move.src
+        forward = (move.kind == "act") == (side == "send")  # an activation sent, or a gradient received
+        return [VPeer(**{"next" if forward else "prev": peer})] + super().transfer(side, move, buffer_id)
+
     def steps(self) -> Iterator[list]:
         step_end = (ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep)
         for cmds in super().steps():
@@ -324,9 +336,9 @@ def check_config(cfg: Any, n_layer: int) -> None:
     if pp.zb_max_pending_w not in ("auto", "paper"):
         raise ConfigError(f"ds_mp.pipeline.zb_max_pending_w: {pp.zb_max_pending_w!r}; zb-v defers W 'auto' (within "
                           "1F1B's memory) or 'paper' (the paper's unbounded deferral); use one of those")
-    if P != 2:
-        raise ConfigError(f"ds_mp.pipeline.stages: {P}; the zb-v schedule runs at 2 stages (tested against HF); "
-                          "use 2 stages, or zb-h1 / interleaved at other depths")
+    if P < 2:
+        raise ConfigError(f"ds_mp.pipeline.stages: {P}; the zb-v schedule needs at least 2 stages (its V turns on "
+                          "the last); use 1f1b on one stage")
     if n_layer < 2 * P:
         raise ConfigError(f"ds_mp.pipeline.stages: zb-v cuts the {n_layer} blocks into 2·stages = {2 * P} chunks; "
                           f"use a model with at least {2 * P} blocks or another schedule")

@@ -9,7 +9,8 @@
   deferral — each within 1e-5;
 * widened, each against its outside oracle: activation checkpointing, ZeRO-1 and bf16 (within a
   stated tolerance) with clipping against HF, the Llama family (tied Qwen2, untied Llama) against
-  HF, LoRA against PEFT, PP=2 × DP=2 with each replica on its own rows; save at zb-v -> resume as
+  HF, LoRA against PEFT, PP=2 × DP=2 with each replica on its own rows, TP=2 × PP=2 with and
+  without sequence parallelism, PP=3; save at zb-v -> resume as
   1F1B at TP=2 and back, against the uninterrupted run; the export loads in HF and generates;
 * refusals: one line naming the key and the fix.
 """
@@ -201,29 +202,43 @@ def test_zb_v_widened_against_oracles(tmp_path) -> None:
         assert r[name] == pytest.approx(r["uninterrupted"], rel=1e-5), (name, r[name], r["uninterrupted"])
 
 
-def _dp_rank(rank: int) -> tuple[list[float], dict]:
+WORLD4 = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "tp2_sp": {"tp": 2, "tensor_parallel": {"sequence_parallel": True}}}
+
+
+def _world4_rank(rank: int) -> dict:
     import ds_mp
 
-    case, d = _clip_case("dp2", gas=2), rank % 2
-    engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=case["cfg"])
-    losses = [float(engine.train_batch(iter(step[d * 2:(d + 1) * 2]))) for step in _dp_steps()]
-    return losses, gather_weights(engine)[0]
+    out = {}
+    for name, kw in WORLD4.items():
+        tp, dp = kw.get("tp", 1), kw.get("dp", 1)
+        gas, d = 4 // dp, (rank // tp) % dp
+        cfg = ds_config(pp=2, tp=tp, micro=2, gas=gas, lr=LR, clip=0.5, schedule="zb-v", seq=SEQ,
+                        **{k: v for k, v in kw.items() if k not in ("tp", "dp")})
+        engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=cfg)
+        losses = [float(engine.train_batch(iter(step[d * gas:(d + 1) * gas]))) for step in _world4_steps()]
+        out[name] = (losses, gather_weights(engine)[0])
+    return out
 
 
-def _dp_steps() -> list[list]:
+def _world4_steps() -> list[list]:
     return _steps(3, 4, seed=23)
 
 
 @pytest.mark.slow
-def test_zb_v_pp2_dp2_equals_hf() -> None:
-    """PP=2 × DP=2 (4 ranks): each replica trains on its own half of the global batch."""
-    want, _, want_w = hf_train(tiny_gpt2(), _dp_steps(), LR, 0.5)
-    seen: set = set()
-    for rank, (losses, w) in enumerate(run_ranks(_dp_rank, 4, timeout=600)):
-        assert max(abs(a - b) for a, b in zip(losses, want)) <= TOL, (rank, losses, want)
-        assert max_diff(w, want_w) <= TOL, (rank, max_diff(w, want_w))
-        seen |= set(w)
-    assert seen == set(want_w)
+def test_zb_v_with_dp_and_tp_equals_hf() -> None:
+    """4 ranks: PP=2 × DP=2 (each replica on its own half of the global batch), TP=2 × PP=2 (the
+    turn hands over DeepSpeed's TP-partitioned activation and gradient), and TP=2 × PP=2 with
+    sequence parallelism; clipping active."""
+    want, _, want_w = hf_train(tiny_gpt2(), _world4_steps(), LR, 0.5)
+    results = run_ranks(_world4_rank, 4, timeout=900)
+    for name in WORLD4:
+        seen: set = set()
+        for rank, res in enumerate(results):
+            losses, w = res[name]
+            assert max(abs(a - b) for a, b in zip(losses, want)) <= TOL, (name, rank, losses, want)
+            assert max_diff(w, want_w) <= TOL, (name, rank, max_diff(w, want_w))
+            seen |= set(w)
+        assert seen == set(want_w), name
 
 
 def _pp3_rank(rank: int) -> dict:
@@ -262,7 +277,7 @@ def test_zb_v_pp3_equals_hf() -> None:
     ({"model": {"n_layer": 3}}, {}, "zb-v cuts the 3 blocks into 2·stages = 4 chunks"),
     ({"pipeline": {"partition": [2, 2]}}, {}, "ds_mp.pipeline.partition: \\[2, 2\\] with zb-v"),
     ({"pipeline": {"zb_max_pending_w": 1}}, {}, "ds_mp.pipeline.zb_max_pending_w: 1; zb-v defers"),
-    ({"tensor_parallel": {"size": 2}}, {}, "ds_mp.tensor_parallel.size: 2 is not supported by the zb-v")])
+    ({"pipeline": {"partition": "cost"}}, {}, "ds_mp.pipeline.partition: 'cost' with zb-v")])
 def test_refused_combinations(ds_mp: dict, extra: dict, match: str) -> None:
     from ds_mp.config import ConfigError, load_config
     from ds_mp.models.family import inline_config

@@ -21,7 +21,8 @@ What the V adds (this module):
   tied all-reduce adds nothing (no gradient missed or doubled).
 * **The turn** on rank P − 1: chunk P − 1's output is chunk P's input on the same rank (no message):
   chunk P's forward takes it detached as a leaf, and chunk P's B hands the leaf's gradient to
-  chunk P − 1's B (as a received gradient).
+  chunk P − 1's B as a received gradient — both in DeepSpeed's wire form (with TP, the activation
+  and its gradient partitioned over the TP ranks, rebuilt by DeepSpeed's own handlers).
 * **The loss**: each micro-batch's loss is summed on rank 0 and ``aggregate_loss`` averages it over
   micro-batches and DP replicas and broadcasts it along the pipe (DeepSpeed's reads the physical
   last stage).  ``eval_batch`` runs the forward-only V with the same bookkeeping.
@@ -113,11 +114,10 @@ class ZeroBubbleVState(InterleavedState):
             compat.set_received_grad(e, self.turn.pop(micro))
         with self.chunk(chunk):
             self.split.backward_input(buffer_id)
-        if vs == self.P:  # hand the input gradient to chunk P − 1 (what SendGrad would send)
-            bufs = compat.pipe_buffers(e)
-            x = bufs["inputs"][buffer_id]
-            self.turn[micro] = tuple(t.grad for t in x if t.grad is not None) if isinstance(x, tuple) else x.grad
-            bufs["inputs"][buffer_id] = None
+        if vs == self.P:  # hand chunk P − 1 what SendGrad would send (TP: partitioned), as RecvGrad would
+            whole = isinstance(compat.pipe_buffers(e)["inputs"][buffer_id], torch.Tensor)
+            messages = compat.grad_messages(e, buffer_id)  # drops the inputs, as SendGrad does
+            self.turn[micro] = messages[0] if whole and len(messages) == 1 else messages
 
     def backward_weight(self, buffer_id: int, chunk: int, micro: int) -> None:  # noqa: ARG002 - traced
         with self.chunk(chunk):

@@ -328,8 +328,9 @@ def deferral_of(cfg: Any) -> str:
 def check_config(cfg: Any, n_layer: int) -> None:
     """The combinations ZB-V does not run (yet), each refused with one line naming the key and
     the fix (the same on every rank: ``pipeline_layout`` is asked before the model is built).
-    What is tested against HF: PP=2 with DP, clipping, LoRA (PEFT), activation checkpointing, ZeRO-1,
-    bf16, GPT-2 and the Llama family; TP is refused (and, by the engine, fp16 and ZeRO-2)."""
+    What is tested against HF: PP=2 and 3, DP, TP (with and without sequence parallelism), clipping,
+    LoRA (PEFT), activation checkpointing, ZeRO-1, bf16, GPT-2 and the Llama family; the engine
+    refuses fp16 and ZeRO-2 (:func:`ds_mp.engine.zb_v.refuse_precision`)."""
     from ds_mp.config import ConfigError
 
     pp, P = cfg.pipeline, cfg.pp
@@ -345,6 +346,3 @@ def check_config(cfg: Any, n_layer: int) -> None:
     if pp.partition not in ("uniform", "parameters"):
         raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} with zb-v, which cuts its 2·stages chunks "
                           "'uniform' or by 'parameters'; use one of those")
-    if cfg.tp > 1:  # TP partitions the activations DeepSpeed sends (meta + local part): the turn would need it whole
-        raise ConfigError(f"ds_mp.tensor_parallel.size: {cfg.tp} is not supported by the zb-v schedule yet; set it "
-                          "to 1 (or use zb-h1 / interleaved with TP)")

@@ -59,7 +59,7 @@ class PipelineConfig:
     partition: Union[str, list] = "uniform"  # "uniform" | "parameters" | "cost" (measured) | [blocks per stage]
     activation_checkpoint_interval: int = 0  # checkpoint every N pipeline layers (0 = off)
     virtual_stages: int = 1  # "interleaved": chunks of blocks per stage (stage s holds chunks s, s+stages, …)
-    zb_max_pending_w: Union[str, int] = "auto"  # "zb-h1": W passes stage s defers: "auto" s//2 (within 1F1B's memory), "paper" s, or int n: min(s, n)
+    zb_max_pending_w: Union[str, int] = "auto"  # "zb-h1": W passes stage s defers: "auto" s//2 (within 1F1B's memory), "paper" s, or int n: min(s, n); "zb-v": "auto" (W deferral bounded within 1F1B's memory) or "paper" (unbounded)
 
 
 @dataclass

@@ -91,10 +91,13 @@ def _rank(rank: int) -> dict:
         engine, *_ = ds_mp.initialize(model=tiny_gpt2(), config=case["cfg"])
         evaluated = float(engine.eval_batch(iter(case["steps"][0])))  # before any update
         losses, norms = [], []
-        for step in case["steps"]:
+        for i, step in enumerate(case["steps"]):
+            engine.trace_enabled = case["name"] == "clip" and i == len(case["steps"]) - 1  # the last step's ops
             losses.append(float(engine.train_batch(iter(step))))
             norms.append(engine.last_grad_norm)
         out[case["name"]] = (losses, norms, gather_weights(engine)[0], evaluated)
+        if case["name"] == "clip":
+            out["trace"] = [(n, start, end) for n, _, start, end in engine.trace if n.startswith("V") and "@" in n]
     return out
 
 
@@ -125,6 +128,32 @@ def test_zb_v_trains_as_hf(results: list[dict]) -> None:
             assert ("transformer.wte.weight" in w) == (rank == 0), "the tied embedding lives on rank 0 only"
             seen |= set(w)
         assert seen == set(want_w), f"{case['name']}: {set(want_w) ^ seen} not covered"
+
+
+def test_traced_run_follows_the_timetable_and_the_simulator_bounds_it(results: list[dict]) -> None:
+    """The traced step runs each rank's ops in the timetable's order, and the simulator, fed each
+    op's traced time, predicts a step no longer than the traced one (same order, p2p and engine
+    work free: a lower bound, checked; the gap is printed)."""
+    from ds_mp.schedules.simulate import simulate
+    from ds_mp.schedules.zb_v import v_deps
+
+    kinds = {"VForward": "F", "VBackwardInput": "B", "VBackwardWeight": "W"}
+    table = zb_v_timetable(2, 4, "bounded")
+    cost, spans = {}, []
+    for rank, res in enumerate(results):
+        ran = []
+        for name, start, end in res["trace"]:
+            kind, _, unit = name.partition("@")
+            op = Op(kinds[kind], *map(int, unit.split(".")))
+            ran.append(op)
+            cost[(rank, op)] = end - start
+            spans += [start, end]
+        assert ran == table[rank], f"rank {rank} ran {ran}, the timetable says {table[rank]}"
+    simulated = simulate(table, lambda r, op: cost[(r, op)], deps=v_deps(2)).iteration_time
+    traced = max(spans) - min(spans)
+    print(f"zb-v PP=2 M=4: simulated {simulated:.4f} s with traced op times, traced {traced:.4f} s "
+          f"({simulated / traced:.2f})")
+    assert simulated <= traced + 1e-6, (simulated, traced)
 
 
 # ------------------------------------------------------------------ widened: each against its oracle

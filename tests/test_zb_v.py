@@ -8,10 +8,13 @@
   with clipping active (losses, pre-clip norms, weights), under the bounded and the paper
   deferral — each within 1e-5;
 * widened, each against its outside oracle: activation checkpointing, ZeRO-1 and bf16 (within a
-  stated tolerance; ``immediate_grad_update`` equal to the deferred update) with clipping against HF, the Llama family (tied Qwen2, untied Llama) against
-  HF, LoRA against PEFT, PP=2 × DP=2 with each replica on its own rows, TP=2 × PP=2 with and
-  without sequence parallelism, PP=3; save at zb-v -> resume as
-  1F1B at TP=2 and back, against the uninterrupted run; the export loads in HF and generates;
+  stated tolerance; ``immediate_grad_update`` equal to the deferred update) with clipping against
+  HF; the Llama family (tied Qwen2, untied Llama and Mistral) against HF; LoRA against PEFT;
+  PP=2 × DP=2 with each replica on its own rows, TP=2 × PP=2 with and without sequence
+  parallelism, PP=3 (slow); save at zb-v -> resume as 1F1B at TP=2 and back, against the
+  uninterrupted run; the export loads in HF and generates;
+* the storage census (bounded within 1F1B's held memory, slow) and the traced step against the
+  timetable and the simulator;
 * refusals: one line naming the key and the fix.
 """
 from __future__ import annotations
@@ -159,6 +162,7 @@ def test_traced_run_follows_the_timetable_and_the_simulator_bounds_it(results: l
 # ------------------------------------------------------------------ widened: each against its oracle
 
 BF16_VS_HF = 1e-2  # bf16 losses and pre-clip norms against HF's fp32 (relative; zb-h1's bound)
+FAMILIES = (("qwen2", True), ("llama", False), ("mistral", False))  # (model_type, tied embeddings)
 
 
 def _widen_rank(rank: int, root: str) -> dict:
@@ -181,7 +185,7 @@ def _widen_rank(rank: int, root: str) -> dict:
         if name == "ckpt":  # a chunk's blocks are checkpointed
             assert any(any(flags) for flags in engine.schedule_support.checkpointable)
             ds_mp.save_hf(engine, f"{root}/export")
-    for kind, tied in (("qwen2", True), ("llama", False)):
+    for kind, tied in FAMILIES:
         cfg = ds_config(pp=2, micro=2, gas=3, lr=QWEN_LR, clip=CLIP, seq=QWEN_SEQ, schedule="zb-v")
         out[kind] = _train(rank, tiny_llama(kind, 2, tied, n_layer=4), steps_for(micro_batches=3), cfg)
     cfg = ds_config(pp=2, gas=2, lr=LORA_LR, seq=LORA_SEQ, schedule="zb-v", lora=lora_block())
@@ -225,7 +229,7 @@ def test_zb_v_widened_against_oracles(tmp_path) -> None:
     with torch.no_grad():
         assert (exported(input_ids=ids).logits - hf(input_ids=ids).logits).abs().max() <= TOL
     assert exported.generate(ids[:1, :4], max_new_tokens=5, do_sample=False).shape == (1, 9)
-    for kind, tied in (("qwen2", True), ("llama", False)):
+    for kind, tied in FAMILIES:
         want_losses, _, want_llama = hf_train(tiny_llama(kind, 2, tied, n_layer=4), steps_for(micro_batches=3),
                                               lr=QWEN_LR, clip=CLIP)
         _assert_trains_as_hf([res[kind] for res in results], want_losses, want_llama)

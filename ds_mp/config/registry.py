@@ -27,6 +27,7 @@ SCHEDULES: dict[str, Union[str, type]] = {
     "ouroboros": "ds_mp.schedules.ouroboros.timetable:OuroborosSchedule",
     "zb-h1": "ds_mp.schedules.zero_bubble:ZeroBubbleH1",
     "interleaved": "ds_mp.schedules.interleaved:Interleaved1F1B",
+    "zb-v": "ds_mp.schedules.zb_v:ZeroBubbleV",
 }
 
 class TimetableHooks(Protocol):
@@ -90,6 +91,7 @@ ENGINE_SUPPORT: dict[str, Union[str, RuntimeFactory]] = {
     "ouroboros": "ds_mp.engine.ouroboros",
     "zb-h1": "ds_mp.engine.zero_bubble",
     "interleaved": "ds_mp.engine.interleaved",
+    "zb-v": "ds_mp.engine.zb_v",
 }
 
 

@@ -59,7 +59,7 @@ class PipelineConfig:
     partition: Union[str, list] = "uniform"  # "uniform" | "parameters" | "cost" (measured) | [blocks per stage]
     activation_checkpoint_interval: int = 0  # checkpoint every N pipeline layers (0 = off)
     virtual_stages: int = 1  # "interleaved": chunks of blocks per stage (stage s holds chunks s, s+stages, …)
-    zb_max_pending_w: Union[str, int] = "auto"  # "zb-h1": W passes stage s defers: "auto" s//2 (within 1F1B's memory), "paper" s, or int n: min(s, n)
+    zb_max_pending_w: Union[str, int] = "auto"  # "zb-h1": W passes stage s defers: "auto" s//2 (within 1F1B's memory), "paper" s, or int n: min(s, n); "zb-v": "auto" (W deferral bounded within 1F1B's memory) or "paper" (unbounded)
 
 
 @dataclass
@@ -118,7 +118,7 @@ LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")  # PEFT
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # its nn.Linears
 _LLAMA_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
 # the schedules tested against HF for the Llama family
-LLAMA_SCHEDULES = ("1f1b", "gpipe", "terapipe", "zb-h1", "ouroboros", "interleaved")
+LLAMA_SCHEDULES = ("1f1b", "gpipe", "terapipe", "zb-h1", "ouroboros", "interleaved", "zb-v")
 #: HF model_type -> (config.json keys of n_layer, n_embd, n_head, vocab_size, n_positions; LoRA target names).
 #: The families themselves live in ds_mp.models (this module imports no model).
 MODEL_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

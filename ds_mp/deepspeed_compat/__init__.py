@@ -24,7 +24,7 @@ from ds_mp.deepspeed_compat.pipeline import (ASSUMPTIONS, ENGINE_ATTRIBUTES, Ass
     pipe_buffers, forget_partitioned_shapes, send_whole_activations, module_grid, module_topology,
     unapplied_loss_scale, output_hook_managers)
 from ds_mp.deepspeed_compat.p2p import activation_messages, grad_messages, stage_rank
-from ds_mp.deepspeed_compat.internals import (neighbours, set_neighbours, received_grad, set_received_grad,
+from ds_mp.deepspeed_compat.internals import (neighbours, set_neighbours, announce_every_shape, set_computing_loss, received_grad, set_received_grad,
     release_loss_graph, set_train_loss, drop_bf16_grads, bf16_fp32_gradients, zero_gradient_for_reduction, use_activation_checkpoint,
     local_layers, running_layers, stage_bounds, tied_parameter_ids, has_tied_comms)
 
@@ -33,7 +33,7 @@ __all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompati
            "reserve_pipe_buffers", "reset_forward_outputs", "computing_loss", "tied_weights", "set_local_layers",
            "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations", "module_grid",
            "module_topology", "unapplied_loss_scale", "output_hook_managers", "neighbours", "set_neighbours",
-           "received_grad", "set_received_grad", "release_loss_graph", "set_train_loss", "drop_bf16_grads", "bf16_fp32_gradients",
+           "announce_every_shape", "set_computing_loss", "received_grad", "set_received_grad", "release_loss_graph", "set_train_loss", "drop_bf16_grads", "bf16_fp32_gradients",
            "zero_gradient_for_reduction", "use_activation_checkpoint", "local_layers", "running_layers", "stage_bounds",
            "tied_parameter_ids", "has_tied_comms",
            "flat_group_params", "skipping_flat_groups", "master_grad", "FLAT_PARTITIONS",

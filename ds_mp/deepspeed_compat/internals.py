@@ -19,6 +19,19 @@ def set_neighbours(engine: Any, prev: int, next_: int) -> None:
     engine.prev_stage, engine.next_stage = prev, next_
 
 
+def announce_every_shape(engine: Any) -> None:
+    """Send the shape announcement with every activation and read one with every receive (what
+    ``dynamic_shape`` does): for a rank that receives activations from two peers (ZB-V's middle
+    ranks), whose first messages would otherwise each be expected to carry the one announcement."""
+    engine.dynamic_shape = True
+
+
+def set_computing_loss(engine: Any, on: bool) -> None:
+    """Whether the last stage's forward computes the loss (``_compute_loss``: set by DeepSpeed's
+    ``train_batch`` / ``eval_batch``; a runtime running its own evaluation sets it)."""
+    engine._compute_loss = on
+
+
 def received_grad(engine: Any) -> Any:
     """The gradient the last ``RecvGrad`` wrote (DeepSpeed's one shared buffer, overwritten by the next)."""
     return engine.grad_layer
@@ -101,6 +114,6 @@ def has_tied_comms(module: Any) -> bool:
     return hasattr(module, "tied_comms")
 
 
-__all__ = ["neighbours", "set_neighbours", "received_grad", "set_received_grad", "release_loss_graph", "set_train_loss", "drop_bf16_grads",
+__all__ = ["neighbours", "set_neighbours", "announce_every_shape", "set_computing_loss", "received_grad", "set_received_grad", "release_loss_graph", "set_train_loss", "drop_bf16_grads",
            "bf16_fp32_gradients", "zero_gradient_for_reduction", "use_activation_checkpoint", "local_layers",
            "running_layers", "stage_bounds", "tied_parameter_ids", "has_tied_comms"]

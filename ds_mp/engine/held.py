@@ -9,8 +9,9 @@ step), not for training runs.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -51,10 +52,29 @@ def held_during(engine: Any, step: Callable[[], Any]) -> tuple[int, int]:
             return out
         return run
 
-    with compat.instruction_handlers(engine, sampled), census:
+    with compat.instruction_handlers(engine, sampled), _sampling_runtime(engine.schedule_support, census), census:
         before = census.sample()
         step()
     return census.peak, before
+
+
+@contextlib.contextmanager
+def _sampling_runtime(runtime: Any, census: HeldMemory) -> Iterator[None]:
+    """Within: the instructions the schedule's runtime handles itself (its ``instructions``: ZB-H1's
+    B and W, the chunk passes of interleaved and ZB-V) are followed by a census too — the engine
+    looks their methods up on the runtime per step, so instance attributes shadow them."""
+    names = sorted(set(getattr(runtime, "instructions", {}).values()))
+    for name in names:
+        def run(*args: Any, _method: Callable = getattr(runtime, name), **kwargs: Any) -> Any:
+            out = _method(*args, **kwargs)
+            census.sample()
+            return out
+        setattr(runtime, name, run)
+    try:
+        yield
+    finally:
+        for name in names:
+            delattr(runtime, name)
 
 
 __all__ = ["held_during", "source_weights"]

@@ -37,12 +37,18 @@ from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved
 class InterleavedState:
     """One rank's chunks: forward-function ranges and virtual stage ids; the chunk switch."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, virtual: list[int] | None = None, bounds: list[int] | None = None) -> None:
+        """``virtual``: the virtual stage of each local chunk, in the order the module holds them
+        (default the interleaved c·K + s; ZB-V's V: s and 2K − 1 − s); ``bounds``: the chunk bounds
+        over the family's layer table, one more than the virtual stages (default the module's)."""
         self.engine = engine
         self.K, self.s = engine.num_stages, engine.stage_id
-        self.v = engine.ds_mp_config.pipeline.virtual_stages
-        vparts = engine.module.virtual_parts or compat.stage_bounds(engine.module)  # chunk bounds over the table, K·v + 1
-        sizes = [vparts[c * self.K + self.s + 1] - vparts[c * self.K + self.s] for c in range(self.v)]
+        v = engine.ds_mp_config.pipeline.virtual_stages
+        self.virtual = virtual or [c * self.K + self.s for c in range(v)]
+        self.v = len(self.virtual)
+        vparts = bounds or engine.module.virtual_parts or compat.stage_bounds(engine.module)  # chunk bounds, K·v + 1
+        self.last = len(vparts) - 2  # the last virtual stage (it computes the loss)
+        sizes = [vparts[vs + 1] - vparts[vs] for vs in self.virtual]
         self.funcs = compat.local_layers(engine.module)
         if sum(sizes) != len(self.funcs):
             raise RuntimeError(f"interleaved: rank {self.s} holds {len(self.funcs)} layers, its chunks {sizes}")
@@ -55,10 +61,10 @@ class InterleavedState:
 
     @contextlib.contextmanager
     def chunk(self, c: int) -> Iterator[None]:
-        """Inside: the module runs local chunk ``c`` only and the engine is virtual stage c·K + s."""
-        vs, last = c * self.K + self.s, self.K * self.v - 1
+        """Inside: the module runs local chunk ``c`` only and the engine is its virtual stage."""
+        vs = self.virtual[c]
         a, b = self.ranges[c]
-        self.ends = (vs == 0, vs == last)  # what the engine's is_first_stage / is_last_stage answer
+        self.ends = (vs == 0, vs == self.last)  # what the engine's is_first_stage / is_last_stage answer
         try:
             with compat.running_layers(self.engine.module, self.funcs[a:b], self.checkpointable[c]):
                 yield

@@ -174,6 +174,12 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         against its labels by the forward)."""
         self._recv_micro[buffer_id] = micro
 
+    def expect_labels(self, buffer_id: int, micro: int) -> None:
+        """The schedule moved micro-batch ``micro``'s labels into ``buffer_id`` (ZB-V: loaded with
+        its inputs on rank 0, used by the same rank's last chunk); the forward checks them against
+        :meth:`expect_micro`'s activations."""
+        self._loaded_micro[buffer_id] = micro
+
     def _prepare(self, data_iter: Any, n: int, training: bool) -> Any:
         """:func:`ds_mp.engine.batches.prepare_step`, then keep DeepSpeed's cached activation
         shapes valid: with ``dynamic_shape`` off (everything but TeraPipe) DeepSpeed sends tensor

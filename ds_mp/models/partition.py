@@ -85,6 +85,21 @@ def interleaved_layout(names: list[str], chunk_parts: list[int], stages: int) ->
     return out, parts
 
 
+def v_layout(names: list[str], chunk_parts: list[int], stages: int) -> tuple[list[str], list[int]]:
+    """ZB-V's V placement: ``names`` cut at ``chunk_parts`` into 2P chunks (P = ``stages``), rank r
+    holding chunk r (down the V) then chunk 2P − 1 − r (back up), each chunk's layers in the
+    model's order; rank 0 thus holds the first and the last layers.  Returns ``(names, parts)``:
+    rank r builds ``names[parts[r]:parts[r+1]]``."""
+    if len(chunk_parts) - 1 != 2 * stages:
+        raise ValueError(f"the V placement needs 2·{stages} chunks, got {len(chunk_parts) - 1}")
+    out, parts = [], [0]
+    for r in range(stages):
+        for c in (r, 2 * stages - 1 - r):
+            out += names[chunk_parts[c]:chunk_parts[c + 1]]
+        parts.append(len(out))
+    return out, parts
+
+
 def balanced_blocks(n_layer: int, stages: int, block: float, first: float, last: float,
                     min_end_blocks: int = 1) -> list[int]:
     """Contiguous blocks per stage minimising the costliest stage (linear partition, exact).
@@ -131,4 +146,4 @@ def balanced_blocks(n_layer: int, stages: int, block: float, first: float, last:
     return blocks + [left]
 
 
-__all__ = ["LayerCosts", "stage_parts", "interleaved_layout", "balanced_blocks"]
+__all__ = ["LayerCosts", "stage_parts", "interleaved_layout", "v_layout", "balanced_blocks"]

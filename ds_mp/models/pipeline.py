@@ -20,7 +20,7 @@ from deepspeed.pipe import PipelineModule
 
 from ds_mp.deepspeed_compat import module_grid, module_topology, set_local_layers, tied_weights
 from ds_mp.models.family import Family, family_of
-from ds_mp.models.partition import interleaved_layout, stage_parts
+from ds_mp.models.partition import interleaved_layout, stage_parts, v_layout
 from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel import padded_vocab_size, vocab_parallel_cross_entropy
 from ds_mp.tensor_parallel.random import parallel_region_rng
@@ -184,6 +184,21 @@ def is_tied_copy(module_name: str, pp_rank: int) -> bool:
     return module_name.startswith("tied_modules.") and pp_rank != 0
 
 
+def v_pipeline_layout(hf_config: Any, stages: int, partition: str) -> tuple[list[str], list[int], list[int]]:
+    """ZB-V's layer placement for ``stages`` = P ranks: the family's layer table cut into 2P chunks
+    by ``partition`` ("uniform" or "parameters", as the other schedules cut stages), rank r holding
+    chunks r and 2P − 1 − r (:func:`~ds_mp.models.partition.v_layout`).  Returns ``(names, parts,
+    chunk_parts)``: the pipeline's layer order, its stage bounds, and the chunk bounds over the
+    family's table (the same on every rank)."""
+    family = family_of(hf_config)
+    table = family.pipeline_layers(hf_config)
+    chunk_parts = stage_parts(hf_config.num_hidden_layers, 2 * stages, partition, hf_config.hidden_size,
+                              hf_config.vocab_size, lead=family.lead_layers, tail=family.tail_layers,
+                              block_params=family.block_parameters(hf_config))
+    names, parts = v_layout(table, chunk_parts, stages)
+    return names, parts, chunk_parts
+
+
 def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | list = "uniform",
                    sequence_parallel: bool = False, overlap_comm: bool = True, vocab_pad_multiple: int = 128,
                    activation_checkpoint_interval: int = 0, dynamic_shape: bool = False,
@@ -234,4 +249,4 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
 
 
 __all__ = ["LAYER_COST_VERSION", "Ctx", "attending_to", "LMLoss", "shift_labels", "DsMpPipeline", "hf_param_name",
-           "is_tied_copy", "build_pipeline"]
+           "is_tied_copy", "v_pipeline_layout", "build_pipeline"]

@@ -235,6 +235,14 @@ class TimetableSchedule(ds.PipeSchedule):
             return [ds.BackwardPass(buffer_id=buffer_id)]
         raise ValueError(f"{type(self).__name__}: no instruction for op kind {op.kind!r}")
 
+    def transfer(self, side: str, move: Transfer, buffer_id: int) -> list:
+        """Instructions of this stage's ``side`` ("send" or "recv") of ``move``, its unit in
+        ``buffer_id``: DeepSpeed's send/receive of an activation or a gradient (with its fixed
+        neighbours)."""
+        if move.kind == "act":
+            return [ds.SendActivation(buffer_id=buffer_id) if side == "send" else ds.RecvActivation(buffer_id=buffer_id)]
+        return [ds.SendGrad(buffer_id=buffer_id) if side == "send" else ds.RecvGrad(buffer_id=buffer_id)]
+
     def compile_key(self) -> Hashable:
         """Everything the compiled stream depends on: the class, ``posted_sends`` and the instance's
         data attributes (micro-batches, stages, this stage, the subclass's options: virtual stages,
@@ -298,12 +306,7 @@ class TimetableSchedule(ds.PipeSchedule):
             for kind, x in items:
                 buf = assign[i]
                 i += 1
-                if kind == "compute":
-                    cmds += self.compute(x, buf)
-                elif x.kind == "act":
-                    cmds.append(ds.SendActivation(buffer_id=buf) if kind == "send" else ds.RecvActivation(buffer_id=buf))
-                else:
-                    cmds.append(ds.SendGrad(buffer_id=buf) if kind == "send" else ds.RecvGrad(buffer_id=buf))
+                cmds += self.compute(x, buf) if kind == "compute" else self.transfer(kind, x, buf)
             if r == len(mine) - 1:
                 cmds += [ds.ReduceTiedGrads(), ds.ReduceGrads(), ds.OptimizerStep()]
             yield cmds

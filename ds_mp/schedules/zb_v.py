@@ -40,16 +40,19 @@ counts it, :func:`~ds_mp.schedules.simulate.zb_deferrals`).  Two deferrals:
 Every stage's op order is read off the schedule as a list (:func:`figure` prints it like the
 paper's figure); :class:`~ds_mp.schedules.timetable.TimetableSchedule` compiles any such table
 into deadlock-free sends and receives with :func:`v_peer` (nothing crosses the turn; the
-default ``sent_unit`` holds: every message carries its consumer's own chunk).  No schedule name
-selects it yet: the engine runtime (V layer placement, per-chunk neighbours, the local hand-offs
-at the turn, the loss on rank 0) is still to be built.
+default ``sent_unit`` holds: every message carries its consumer's own chunk).
+``"pipeline": {"schedule": "zb-v"}`` selects it (:class:`ZeroBubbleV`; its runtime, with the V
+layer placement, the hand-offs at the turn and the loss on rank 0, is ``ds_mp.engine.zb_v``).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Iterator
+
+from deepspeed.runtime.pipe import schedule as ds
 
 from ds_mp.schedules.simulate import (Deps, Op, OpCost, SimResult, Timetable, interleaved_deps, interleaved_timetable,
                                       one_f_one_b_timetable, simulate, zb_h1_timetable, zero_bubble_deps)
+from ds_mp.schedules.timetable import TimetableSchedule, Transfer
 
 DEFERRALS = ("bounded", "paper")
 
@@ -232,4 +235,114 @@ def projection(P: int, M: int, F: float, B: float, W: float) -> dict[str, float]
 
 
 __all__ = ["DEFERRALS", "unit_cost", "v_deps", "v_peer", "zb_v_timetable", "held_peak", "figure", "project",
-           "lower_bound", "projection"]
+           "lower_bound", "projection", "VForward", "VBackwardInput", "VBackwardWeight", "VPeer", "ZeroBubbleV"]
+
+
+# ------------------------------------------------------------------ as a DeepSpeed schedule
+
+class VForward(ds.BufferOpInstruction):
+    """F of micro-batch ``micro`` through this rank's local chunk ``chunk`` (0: down the V, 1: back
+    up), its unit in ``buffer_id``.  kwargs: ``buffer_id``, ``chunk``, ``micro``."""
+
+
+class VBackwardInput(ds.BufferOpInstruction):
+    """B (input gradient) of ``micro`` through local chunk ``chunk``.  kwargs as :class:`VForward`."""
+
+
+class VBackwardWeight(ds.BufferOpInstruction):
+    """W (weight gradient) of ``micro`` through local chunk ``chunk``.  kwargs as :class:`VForward`."""
+
+
+class VPeer(ds.PipeInstruction):
+    """The next transfer's peer: the rank it goes to or comes from (chunk 0 flows down the ranks,
+    chunk 1 up, so a rank's neighbours change with the chunk).  kwargs: ``prev`` (where activations
+    come from and gradients go) or ``next`` (where activations go and gradients come from)."""
+
+
+INSTRUCTIONS = {"F": VForward, "B": VBackwardInput, "W": VBackwardWeight}
+
+
+class ZeroBubbleV(TimetableSchedule):
+    """``"schedule": "zb-v"``: :func:`zb_v_timetable` compiled into instruction steps, the
+    transfers along :func:`v_peer` (none at the turn); ``pipeline.zb_max_pending_w`` picks the
+    deferral ("auto": ``"bounded"``, within 1F1B's memory; "paper": the paper's).  Engine side:
+    ``ds_mp.engine.zb_v``.  Ops are priced alike (only the compiled order of transfers depends on
+    it, the same on every rank)."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, deferral: str = "bounded",
+                 forward_only: bool = False) -> None:
+        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+        if deferral not in DEFERRALS:
+            raise ValueError(f"zb-v deferral: expected one of {DEFERRALS}, got {deferral!r}")
+        self.deferral, self.forward_only = deferral, forward_only
+        self.deps = v_deps(stages)
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> "ZeroBubbleV":
+        return cls(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id,
+                   deferral=deferral_of(engine.ds_mp_config))
+
+    @staticmethod
+    def pipeline_layout(cfg: Any, hf_config: Any) -> tuple[list[str], list[int]]:
+        """The V placement (rank r holds chunks r and 2P − 1 − r), after the refusals of
+        :func:`check_config`."""
+        from ds_mp.models.pipeline import v_pipeline_layout
+
+        check_config(cfg, hf_config.num_hidden_layers)
+        names, parts, _ = v_pipeline_layout(hf_config, cfg.pp, cfg.pipeline.partition)
+        return names, parts
+
+    def table(self) -> list[list[Op]]:
+        if self.forward_only:  # evaluation: every chunk-0 forward, then every chunk-1 forward
+            return [[Op("F", m, c) for c in (0, 1) for m in range(self.micro_batches)] for _ in range(self.stages)]
+        return zb_v_timetable(self.stages, self.micro_batches, self.deferral)
+
+    def cost(self, stage: int, op: Op) -> float:
+        return 1.0
+
+    def peer(self) -> Callable[[int, Op], int | None]:
+        return v_peer(self.stages)
+
+    def compute(self, op: Op, buffer_id: int) -> list:
+        """One instruction per op; the runtime loads the micro-batch at rank 0's chunk 0 and hands
+        over locally at the turn."""
+        return [INSTRUCTIONS[op.kind](buffer_id=buffer_id, chunk=op.slice, micro=op.micro)]
+
+    def transfer(self, side: str, move: Transfer, buffer_id: int) -> list:
+        """DeepSpeed's send/receive, after :class:`VPeer` pointing it at this transfer's other end."""
+        peer = move.dst if side == "send" else move.src
+        forward = (move.kind == "act") == (side == "send")  # an activation sent, or a gradient received
+        return [VPeer(**{"next" if forward else "prev": peer})] + super().transfer(side, move, buffer_id)
+
+    def steps(self) -> Iterator[list]:
+        step_end = (ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep)
+        for cmds in super().steps():
+            yield [c for c in cmds if not isinstance(c, step_end)] if self.forward_only else cmds
+
+
+def deferral_of(cfg: Any) -> str:
+    """``pipeline.zb_max_pending_w`` as a ZB-V deferral: "auto" -> "bounded", "paper" -> "paper"."""
+    return {"auto": "bounded", "paper": "paper"}[cfg.pipeline.zb_max_pending_w]
+
+
+def check_config(cfg: Any, n_layer: int) -> None:
+    """The combinations ZB-V does not run (yet), each refused with one line naming the key and
+    the fix (the same on every rank: ``pipeline_layout`` is asked before the model is built).
+    What is tested against HF: PP=2 and 3, DP, TP (with and without sequence parallelism), clipping,
+    LoRA (PEFT), activation checkpointing, ZeRO-1, bf16, GPT-2 and the Llama family; the engine
+    refuses fp16 and ZeRO-2 (:func:`ds_mp.engine.zb_v.refuse_precision`)."""
+    from ds_mp.config import ConfigError
+
+    pp, P = cfg.pipeline, cfg.pp
+    if pp.zb_max_pending_w not in ("auto", "paper"):
+        raise ConfigError(f"ds_mp.pipeline.zb_max_pending_w: {pp.zb_max_pending_w!r}; zb-v defers W 'auto' (within "
+                          "1F1B's memory) or 'paper' (the paper's unbounded deferral); use one of those")
+    if P < 2:
+        raise ConfigError(f"ds_mp.pipeline.stages: {P}; the zb-v schedule needs at least 2 stages (its V turns on "
+                          "the last); use 1f1b on one stage")
+    if n_layer < 2 * P:
+        raise ConfigError(f"ds_mp.pipeline.stages: zb-v cuts the {n_layer} blocks into 2·stages = {2 * P} chunks; "
+                          f"use a model with at least {2 * P} blocks or another schedule")
+    if pp.partition not in ("uniform", "parameters"):
+        raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} with zb-v, which cuts its 2·stages chunks "
+                          "'uniform' or by 'parameters'; use one of those")

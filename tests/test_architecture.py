@@ -115,13 +115,64 @@ def test_config_import_does_not_load_engines() -> None:
 def test_every_registered_schedule_resolves() -> None:
     from deepspeed.runtime.pipe.schedule import PipeSchedule
 
-    from ds_mp.config.registry import ENGINE_SUPPORT, SCHEDULES, resolve
+    from ds_mp.config.registry import SCHEDULES, ScheduleSpec, load, resolve, schedule_spec
 
-    import importlib
     for name in SCHEDULES:
         assert issubclass(resolve(name), PipeSchedule), name
-    for name, module in ENGINE_SUPPORT.items():
-        assert name in SCHEDULES and hasattr(importlib.import_module(module), "attach"), name
+        spec = schedule_spec(name)
+        assert isinstance(spec, ScheduleSpec), name
+        for hook in (spec.runtime, spec.param_groups):  # every "module:function" a spec names resolves
+            assert hook is None or callable(load(hook)), (name, hook)
+
+
+def schedule_files(name: str) -> set[str]:
+    """The modules of a built-in schedule: its spec's module (with the subpackage it sits in, e.g.
+    ``schedules/terapipe/``), its timetable's, its runtime's and its parameter-group hook's."""
+    from ds_mp.config.registry import SCHEDULES, schedule_spec
+
+    spec, mods = schedule_spec(name), modules()
+    owners = {SCHEDULES[name].split(":")[0]}
+    for hook in (spec.timetable, spec.runtime, spec.param_groups):
+        if hook is not None:
+            owners.add(hook.split(":")[0] if isinstance(hook, str) else hook.__module__)
+    package = next(iter(owners)).rsplit(".", 1)[0] if next(iter(owners)).endswith(".spec") else None
+    return {m for m in mods if m in owners or (package and m.startswith(package + "."))}
+
+
+# files that may name another schedule, and why (besides the registry table itself)
+SCHEDULE_NAME_EXEMPT = {
+    "ds_mp.config.schema": "the block's defaults: pipeline.schedule is 1f1b; terapipe.order takes 'gpipe'/'1f1b'",
+    "ds_mp.schedules.terapipe.schedule": "terapipe.order's values 'gpipe'/'1f1b' pick its slice order",
+    "ds_mp.schedules.zb_v": "ZB-V's projection table compares it with 1F1B and interleaved by name",
+    "ds_mp.tools.docs_plots": "documentation: the timeline figure of each schedule",
+    "ds_mp.tools.config_reference": "documentation: the link from a config block to its schedule's page",
+}
+
+
+def schedule_names_in(source: str, names: set[str]) -> list[str]:
+    """String constants (f-string parts included) that are exactly one of ``names``."""
+    return [f"line {n.lineno}: {n.value!r}" for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in names]
+
+
+def test_no_builtin_schedule_name_outside_its_files() -> None:
+    """Config, batching, the engine build and everything else ask a schedule's spec, never its name:
+    a built-in name appears only in that schedule's own files, the registry table, and the
+    exemptions above (each with its reason)."""
+    from ds_mp.config.registry import SCHEDULES
+
+    assert schedule_names_in('if s == "ouroboros" or f"{x}" in ("zb-h1",): pass', {"ouroboros", "zb-h1"}) == [
+        "line 1: 'ouroboros'", "line 1: 'zb-h1'"]
+    builtins = {n for n, entry in SCHEDULES.items() if isinstance(entry, str)}
+    assert {"1f1b", "gpipe", "terapipe", "zb-h1", "ouroboros", "interleaved"} <= builtins
+    own = {n: schedule_files(n) for n in builtins}
+    bad = []
+    for module, path in modules().items():
+        if module in ("ds_mp.config.registry", "ds_mp.schedules.registry") or module in SCHEDULE_NAME_EXEMPT:
+            continue
+        foreign = {n for n in builtins if module not in own[n]}
+        bad += [f"{module} {hit}" for hit in schedule_names_in(open(path).read(), foreign)]
+    assert not bad, "built-in schedule names outside their own files (ask the spec):\n" + "\n".join(bad)
 
 
 def test_deepspeed_private_names_exist() -> None:

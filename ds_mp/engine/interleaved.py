@@ -1,6 +1,6 @@
 """Engine side of interleaved 1F1B: run one local chunk of the pipeline module at a time.
 
-Imported by the engine when the ``interleaved`` schedule is selected (``ENGINE_SUPPORT``).  The
+Imported by the engine when the ``interleaved`` schedule is selected (its spec names :func:`attach` as its runtime).  The
 module (``build_pipeline(virtual_stages=v)``) holds this rank's v chunks as consecutive runs of
 its ``forward_funcs`` (chunk c = virtual stage c·K + s, its layers in the order of the model);
 ``module.virtual_parts`` are the chunk boundaries over the whole layer table.
@@ -91,7 +91,7 @@ class InterleavedState:
 
 
 def attach(engine: Any) -> InterleavedState:
-    """The runtime of an interleaved engine (``config.registry.ENGINE_SUPPORT``)."""
+    """The runtime of an interleaved engine (made by its spec, ``config.registry.ScheduleSpec.runtime``)."""
     return InterleavedState(engine)
 
 

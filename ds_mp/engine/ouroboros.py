@@ -368,7 +368,7 @@ class OuroborosState:
 
 
 def attach(engine: Any) -> OuroborosState:
-    """The runtime of an Ouroboros engine (``config.registry.ENGINE_SUPPORT``)."""
+    """The runtime of an Ouroboros engine (made by its spec, ``config.registry.ScheduleSpec.runtime``)."""
     return OuroborosState(engine)
 
 

@@ -9,7 +9,6 @@ DeepSpeed name appears here.  Everything else (p2p receive, optimizer, ZeRO, bf1
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 import os
 import time
@@ -25,7 +24,8 @@ from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
 from ds_mp.engine.batches import Step, feeding, micro_layout, prepare_step, warn_no_targets
 from ds_mp.engine.p2p import PostedSends
-from ds_mp.config.registry import ENGINE_SUPPORT, ScheduleRuntime, resolve
+from ds_mp.config.registry import ScheduleRuntime, schedule_spec
+from ds_mp.config.schema import PipelineConfig
 
 
 class DsMpPipelineEngine(PipelineEngineAdapter):
@@ -41,7 +41,8 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         self.hf_config = hf_config  # the model's HF config (exports, checkpoints)
         self.optimizer_hparams = dict(optimizer_hparams or {})  # the JSON optimizer's params, kept by checkpoints
         self.layer_costs = layer_costs  # what "partition": "cost" balanced (None otherwise)
-        self.schedule_name = ds_mp_config.pipeline.schedule if ds_mp_config else "1f1b"
+        self.schedule_name = (ds_mp_config.pipeline if ds_mp_config else PipelineConfig()).schedule
+        self.schedule_spec = schedule_spec(self.schedule_name)
         self.trace: list[tuple[str, int, float, float]] = []  # (instruction, buffer, start, end)
         self.trace_enabled = False
         self.last_grad_norm: float | None = None
@@ -69,18 +70,15 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         layerwise.attach(self)  # ds_mp's Lamb: one trust ratio per model parameter, at any TP/DP/ZeRO
         if getattr(getattr(self.module, "ds_mp_ctx", None), "sp", False):
             compat.send_whole_activations(self)
-        support = ENGINE_SUPPORT.get(self.schedule_name)
-        if isinstance(support, str):  # a built-in's module: its attach(engine) makes the runtime
-            support = importlib.import_module(support).attach
-        # The schedule's runtime (config.registry.ScheduleRuntime): it owns the schedule's state, its
-        # methods handle the schedule's instructions (``instructions``), and its optional hooks
+        # The schedule's runtime (config.registry.ScheduleRuntime), made by its spec: it owns the schedule's
+        # state, its methods handle the schedule's instructions (``instructions``), and its optional hooks
         # (state_dict/load_state_dict, aggregate_loss, eval_batch, …) are asked by the engine.
-        self.schedule_support: ScheduleRuntime | None = support(self) if support else None
+        self.schedule_support: ScheduleRuntime | None = self.schedule_spec.make_runtime(self)
 
     # --- extension points (register_instruction: the adapter's) -----------------------------
     def train_schedule(self) -> Any:
         """The schedule ``train_batch`` runs (the configured one)."""
-        cls = resolve(self.schedule_name)
+        cls = self.schedule_spec.timetable_class()
         if hasattr(cls, "from_engine"):
             return cls.from_engine(self)
         return cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)

@@ -375,3 +375,21 @@ def test_schedule_runtimes_own_their_state() -> None:
     mods = modules()
     bad = [f"{m} {hit}" for m in RUNTIMES for hit in engine_writes(open(mods[m]).read())]
     assert not bad, "schedule runtimes writing to the engine:\n" + "\n".join(bad)
+
+
+# where an engine attribute may be set from outside the engine class, and why
+ENGINE_WRITES_ALLOWED = {
+    "ds_mp.deepspeed_compat": "the adapter door: DeepSpeed's own attributes, set only through named accessors",
+}
+
+
+def test_nothing_sets_engine_attributes_from_outside() -> None:
+    """Everything the engine needs is given at construction or through one of its methods
+    (``use_noise_probe``, ``record_trace``): no ``engine.X =`` anywhere in the package outside the
+    engine class, except the DeepSpeed accessors (:data:`ENGINE_WRITES_ALLOWED`)."""
+    bad = []
+    for module, path in modules().items():
+        if any(module == m or module.startswith(m + ".") for m in ENGINE_WRITES_ALLOWED):
+            continue
+        bad += [f"{module} {hit}" for hit in engine_writes(open(path).read())]
+    assert not bad, "attributes set on an engine from outside its class:\n" + "\n".join(bad)

@@ -49,6 +49,7 @@ from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_s
                                       make_meta, shard_file, write_meta)
 from ds_mp.checkpoint.schedule_state import layout_of, load_schedule_state, schedule_file, schedule_state
 from ds_mp.models.pipeline import hf_param_name
+from ds_mp.engine_view import EngineView
 
 TRAINER_STATE = "trainer_state.pt"
 __all__ = ["save_checkpoint", "load_checkpoint", "everywhere", "TRAINER_STATE", "NATIVE", "LATEST", "read_latest",
@@ -58,28 +59,28 @@ __all__ = ["save_checkpoint", "load_checkpoint", "everywhere", "TRAINER_STATE", 
 NATIVE = "ds_mp_native.json"  # marked the DeepSpeed-format checkpoints of older ds_mp (refused)
 
 
-def _optimizer(engine: Any) -> torch.optim.Optimizer | None:
+def _optimizer(engine: EngineView) -> torch.optim.Optimizer | None:
     return engine.optimizer
 
 
-def _is_native(engine: Any) -> bool:
+def _is_native(engine: EngineView) -> bool:
     """bf16/fp16/ZeRO wrap the optimizer in DeepSpeed's flat-buffer classes (fp32 master
     weights and optimizer state partitioned over DP in flat buffers)."""
     return engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer)
 
 
-def _base_optimizer(engine: Any) -> torch.optim.Optimizer | None:
+def _base_optimizer(engine: EngineView) -> torch.optim.Optimizer | None:
     """The torch optimizer doing the update (the one a bf16/ZeRO wrapper holds)."""
     opt = engine.optimizer
     return opt.optimizer if _is_native(engine) else opt
 
 
-def _params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
+def _params(engine: EngineView) -> list[tuple[str, torch.nn.Parameter]]:
     """(HF name, parameter) for every parameter of this rank's stage."""
     return [(hf_param_name(n, engine.module), p) for n, p in engine.module.named_parameters()]
 
 
-def _lora_meta(engine: Any) -> dict | None:
+def _lora_meta(engine: EngineView) -> dict | None:
     """``{"r", "alpha", "target_modules"}`` of a LoRA engine (its factors are saved and resumed
     like any parameter), None without LoRA."""
     lora = engine.module.ds_mp_ctx.lora
@@ -109,7 +110,7 @@ def everywhere(what: str, fn: Callable[[], Any], gather: bool = False) -> Any:
     return [res for _, res in outcomes] if gather else result
 
 
-def _rank_tensors(engine: Any, opt: Any) -> tuple[dict, dict, dict]:
+def _rank_tensors(engine: EngineView, opt: Any) -> tuple[dict, dict, dict]:
     """This rank's (model, optimizer state, non-tensor extras) by HF name, in ds_mp's
     layout-free format.  For bf16/ZeRO the model tensors are the fp32 master weights and the
     state is gathered from the DP partitions (collective over each parameter's DP group:
@@ -158,7 +159,7 @@ def _write_rank_files(tmp: str, topo: Any, tensors: tuple[dict, dict, dict], has
     return paths
 
 
-def _trainer_state(engine: Any, opt: torch.optim.Optimizer | None, client_state: dict) -> dict:
+def _trainer_state(engine: EngineView, opt: torch.optim.Optimizer | None, client_state: dict) -> dict:
     """``opt``: the torch optimizer doing the update (for bf16/ZeRO the wrapped one)."""
     topo, sched = engine.topology, engine.lr_scheduler
     return {"optimizer": type(opt).__name__ if opt is not None else None,
@@ -190,7 +191,7 @@ def _matching_groups(base: torch.optim.Optimizer, saved: list[dict], path: str,
     return [(g, by_decay[old_of(g.get("weight_decay"))]) for g in base.param_groups]
 
 
-def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | None = None,
+def save_checkpoint(engine: EngineView, ckpt_root: str, tag: str, client_state: dict | None = None,
                     update_latest: bool = True) -> str:
     """Collective: write ``<ckpt_root>/<tag>`` and point ``<ckpt_root>/latest`` at it.
 
@@ -242,7 +243,7 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
     return final
 
 
-def _verify_reads(engine: Any, reader: ShardedReader, path: str) -> None:
+def _verify_reads(engine: EngineView, reader: ShardedReader, path: str) -> None:
     """Check, before the engine is touched, the whole of every file this rank will read: the
     saved shards overlapping its own (weights, and optimizer state of trainable parameters),
     ``trainer_state.pt`` and its schedule file.  A rank never reads a byte it has not
@@ -263,7 +264,7 @@ def _verify_reads(engine: Any, reader: ShardedReader, path: str) -> None:
     reader.verify_files(files)
 
 
-def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None, verify: bool = True) -> dict:
+def load_checkpoint(engine: EngineView, ckpt_root: str, tag: str | None = None, verify: bool = True) -> dict:
     """Load weights, optimizer, scheduler and counters saved at any layout; return client_state.
 
     Each rank reads only the slices of the saved TP shards that overlap its own (TP rank,
@@ -277,7 +278,7 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None, verify:
     return everywhere(f"load_checkpoint({where})", lambda: _load(engine, ckpt_root, tag, verify))
 
 
-def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
+def _load(engine: EngineView, ckpt_root: str, tag: str | None, verify: bool) -> dict:
     """:func:`load_checkpoint` on this rank; enters no collective (it runs inside ``everywhere``)."""
     opt, topo = _optimizer(engine), engine.topology
     pointed, tag = tag is None, tag or latest_tag(ckpt_root)
@@ -361,7 +362,6 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
         compat.set_loss_scaler_state(engine.optimizer, trainer["loss_scaler"])
     if engine.lr_scheduler is not None and trainer["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
-    engine.global_steps, engine.global_samples = trainer["global_steps"], trainer["global_samples"]
-    engine.skipped_steps = trainer["skipped_steps"]
+    compat.set_step_counters(engine, trainer["global_steps"], trainer["global_samples"], trainer["skipped_steps"])
     load_schedule_state(engine, path, reader.manifest, trainer.get("layout"))
     return trainer["client_state"]

@@ -30,7 +30,6 @@ from typing import Any, Iterator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.engine.batches import feeding
 from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B
 
 
@@ -86,7 +85,7 @@ class InterleavedState:
         e = self.engine
         fed = e._prepare(data_iter, num_micro_batches or e.micro_batches, training=False)
         with compat.inference_schedule(e, lambda n: Interleaved1F1B(n, self.K, self.s, self.v, forward_only=True)), \
-                feeding(e):
+                compat.batch_fn_done(e):
             return PipelineEngine.eval_batch(e, fed, *args, num_micro_batches=num_micro_batches, **kwargs)
 
 

@@ -22,7 +22,7 @@ from ds_mp import deepspeed_compat as compat
 from ds_mp.deepspeed_compat import stage_gate
 from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
-from ds_mp.engine.batches import Step, feeding, micro_layout, prepare_step, warn_no_targets
+from ds_mp.engine.batches import Step, batch_source, micro_layout, prepare_step, warn_no_targets
 from ds_mp.engine.p2p import PostedSends
 from ds_mp.config.registry import ScheduleRuntime, schedule_spec
 from ds_mp.config.schema import PipelineConfig
@@ -46,7 +46,7 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         self.trace: list[tuple[str, int, float, float]] = []  # (instruction, buffer, start, end)
         self.trace_enabled = False
         self.last_grad_norm: float | None = None
-        self.noise_scale: Any = None  # set by the training loop when training.noise_scale_interval > 0
+        self.noise_scale: Any = None  # use_noise_probe(): the training loop's when training.noise_scale_interval > 0
         self._noise_b_small: int | None = None  # ZeRO: a measurement waiting for the step's gradient norm
         self.nonfinite_steps = 0  # optimizer steps skipped because a gradient was NaN/Inf
         self.last_step_nonfinite = False
@@ -74,6 +74,15 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         # state, its methods handle the schedule's instructions (``instructions``), and its optional hooks
         # (state_dict/load_state_dict, aggregate_loss, eval_batch, …) are asked by the engine.
         self.schedule_support: ScheduleRuntime | None = self.schedule_spec.make_runtime(self)
+
+    def use_noise_probe(self, probe: Any) -> None:
+        """Measure the gradient noise scale with ``probe`` (``training.metrics.NoiseScaleProbe``) on
+        the steps it asks for; None: never."""
+        self.noise_scale = probe
+
+    def record_trace(self, on: bool = True) -> None:
+        """Append every instruction's ``(name, buffer_id, start, end)`` to :attr:`trace` (GPU synced)."""
+        self.trace_enabled = on
 
     # --- extension points (register_instruction: the adapter's) -----------------------------
     def train_schedule(self) -> Any:
@@ -177,7 +186,12 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         shapes valid: with ``dynamic_shape`` off (everything but TeraPipe) DeepSpeed sends tensor
         metadata once; when the batch shape changes every stage calls ``reset_activation_shape()``
         so the next sends re-announce (DeepSpeed#4777)."""
-        fed, self.step_info = prepare_step(self, data_iter, n, training)
+        source = data_iter
+        if training and self.stage_id in self.data_stages():  # the iterator this and later steps read
+            source = self.ds_mp_source = batch_source(data_iter, self.ds_mp_source, self.data_iterator, self.ds_mp_fed)
+        fed, self.step_info = prepare_step(self, source, n)
+        if fed is not None:
+            self.ds_mp_fed = fed
         if self.num_stages > 1 and not self.module.dynamic_shape:
             if getattr(self, "_announced_shape", None) not in (None, self.step_info.shape):
                 self.reset_activation_shape()
@@ -190,7 +204,7 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         fed = self._prepare(data_iter, self.micro_batches, training=True)
         if self.step_info.count == 0:
             return compat.set_train_loss(self, warn_no_targets(self))
-        with feeding(self):
+        with compat.batch_fn_done(self):
             return super().train_batch(fed)
 
     def eval_batch(self, data_iter: Any, *args: Any, num_micro_batches: int | None = None, **kwargs: Any) -> Any:
@@ -198,7 +212,7 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         if hook is not None:
             return hook(data_iter, *args, num_micro_batches=num_micro_batches, **kwargs)
         fed = self._prepare(data_iter, num_micro_batches or self.micro_batches, training=False)
-        with feeding(self):
+        with compat.batch_fn_done(self):
             return super().eval_batch(fed, *args, num_micro_batches=num_micro_batches, **kwargs)
 
     def micro_layout(self, buffer_id: int, forward: bool = False) -> Any:

@@ -51,6 +51,7 @@ from ds_mp.config import ConfigError, load_config, ramp_micro_multiple, read_jso
 from ds_mp.training.csv_log import CsvLog
 from ds_mp.training.run_dir import RunDir, RunDirError
 from ds_mp.training.signals import StopFlag, StopRequested, stop_grace_s, stop_message
+from ds_mp.engine_view import EngineView
 
 
 class NonFiniteLoss(RuntimeError):
@@ -92,7 +93,7 @@ def _apply_overrides(raw: dict, args: argparse.Namespace) -> dict:
     return raw
 
 
-def evaluate(engine: Any, val_batches: Any) -> float:
+def evaluate(engine: EngineView, val_batches: Any) -> float:
     """The per-target-token loss over every row of ``val_batches`` (a
     :class:`ds_mp.data.validation.HeldOutBatches`); every rank returns the same value."""
     from ds_mp.data.validation import held_out_loss
@@ -172,9 +173,8 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     startup.check_shared_output_dir(tcfg.output_dir, holder, _device())  # every rank sees rank 0's lock: one filesystem
     engine, _, _, _ = ds_mp.initialize(model=init, config=raw)
     topo, rank0 = engine.topology, torch.distributed.get_rank() == 0
-    if hasattr(engine, "noise_scale"):
-        engine.noise_scale = NoiseScaleProbe.from_config(cfg, topo)  # None unless DP > 1 and on
-    probe = getattr(engine, "noise_scale", None)  # the Ouroboros engine has none
+    probe = NoiseScaleProbe.from_config(cfg, topo)  # None unless DP > 1 and on
+    engine.use_noise_probe(probe)
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     ramp = BatchRamp.from_config(cfg.batch_ramp, micro, topo.dp, ramp_micro_multiple(cfg))  # None: fixed batch
     lr_scaling = LrScaling(engine.optimizer) if ramp is not None else None  # scales inside the step only
@@ -228,7 +228,7 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
 
     nan_guard = NanGuard(tcfg.on_nan, tcfg.max_consecutive_skips)
     bar = _progress(rank0, start_step, tcfg.steps)
-    engine.trace_enabled = True
+    engine.record_trace()
     trace_first, trace_last = tcfg.trace_steps or (0, 0)
     recorded: list = []  # the trace_steps window's instructions on this rank
     window: list[tuple[float, float, float]] = []  # (seconds, tokens, FLOPs) of the steps since the last row
@@ -326,7 +326,7 @@ def _warn_tokenizer(info: Any, model_dir: str | None) -> None:
         print(warning, file=sys.stderr)
 
 
-def _write_trace(engine: Any, recorded: list, path: str, bar: Any) -> None:
+def _write_trace(engine: EngineView, recorded: list, path: str, bar: Any) -> None:
     """Collective: gather every rank's recorded steps; rank 0 writes them to ``path`` (Chrome trace)."""
     from ds_mp.training.trace import gather_trace, write_chrome_trace
 
@@ -350,7 +350,7 @@ def _fmt(key: str, value: Any) -> str:
     return "" if value is None else _FORMATS[key].format(value)
 
 
-def monitor_metrics(engine: Any, step: int, metrics: dict[str, float | None]) -> list[tuple[str, float, int]]:
+def monitor_metrics(engine: EngineView, step: int, metrics: dict[str, float | None]) -> list[tuple[str, float, int]]:
     """Send one log row through DeepSpeed's monitor (``"tensorboard"``/``"wandb"``/``"csv_monitor"``/
     ``"comet"`` blocks of the JSON): one event ``("ds_mp/<column>", value, step)`` per ``log.csv``
     column that has a value, x axis = optimizer step (DeepSpeed's own ``Train/Samples/*`` events

@@ -104,8 +104,8 @@ def test_a_registered_spec_checks_its_config_and_batching(monkeypatch: pytest.Mo
     with pytest.raises(ConfigError, match=r"^ds_mp.pipeline.stages: 1; counted-1f1b counts forwards between stages"):
         load_config(ds_config(pp=1, schedule="counted-1f1b"), world_size=1)
     ramp = {"policy": "linear", "start": 8, "max": 12, "ramp_samples": 64}
-    with pytest.raises(ConfigError, match=r"batch_ramp.start: 8 samples .* × DP \(1\) × 3 \(the counted-1f1b schedule "
-                                          r"runs a multiple of 3 micro-batches per step\) = 6; use 6 or 12"):
+    with pytest.raises(ConfigError, match=r"batch_ramp.start: 8 samples .* × DP \(1\) × 3 \(the counted-1f1b "
+                                          r"schedule runs a multiple of 3 micro-batches per step\) = 6; use 6 or 12"):
         load_config(ds_config(pp=2, micro=2, gas=3, schedule="counted-1f1b", batch_ramp=ramp), world_size=2)
     cfg, _ = load_config(ds_config(pp=2, micro=2, gas=3, schedule="counted-1f1b", batch_ramp={**ramp, "start": 6}),
                          world_size=2)

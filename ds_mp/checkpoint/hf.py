@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import atomic_dir
-from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, SafetensorsRanges,
-                                      is_sharded_dir, open_safetensors, st_dtype, write_safetensors_streaming)
+from ds_mp.checkpoint.safetensors_io import SafetensorsRanges, open_safetensors, st_dtype, write_safetensors_streaming
+from ds_mp.checkpoint.sharded import CheckpointError, ShardedReader, expected_shapes, is_sharded_dir
 from ds_mp.models.family import family_named, family_of, untied_as_hf_loads
 from ds_mp.models.pipeline import hf_param_name, is_tied_copy
 from ds_mp.models.weights import WeightSource

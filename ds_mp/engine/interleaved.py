@@ -1,6 +1,6 @@
 """Engine side of interleaved 1F1B: run one local chunk of the pipeline module at a time.
 
-Imported by the engine when the ``interleaved`` schedule is selected (its spec names :func:`attach` as its runtime).  The
+Imported by the engine when the ``interleaved`` schedule is selected (its spec's runtime: :func:`attach`).  The
 module (``build_pipeline(virtual_stages=v)``) holds this rank's v chunks as consecutive runs of
 its ``forward_funcs`` (chunk c = virtual stage c·K + s, its layers in the order of the model);
 ``module.virtual_parts`` are the chunk boundaries over the whole layer table.

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 from typing import Any
 
@@ -22,13 +21,14 @@ from ds_mp import deepspeed_compat as compat
 from ds_mp.deepspeed_compat import stage_gate
 from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
+from ds_mp.engine.checkpoint_api import LayoutFreeCheckpoints
 from ds_mp.engine.batches import Step, batch_source, micro_layout, prepare_step, warn_no_targets
 from ds_mp.engine.p2p import PostedSends
 from ds_mp.config.registry import ScheduleRuntime, schedule_spec
 from ds_mp.config.schema import PipelineConfig
 
 
-class DsMpPipelineEngine(PipelineEngineAdapter):
+class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
     """DeepSpeed's pipeline engine with a pluggable schedule (``ds_mp.pipeline.schedule``)."""
     #: Post activation/gradient sends (isend) and wait for them at the end of the schedule,
     #: instead of DeepSpeed's blocking send (a rendezvous with the receiver on gloo).  Every
@@ -365,59 +365,11 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         """True when the optimizer steps ``p.grad`` directly (no bf16/fp16 master copy, no ZeRO)."""
         return not (self.bfloat16_enabled() or self.fp16_enabled() or self.zero_optimization())
 
-    # --- DeepSpeed's checkpoint API, on ds_mp's layout-free format -------------------------
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's ``engine.save_checkpoint``, writing ds_mp's layout-free checkpoint
-        (:func:`ds_mp.checkpoint.training.save_checkpoint`): it resumes at any TP × PP × DP,
-        precision wrapper and schedule.  Collective.  ``tag`` defaults to DeepSpeed's
-        ``global_step<N>``; frozen parameters (LoRA's base) are always kept, so the checkpoint
-        stands alone."""
-        from ds_mp.checkpoint.training import save_checkpoint
-
-        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        save_checkpoint(self, save_dir, tag, client_state=client_state, update_latest=save_latest)
-        return True
-
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
-        """DeepSpeed's ``engine.load_checkpoint`` on ds_mp's layout-free format: returns
-        ``(checkpoint path, client_state)``, or ``(None, None)`` when ``load_dir`` has no
-        ``latest`` pointer and no tag is given (as DeepSpeed does: start fresh).  Collective."""
-        from ds_mp.checkpoint.training import load_checkpoint, read_latest
-
-        partial = [k for k, v in (("load_module_strict=False", not load_module_strict),
-                                  ("load_optimizer_states=False", not load_optimizer_states),
-                                  ("load_lr_scheduler_states=False", not load_lr_scheduler_states),
-                                  ("load_module_only=True", load_module_only),
-                                  ("custom_load_fn", custom_load_fn is not None)) if v]
-        if partial:
-            raise ValueError(f"load_checkpoint: {', '.join(partial)} is not supported: a ds_mp checkpoint resumes "
-                             "the whole run; to start from its weights alone set ds_mp.training.init_from to it")
-        if tag is None and read_latest(load_dir) is None:
-            return None, None
-        tag = str(tag) if tag is not None else read_latest(load_dir)
-        client_state = load_checkpoint(self, load_dir, tag)
-        return os.path.join(load_dir, tag), client_state
-
     # --- norms ------------------------------------------------------------------------------
     def reduction_grad_norm(self) -> float:
-        """‖g‖₂ (ownership rule of :meth:`global_grad_norm`) of the gradients DeepSpeed's DP reduction
-        averages: ``p.grad`` in fp32 and under ZeRO (before its reduction), BF16_Optimizer's fp32
-        gradient buffers (``fp32_groups_gradients``: the bf16 micro-batch gradients accumulated in fp32)."""
-        opt, owned = self.optimizer, grads.owned_parameters(self.module, self.topology)
-        if compat.uses_bf16_optimizer(self):
-            fp32 = compat.bf16_fp32_gradients(opt)
-            tensors = [fp32.get(id(p)) for p in owned]
-        elif self.zero_optimization():
-            tensors = [compat.zero_gradient_for_reduction(opt, p) for p in owned]
-        else:
-            return self.global_grad_norm()
-        total = grads.sum_of_squares(tensors, self.device)
-        if self.topology.tp * self.topology.pp > 1:
-            dist.all_reduce(total, group=self.topology.model_group)
-        return math.sqrt(float(total))
+        """:func:`ds_mp.engine.grads.reduction_grad_norm` of this engine's gradients."""
+        return grads.reduction_grad_norm(self.module, self.topology, self.optimizer, self.device,
+                                         bf16=compat.uses_bf16_optimizer(self), zero=bool(self.zero_optimization()))
 
     def global_grad_norm(self) -> float:
         """‖g‖₂ over the whole model: each TP shard once, each replicated or tied tensor

@@ -278,9 +278,10 @@ def load_checkpoint(engine: EngineView, ckpt_root: str, tag: str | None = None, 
     return everywhere(f"load_checkpoint({where})", lambda: _load(engine, ckpt_root, tag, verify))
 
 
-def _load(engine: EngineView, ckpt_root: str, tag: str | None, verify: bool) -> dict:
-    """:func:`load_checkpoint` on this rank; enters no collective (it runs inside ``everywhere``)."""
-    opt, topo = _optimizer(engine), engine.topology
+def _open_checked(engine: EngineView, ckpt_root: str, tag: str | None, verify: bool) -> tuple[str, ShardedReader]:
+    """The checkpoint directory and its reader, refused with one line where it cannot resume this
+    engine (missing, an old format, another model shape or LoRA, weights only, unreadable)."""
+    opt = _optimizer(engine)
     pointed, tag = tag is None, tag or latest_tag(ckpt_root)
     path = os.path.join(ckpt_root, tag)
     if not os.path.isdir(path):
@@ -307,6 +308,45 @@ def _load(engine: EngineView, ckpt_root: str, tag: str | None, verify: bool) -> 
         raise CheckpointError(f"{path}: holds weights only (no optimizer state); start from it with "
                               "ds_mp.training.init_from instead of resuming")
     _verify_reads(engine, reader, path)
+    return path, reader
+
+
+def _restore_state(p: torch.nn.Parameter, weight: torch.Tensor, state: dict, opt: Any, native: bool) -> None:
+    """``p``'s fp32 master and optimizer state from its checkpoint shard, wherever the optimizer
+    keeps them: fp16's fp32 copy, DeepSpeed's flat partitions (bf16/ZeRO), or ``opt.state``."""
+    slot = compat.fp16_slot(p, opt) if native else None
+    if slot is not None:  # fp16 without ZeRO: into the fp32 copy its torch optimizer steps
+        holder, offset = slot
+        compat.slot_view(holder, offset, p).copy_(weight.float())
+        held = opt.optimizer.state[holder]
+        for key, v in state.items():
+            if torch.is_tensor(v) and v.shape == p.shape:
+                if key not in held:
+                    held[key] = torch.zeros_like(holder)
+                compat.slot_view(held[key], offset, p).copy_(v.float())
+            else:
+                held[key] = v.clone() if torch.is_tensor(v) else v
+        return
+    if native:  # fp32 master + state into this DP rank's fragments of the flat partitions
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        safe_set_full_fp32_param(p, weight.float())
+        for key, v in state.items():
+            if torch.is_tensor(v) and v.shape == p.shape:
+                compat.set_flat_state(p, opt, key, v.float())
+        compat.set_flat_state_extras(p, opt, {k: v for k, v in state.items()
+                                              if not (torch.is_tensor(v) and v.shape == p.shape)})
+        return
+    state = {k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v for k, v in state.items()}
+    opt.state.pop(p, None)
+    if state:
+        opt.state[p] = state
+
+
+def _load(engine: EngineView, ckpt_root: str, tag: str | None, verify: bool) -> dict:
+    """:func:`load_checkpoint` on this rank; enters no collective (it runs inside ``everywhere``)."""
+    opt, topo = _optimizer(engine), engine.topology
+    path, reader = _open_checked(engine, ckpt_root, tag, verify)
     trainer = load_torch(os.path.join(path, TRAINER_STATE), reader.manifest)
     base = _base_optimizer(engine)
     if base is not None and trainer["optimizer"] != type(base).__name__:
@@ -324,34 +364,7 @@ def _load(engine: EngineView, ckpt_root: str, tag: str | None, verify: bool) -> 
             p.copy_(weight)  # a bf16 module weight: the master rounded, as DeepSpeed keeps it
             if opt is None or not p.requires_grad:  # frozen (LoRA's base): no master, no optimizer state
                 continue
-            state = reader.get_state_shard(name, kind, topo.tp_rank, topo.tp, **meta)
-            slot = compat.fp16_slot(p, opt) if native else None
-            if slot is not None:  # fp16 without ZeRO: into the fp32 copy its torch optimizer steps
-                holder, offset = slot
-                compat.slot_view(holder, offset, p).copy_(weight.float())
-                held = opt.optimizer.state[holder]
-                for key, v in state.items():
-                    if torch.is_tensor(v) and v.shape == p.shape:
-                        if key not in held:
-                            held[key] = torch.zeros_like(holder)
-                        compat.slot_view(held[key], offset, p).copy_(v.float())
-                    else:
-                        held[key] = v.clone() if torch.is_tensor(v) else v
-                continue
-            if native:  # fp32 master + state into this DP rank's fragments of the flat partitions
-                from deepspeed.utils import safe_set_full_fp32_param
-
-                safe_set_full_fp32_param(p, weight.float())
-                for key, v in state.items():
-                    if torch.is_tensor(v) and v.shape == p.shape:
-                        compat.set_flat_state(p, opt, key, v.float())
-                compat.set_flat_state_extras(p, opt, {k: v for k, v in state.items()
-                                                      if not (torch.is_tensor(v) and v.shape == p.shape)})
-                continue
-            state = {k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v for k, v in state.items()}
-            opt.state.pop(p, None)
-            if state:
-                opt.state[p] = state
+            _restore_state(p, weight, reader.get_state_shard(name, kind, topo.tp_rank, topo.tp, **meta), opt, native)
     built = [{k: v for k, v in group.items() if k != "params"} for group, _ in groups]  # from this run's config
     for group, saved in groups:
         group.update(saved)

@@ -21,7 +21,7 @@ averages the micro-batches, as ds_mp's per-token loss over equal full rows).
 Every configuration's first steps' losses are checked against one process running the unmodified
 HF model with the same SGD (exactness, before any timing).  Times: ratios of median step times with
 a bootstrap interval over rounds whose order rotates (:mod:`benchmarks.common`).  Memory: the peak
-held per rank by the storage census (:class:`ds_mp.schedules.memory.HeldMemory`) after every
+held per rank by the storage census (:class:`ds_mp.engine.memory.HeldMemory`) after every
 instruction (ds_mp) or every stage compute action (torch): weights, gradients, optimizer state not
 charged.
 """
@@ -159,7 +159,7 @@ class TorchPipeBench:
     def held_peak(self) -> list[int]:
         """[peak held bytes, bytes held before the step] over one step, a census after every stage
         compute action (forward, backward or input-backward, weight-backward)."""
-        from ds_mp.schedules.memory import HeldMemory, static_tensors
+        from ds_mp.engine.memory import HeldMemory, static_tensors
 
         census = HeldMemory(lambda: [t for m in self.modules for t in static_tensors(m, self.opt)])
         names = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")

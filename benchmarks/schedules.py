@@ -21,7 +21,7 @@ After the timed rounds each ds_mp configuration records, per rank, the peak *hel
 step (:func:`ds_mp.engine.held.held_during`: a storage census after every instruction — saved
 activations, the gradients B recorded for W, pipe buffers, posted sends; weights, gradients and
 optimizer state not charged), the peak of saved activations alone
-(:class:`ds_mp.schedules.memory.SavedActivations`, what TeraPipe's target is stated in) and a few
+(:class:`ds_mp.engine.memory.SavedActivations`, what TeraPipe's target is stated in) and a few
 traced steps.  The
 simulator (``ds_mp.schedules.simulate``) replays each schedule's timetable with the traced op
 costs (every F/B/W its own mean duration over the traced steps; p2p latency 0) plus the traced
@@ -73,7 +73,7 @@ class SchedBench(DsMpPipeBench):
         self.micro = [(ids[i:i + micro], labels[i:i + micro]) for i in range(0, micro * gas, micro)]
 
     def activation_peak(self) -> int:
-        from ds_mp.schedules.memory import SavedActivations
+        from ds_mp.engine.memory import SavedActivations
 
         with SavedActivations(self.engine.module.parameters()) as m:
             self.step()

@@ -76,13 +76,13 @@ class ScheduleBench(DsMpBench):
 
     def profile(self, granularity: int) -> list[tuple[int, int, float]]:
         """(i, j, seconds) of this rank's stage: forward+backward of i tokens after j."""
-        from ds_mp.schedules.terapipe.profile import profile_engine_stage
+        from ds_mp.engine.terapipe_profile import profile_engine_stage
 
         return profile_engine_stage(self.engine, self.seq, granularity)
 
     def transfer(self, granularity: int) -> list[float]:
         """Collective: this rank's p2p seconds per slice at the profile's table lengths."""
-        from ds_mp.schedules.terapipe.profile import profile_grid, profile_transfer
+        from ds_mp.engine.terapipe_profile import profile_grid, profile_transfer
 
         return profile_transfer(self.engine, profile_grid(self.seq, granularity)[0])
 

@@ -68,7 +68,7 @@ class PlannerBench(ScheduleBench):
     def plan(self, granularity: int) -> tuple[list, dict, dict]:
         """Collective: (the auto plan, the cost model as a dict, profiling times)."""
         from ds_mp.schedules.terapipe.planner import plan_for, profile_sizes
-        from ds_mp.schedules.terapipe.profile import measure_cost_model
+        from ds_mp.engine.terapipe_profile import measure_cost_model
 
         e = self.engine
         cost, took = measure_cost_model(e, self.seq, granularity,

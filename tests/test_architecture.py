@@ -115,13 +115,64 @@ def test_config_import_does_not_load_engines() -> None:
 def test_every_registered_schedule_resolves() -> None:
     from deepspeed.runtime.pipe.schedule import PipeSchedule
 
-    from ds_mp.config.registry import ENGINE_SUPPORT, SCHEDULES, resolve
+    from ds_mp.config.registry import SCHEDULES, ScheduleSpec, load, resolve, schedule_spec
 
-    import importlib
     for name in SCHEDULES:
         assert issubclass(resolve(name), PipeSchedule), name
-    for name, module in ENGINE_SUPPORT.items():
-        assert name in SCHEDULES and hasattr(importlib.import_module(module), "attach"), name
+        spec = schedule_spec(name)
+        assert isinstance(spec, ScheduleSpec), name
+        for hook in (spec.runtime, spec.param_groups):  # every "module:function" a spec names resolves
+            assert hook is None or callable(load(hook)), (name, hook)
+
+
+def schedule_files(name: str) -> set[str]:
+    """The modules of a built-in schedule: its spec's module (with the subpackage it sits in, e.g.
+    ``schedules/terapipe/``), its timetable's, its runtime's and its parameter-group hook's."""
+    from ds_mp.config.registry import SCHEDULES, schedule_spec
+
+    spec, mods = schedule_spec(name), modules()
+    owners = {SCHEDULES[name].split(":")[0]}
+    for hook in (spec.timetable, spec.runtime, spec.param_groups):
+        if hook is not None:
+            owners.add(hook.split(":")[0] if isinstance(hook, str) else hook.__module__)
+    package = next(iter(owners)).rsplit(".", 1)[0] if next(iter(owners)).endswith(".spec") else None
+    return {m for m in mods if m in owners or (package and m.startswith(package + "."))}
+
+
+# files that may name another schedule, and why (besides the registry table itself)
+SCHEDULE_NAME_EXEMPT = {
+    "ds_mp.config.schema": "the block's defaults: pipeline.schedule is 1f1b; terapipe.order takes 'gpipe'/'1f1b'",
+    "ds_mp.schedules.terapipe.schedule": "terapipe.order's values 'gpipe'/'1f1b' pick its slice order",
+    "ds_mp.schedules.zb_v": "ZB-V's projection table compares it with 1F1B and interleaved by name",
+    "ds_mp.tools.docs_plots": "documentation: the timeline figure of each schedule",
+    "ds_mp.tools.config_reference": "documentation: the link from a config block to its schedule's page",
+}
+
+
+def schedule_names_in(source: str, names: set[str]) -> list[str]:
+    """String constants (f-string parts included) that are exactly one of ``names``."""
+    return [f"line {n.lineno}: {n.value!r}" for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in names]
+
+
+def test_no_builtin_schedule_name_outside_its_files() -> None:
+    """Config, batching, the engine build and everything else ask a schedule's spec, never its name:
+    a built-in name appears only in that schedule's own files, the registry table, and the
+    exemptions above (each with its reason)."""
+    from ds_mp.config.registry import SCHEDULES
+
+    assert schedule_names_in('if s == "ouroboros" or f"{x}" in ("zb-h1",): pass', {"ouroboros", "zb-h1"}) == [
+        "line 1: 'ouroboros'", "line 1: 'zb-h1'"]
+    builtins = {n for n, entry in SCHEDULES.items() if isinstance(entry, str)}
+    assert {"1f1b", "gpipe", "terapipe", "zb-h1", "ouroboros", "interleaved"} <= builtins
+    own = {n: schedule_files(n) for n in builtins}
+    bad = []
+    for module, path in modules().items():
+        if module in ("ds_mp.config.registry", "ds_mp.schedules.registry") or module in SCHEDULE_NAME_EXEMPT:
+            continue
+        foreign = {n for n in builtins if module not in own[n]}
+        bad += [f"{module} {hit}" for hit in schedule_names_in(open(path).read(), foreign)]
+    assert not bad, "built-in schedule names outside their own files (ask the spec):\n" + "\n".join(bad)
 
 
 def test_deepspeed_private_names_exist() -> None:
@@ -324,3 +375,33 @@ def test_schedule_runtimes_own_their_state() -> None:
     mods = modules()
     bad = [f"{m} {hit}" for m in RUNTIMES for hit in engine_writes(open(mods[m]).read())]
     assert not bad, "schedule runtimes writing to the engine:\n" + "\n".join(bad)
+
+
+# where an engine attribute may be set from outside the engine class, and why
+ENGINE_WRITES_ALLOWED = {
+    "ds_mp.deepspeed_compat": "the adapter door: DeepSpeed's own attributes, set only through named accessors",
+}
+
+
+def test_nothing_sets_engine_attributes_from_outside() -> None:
+    """Everything the engine needs is given at construction or through one of its methods
+    (``use_noise_probe``, ``record_trace``): no ``engine.X =`` anywhere in the package outside the
+    engine class, except the DeepSpeed accessors (:data:`ENGINE_WRITES_ALLOWED`)."""
+    bad = []
+    for module, path in modules().items():
+        if any(module == m or module.startswith(m + ".") for m in ENGINE_WRITES_ALLOWED):
+            continue
+        bad += [f"{module} {hit}" for hit in engine_writes(open(path).read())]
+    assert not bad, "attributes set on an engine from outside its class:\n" + "\n".join(bad)
+
+
+MAX_LINES = 400
+# files allowed past MAX_LINES until the work named beside them
+LONG_FILES = {"ds_mp.models.gpt2": "#42's model-family folder (models/gpt2/: layers, plan, HF adapter) splits it"}
+
+
+def test_files_stay_small() -> None:
+    """No module past :data:`MAX_LINES` lines (a file that grows that long holds two concerns)."""
+    long = {m: n for m, path in modules().items() if (n := len(open(path).read().splitlines())) > MAX_LINES}
+    assert set(long) <= set(LONG_FILES), f"files over {MAX_LINES} lines (split them by concern): " + ", ".join(
+        f"{m} ({n})" for m, n in sorted(long.items()) if m not in LONG_FILES)

@@ -1,4 +1,4 @@
-"""The storage census (:class:`ds_mp.schedules.memory.HeldMemory`) against hand counts.
+"""The storage census (:class:`ds_mp.engine.memory.HeldMemory`) against hand counts.
 
 Every figure is a difference from the census at the start of the test (the test process holds
 other tensors): known tensors give their storages' bytes once each (a view costs nothing more),
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ds_mp.schedules.memory import HeldMemory, SavedActivations, modelled_peak, static_tensors
+from ds_mp.engine.memory import HeldMemory, SavedActivations, static_tensors
+from ds_mp.schedules.timetable import modelled_peak
 from ds_mp.schedules.simulate import Op
 
 F32 = 4

@@ -164,7 +164,7 @@ def reference(make_opt, K: int, data: list, scheduler: dict | None = None, dropo
               split: str | list = "balanced", recompute: str = "current"):
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    from ds_mp.schedules.ouroboros.algorithm import OuroborosReference
+    from ouroboros_oracle import OuroborosReference
     from ds_mp.schedules.ouroboros.timetable import head_cost_in_blocks, split_modules
 
     mods = split_modules(4, K, split, head_blocks=head_cost_in_blocks(VOCAB, 48))  # as the engine splits
@@ -297,7 +297,7 @@ def test_no_delay_is_plain_backprop(K, fixture, request):
 def test_replay_reuses_the_forwards_dropout_masks():
     """module_backward(rng=capture_rng(...) before the forward) = autograd through that forward,
     whatever was drawn in between; without it the replay draws new masks."""
-    from ds_mp.schedules.ouroboros.algorithm import build_modules, capture_rng, module_backward
+    from ouroboros_oracle import build_modules, capture_rng, module_backward
 
     g0 = build_modules(tiny_gpt2(dropout=0.3).train(), 2)[0]
     ids, _ = DATA[0]

@@ -2,7 +2,7 @@
 table, against the single-process reference cut from HF's unmodified ``…ForCausalLM``.
 
 The oracle: ``OuroborosReference`` over HF's own decoder layers, embedding, norm and head
-(``ds_mp.schedules.ouroboros.hf_modules``), itself checked here against HF's model — with
+(``tests/ouroboros_hf_modules.py``), itself checked here against HF's model — with
 delay=False it is HF's backprop, and with delay=True two iterations of K=2 equal the algebra of
 Algorithm 1 written out with HF's autograd (stale delta, replay with the current weights).  The
 engine runs ds_mp's TP layers in the ring order of the family's table: grouped-query attention
@@ -94,7 +94,7 @@ def reference(model, K: int, make_opt, steps: list, split: list | None = None, r
     """The single-process reference over HF's modules, split as the engine splits (the family's
     block cost weighs the head), one thread as on the ranks."""
     from ds_mp.models.family import family_of
-    from ds_mp.schedules.ouroboros.algorithm import OuroborosReference
+    from ouroboros_oracle import OuroborosReference
     from ds_mp.schedules.ouroboros.timetable import head_cost_in_blocks, split_modules
 
     cfg = model.config
@@ -119,7 +119,7 @@ def sgd(p):
 def test_reference_without_delay_is_hf_backprop(kind, kv, tied):
     """delay=False: the reference over HF's modules (rotary per block, GQA, the head tied or not) is
     HF's own forward and backward: losses and weights after 3 SGD steps equal HF's."""
-    from ds_mp.schedules.ouroboros.algorithm import OuroborosReference
+    from ouroboros_oracle import OuroborosReference
 
     model, steps = model_for(kind, kv, tied), data(n=3)
     want_losses, _, want = hf_train(model, [[b] for b in steps], lr=0.1)
@@ -135,7 +135,7 @@ def test_reference_k2_two_iterations_by_hand():
     """K=2, SGD, untied Qwen2 with GQA: iteration 0 updates G_1 (block 1, norm, lm_head) only;
     iteration 1 updates G_1 with f_1's gradient and G_0 (embedding, block 0) by replaying x_0 with
     the weights w^1 against the stale delta_0^0 = df_0/dh_1 taken at w^0 — all with HF's autograd."""
-    from ds_mp.schedules.ouroboros.algorithm import OuroborosReference
+    from ouroboros_oracle import OuroborosReference
 
     lr, model = 0.1, model_for("qwen2", 2, False, n_layer=2)
     (x0, y0), (x1, y1) = data(n=2)

@@ -9,9 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from ds_mp.schedules.ouroboros.algorithm import (ModuleBackward, ModuleForward, UpdateModules, OuroborosReference, RecvHidden,
-                                      RecvDelta, SendHidden, SendDelta, format_timetable, ouroboros_timetable,
-                                      ring_layout, split_modules)
+from ouroboros_oracle import (ModuleBackward, ModuleForward, UpdateModules, OuroborosReference, RecvHidden, RecvDelta,
+                              SendHidden, SendDelta, format_timetable, ouroboros_timetable, ring_layout, split_modules)
 from ds_mp.schedules.ouroboros.timetable import head_cost_in_blocks
 
 VOCAB, SEQ, BATCH = 101, 8, 2

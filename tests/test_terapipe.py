@@ -24,7 +24,7 @@ from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, LoadS
 from ds_mp.schedules.simulate import simulate, terapipe_timetable
 from ds_mp.schedules.terapipe.cost_model import CostModel, batch_cost, load_cost_model
 from ds_mp.schedules.terapipe.planner import plan_joint
-from ds_mp.schedules.terapipe.kv_cache import KVContext, context_mask
+from ds_mp.engine.terapipe_kv import KVContext, context_mask
 from ds_mp.schedules.terapipe.schedule import TeraPipeSchedule, plan_units
 from ds_mp.schedules.terapipe.planner import explicit_plan
 from helpers import batches, ds_config, tiny_gpt2, train_one_process
@@ -138,7 +138,7 @@ def test_plan_profiles_the_models_own_family_blocks(source, tmp_path, monkeypatc
     an inline shape or a checkpoint directory."""
     from ds_mp.config import load_config
     from ds_mp.models import llama_layers
-    from ds_mp.schedules.terapipe import profile
+    from ds_mp.engine import terapipe_profile as profile
     from test_llama import tiny_llama
 
     if source == "inline":
@@ -166,7 +166,7 @@ def test_saved_profile_reused_only_for_its_setup(tmp_path, capsys) -> None:
     """A cached profile is reused when what it was measured for (shape, micro-batch, layout,
     device, ...) matches; else it is measured again — unless the user named the file."""
     from ds_mp.schedules.terapipe.cost_model import TableCostModel
-    from ds_mp.schedules.terapipe.profile import _cached
+    from ds_mp.engine.terapipe_profile import _cached
 
     meta = {"n_embd": 48, "micro_batch": 2, "tp": 1, "pp": 2, "device": "cpu"}
     path = str(tmp_path / "p.json")

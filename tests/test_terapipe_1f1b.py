@@ -4,7 +4,7 @@
   slice is forwarded on the last stage), the bound on units in flight, and the compiled
   instruction streams played with rendezvous p2p (no deadlock, every unit forwarded and
   backwarded once per stage, gradients consumed by the unit they belong to);
-* :class:`~ds_mp.schedules.memory.SavedActivations` against a hand count;
+* :class:`~ds_mp.engine.memory.SavedActivations` against a hand count;
 * multi-rank (gloo, CPU): losses and every weight equal HF's after SGD steps (PP=2×DP=2,
   TP=2×PP=2 with uneven batch-slices, activation checkpointing every 2 and 3 pipeline layers (GPT-2's
   token lookup then shares a segment), sequence parallelism, PP=3),
@@ -17,7 +17,7 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from dist_utils import run_ranks
-from ds_mp.schedules.memory import SavedActivations
+from ds_mp.engine.memory import SavedActivations
 from ds_mp.schedules.simulate import Op, simulate, sliced_one_f_one_b_timetable
 from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, TeraPipe1F1B
 from helpers import batches, ds_config, tiny_gpt2

@@ -18,7 +18,7 @@ import random
 
 import pytest
 
-from ds_mp.schedules.memory import modelled_peak
+from ds_mp.schedules.timetable import modelled_peak
 from ds_mp.schedules.simulate import Op, one_f_one_b_timetable, simulate
 from ds_mp.schedules.timetable import Transfer, rounds
 from ds_mp.schedules.zb_v import (figure, held_peak, lower_bound, project, projection, unit_cost, v_deps, v_peer,

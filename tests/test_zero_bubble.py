@@ -23,7 +23,7 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
 from dist_utils import run_ranks
-from ds_mp.schedules.memory import modelled_peak
+from ds_mp.schedules.timetable import modelled_peak
 from ds_mp.schedules.simulate import (Op, one_f_one_b_timetable, simulate, zb_deferrals, zb_h1_timetable,
                                       zero_bubble_deps)
 from ds_mp.schedules.timetable import TimetableSchedule

@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import atomic_dir
-from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, SafetensorsRanges,
-                                      is_sharded_dir, open_safetensors, st_dtype, write_safetensors_streaming)
+from ds_mp.checkpoint.safetensors_io import SafetensorsRanges, open_safetensors, st_dtype, write_safetensors_streaming
+from ds_mp.checkpoint.sharded import CheckpointError, ShardedReader, expected_shapes, is_sharded_dir
 from ds_mp.models.family import family_named, family_of, untied_as_hf_loads
 from ds_mp.models.pipeline import hf_param_name, is_tied_copy
 from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel.sharding import read_shard, shard, unshard
+from ds_mp.engine_view import EngineView
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
@@ -291,7 +292,7 @@ def write_hf_dir(tensors: dict[str, torch.Tensor], cfg: Any, out: str, tokenizer
         write_hf_files(tensors, cfg, tmp, tokenizer_dir)
 
 
-def gather_stage(engine: Any, masters: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def gather_stage(engine: EngineView, masters: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Collective over the TP group: this stage's full tensors by HF name (on TP rank 0).
 
     ``masters`` (id(parameter) -> fp32 master weight) replaces the module weights it covers.
@@ -316,7 +317,7 @@ def gather_stage(engine: Any, masters: dict[int, torch.Tensor] | None = None) ->
     return out
 
 
-def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+def full_state_dict(engine: EngineView) -> dict[str, torch.Tensor]:
     """Collective (every rank calls it): every weight by HF name, full (unsharded, true vocab),
     fp32 on CPU, on global rank 0; ``{}`` elsewhere.
 
@@ -336,7 +337,7 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     return tensors if topo.rank == 0 else {}
 
 
-def write_on_rank0(engine: Any, what: str, write: Callable[[], None]) -> None:
+def write_on_rank0(engine: EngineView, what: str, write: Callable[[], None]) -> None:
     """Collective: global rank 0 runs ``write``; its error, if any, is raised on every rank
     (so no rank waits on a peer that failed) as one ``CheckpointError`` naming ``what``."""
     error = ""
@@ -353,7 +354,7 @@ def write_on_rank0(engine: Any, what: str, write: Callable[[], None]) -> None:
         raise CheckpointError(f"{what} failed on rank 0: {error}")
 
 
-def save_hf(engine: Any, out_dir: str, tokenizer_dir: str | None = None) -> None:
+def save_hf(engine: EngineView, out_dir: str, tokenizer_dir: str | None = None) -> None:
     """Collective (every rank calls it): global rank 0 writes an HF model directory.
 
     The weights come from :func:`full_state_dict`.  A write error on rank 0 is re-raised on

@@ -23,6 +23,7 @@ import torch
 from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.hf import full_state_dict, write_hf_dir, write_on_rank0
 from ds_mp.checkpoint.sharded import CheckpointError
+from ds_mp.engine_view import EngineView
 
 __all__ = ["save_lora", "merge_lora", "peft_adapter_tensors", "adapter_config"]
 
@@ -62,7 +63,7 @@ def adapter_config(lora: Any, base_model: str | None, fan_in_fan_out: bool = Tru
             "inference_mode": True, "init_lora_weights": True, "modules_to_save": None}
 
 
-def save_lora(engine: Any, out_dir: str, merge: bool = False, tokenizer_dir: str | None = None,
+def save_lora(engine: EngineView, out_dir: str, merge: bool = False, tokenizer_dir: str | None = None,
               base_model: str | None = None) -> None:
     """Collective (every rank calls it): global rank 0 writes the PEFT adapter (or, ``merge``, the
     merged HF directory) to ``out_dir`` (replaced atomically).  A write error on rank 0 is raised on

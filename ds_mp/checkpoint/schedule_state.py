@@ -7,16 +7,16 @@ import os
 from typing import Any
 
 from ds_mp.checkpoint.integrity import CheckpointError, Manifest, load_torch
+from ds_mp.engine_view import EngineView
 
 
-def layout_of(engine: Any) -> dict:
+def layout_of(engine: EngineView) -> dict:
     t = engine.topology
     return {"tp": t.tp, "pp": t.pp, "dp": t.dp}
 
 
-def schedule_state(engine: Any) -> dict | None:
-    hook = getattr(engine, "schedule_state_dict", None)
-    return hook() if hook is not None else None
+def schedule_state(engine: EngineView) -> dict | None:
+    return engine.schedule_state_dict()
 
 
 def schedule_file(path: str, topo: Any, tp_rank: int | None = None) -> str:
@@ -24,7 +24,7 @@ def schedule_file(path: str, topo: Any, tp_rank: int | None = None) -> str:
     return os.path.join(path, f"schedule-pp{topo.pp_rank:02d}-tp{tp:02d}-dp{topo.dp_rank:02d}.pt")
 
 
-def schedule_source(engine: Any, path: str, saved_layout: dict | None) -> str | None:
+def schedule_source(engine: EngineView, path: str, saved_layout: dict | None) -> str | None:
     """The schedule-state file this rank resumes from, None if its schedule keeps none.
 
     In-flight work (Ouroboros: stashed module inputs, deltas in flight) is tied to the ring (PP)
@@ -32,7 +32,7 @@ def schedule_source(engine: Any, path: str, saved_layout: dict | None) -> str | 
     state is replicated over TP (``engine.schedule_state_tp_free()``: activations are whole on
     every TP rank, no TP-sharded weight snapshots, no dropout masks to redraw): every new TP rank
     then takes TP rank 0's file."""
-    if not getattr(engine, "keeps_schedule_state", lambda: False)():
+    if not engine.keeps_schedule_state():
         return None
     layout, topo = layout_of(engine), engine.topology
     if saved_layout is None or saved_layout == layout:
@@ -50,7 +50,7 @@ def schedule_source(engine: Any, path: str, saved_layout: dict | None) -> str | 
     return schedule_file(path, topo, tp_rank=0)
 
 
-def load_schedule_state(engine: Any, path: str, manifest: Manifest | None, saved_layout: dict | None) -> None:
+def load_schedule_state(engine: EngineView, path: str, manifest: Manifest | None, saved_layout: dict | None) -> None:
     """The schedule's in-flight state of this rank (saved only by schedules that keep one; see
     :func:`schedule_source` for the layouts it resumes at)."""
     file = schedule_source(engine, path, saved_layout)

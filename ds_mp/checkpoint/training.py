@@ -49,6 +49,7 @@ from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_s
                                       make_meta, shard_file, write_meta)
 from ds_mp.checkpoint.schedule_state import layout_of, load_schedule_state, schedule_file, schedule_state
 from ds_mp.models.pipeline import hf_param_name
+from ds_mp.engine_view import EngineView
 
 TRAINER_STATE = "trainer_state.pt"
 __all__ = ["save_checkpoint", "load_checkpoint", "everywhere", "TRAINER_STATE", "NATIVE", "LATEST", "read_latest",
@@ -58,28 +59,28 @@ __all__ = ["save_checkpoint", "load_checkpoint", "everywhere", "TRAINER_STATE", 
 NATIVE = "ds_mp_native.json"  # marked the DeepSpeed-format checkpoints of older ds_mp (refused)
 
 
-def _optimizer(engine: Any) -> torch.optim.Optimizer | None:
+def _optimizer(engine: EngineView) -> torch.optim.Optimizer | None:
     return engine.optimizer
 
 
-def _is_native(engine: Any) -> bool:
+def _is_native(engine: EngineView) -> bool:
     """bf16/fp16/ZeRO wrap the optimizer in DeepSpeed's flat-buffer classes (fp32 master
     weights and optimizer state partitioned over DP in flat buffers)."""
     return engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer)
 
 
-def _base_optimizer(engine: Any) -> torch.optim.Optimizer | None:
+def _base_optimizer(engine: EngineView) -> torch.optim.Optimizer | None:
     """The torch optimizer doing the update (the one a bf16/ZeRO wrapper holds)."""
     opt = engine.optimizer
     return opt.optimizer if _is_native(engine) else opt
 
 
-def _params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
+def _params(engine: EngineView) -> list[tuple[str, torch.nn.Parameter]]:
     """(HF name, parameter) for every parameter of this rank's stage."""
     return [(hf_param_name(n, engine.module), p) for n, p in engine.module.named_parameters()]
 
 
-def _lora_meta(engine: Any) -> dict | None:
+def _lora_meta(engine: EngineView) -> dict | None:
     """``{"r", "alpha", "target_modules"}`` of a LoRA engine (its factors are saved and resumed
     like any parameter), None without LoRA."""
     lora = engine.module.ds_mp_ctx.lora
@@ -109,7 +110,7 @@ def everywhere(what: str, fn: Callable[[], Any], gather: bool = False) -> Any:
     return [res for _, res in outcomes] if gather else result
 
 
-def _rank_tensors(engine: Any, opt: Any) -> tuple[dict, dict, dict]:
+def _rank_tensors(engine: EngineView, opt: Any) -> tuple[dict, dict, dict]:
     """This rank's (model, optimizer state, non-tensor extras) by HF name, in ds_mp's
     layout-free format.  For bf16/ZeRO the model tensors are the fp32 master weights and the
     state is gathered from the DP partitions (collective over each parameter's DP group:
@@ -158,7 +159,7 @@ def _write_rank_files(tmp: str, topo: Any, tensors: tuple[dict, dict, dict], has
     return paths
 
 
-def _trainer_state(engine: Any, opt: torch.optim.Optimizer | None, client_state: dict) -> dict:
+def _trainer_state(engine: EngineView, opt: torch.optim.Optimizer | None, client_state: dict) -> dict:
     """``opt``: the torch optimizer doing the update (for bf16/ZeRO the wrapped one)."""
     topo, sched = engine.topology, engine.lr_scheduler
     return {"optimizer": type(opt).__name__ if opt is not None else None,
@@ -190,7 +191,7 @@ def _matching_groups(base: torch.optim.Optimizer, saved: list[dict], path: str,
     return [(g, by_decay[old_of(g.get("weight_decay"))]) for g in base.param_groups]
 
 
-def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | None = None,
+def save_checkpoint(engine: EngineView, ckpt_root: str, tag: str, client_state: dict | None = None,
                     update_latest: bool = True) -> str:
     """Collective: write ``<ckpt_root>/<tag>`` and point ``<ckpt_root>/latest`` at it.
 
@@ -242,7 +243,7 @@ def save_checkpoint(engine: Any, ckpt_root: str, tag: str, client_state: dict | 
     return final
 
 
-def _verify_reads(engine: Any, reader: ShardedReader, path: str) -> None:
+def _verify_reads(engine: EngineView, reader: ShardedReader, path: str) -> None:
     """Check, before the engine is touched, the whole of every file this rank will read: the
     saved shards overlapping its own (weights, and optimizer state of trainable parameters),
     ``trainer_state.pt`` and its schedule file.  A rank never reads a byte it has not
@@ -263,7 +264,7 @@ def _verify_reads(engine: Any, reader: ShardedReader, path: str) -> None:
     reader.verify_files(files)
 
 
-def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None, verify: bool = True) -> dict:
+def load_checkpoint(engine: EngineView, ckpt_root: str, tag: str | None = None, verify: bool = True) -> dict:
     """Load weights, optimizer, scheduler and counters saved at any layout; return client_state.
 
     Each rank reads only the slices of the saved TP shards that overlap its own (TP rank,
@@ -277,9 +278,10 @@ def load_checkpoint(engine: Any, ckpt_root: str, tag: str | None = None, verify:
     return everywhere(f"load_checkpoint({where})", lambda: _load(engine, ckpt_root, tag, verify))
 
 
-def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
-    """:func:`load_checkpoint` on this rank; enters no collective (it runs inside ``everywhere``)."""
-    opt, topo = _optimizer(engine), engine.topology
+def _open_checked(engine: EngineView, ckpt_root: str, tag: str | None, verify: bool) -> tuple[str, ShardedReader]:
+    """The checkpoint directory and its reader, refused with one line where it cannot resume this
+    engine (missing, an old format, another model shape or LoRA, weights only, unreadable)."""
+    opt = _optimizer(engine)
     pointed, tag = tag is None, tag or latest_tag(ckpt_root)
     path = os.path.join(ckpt_root, tag)
     if not os.path.isdir(path):
@@ -306,6 +308,45 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
         raise CheckpointError(f"{path}: holds weights only (no optimizer state); start from it with "
                               "ds_mp.training.init_from instead of resuming")
     _verify_reads(engine, reader, path)
+    return path, reader
+
+
+def _restore_state(p: torch.nn.Parameter, weight: torch.Tensor, state: dict, opt: Any, native: bool) -> None:
+    """``p``'s fp32 master and optimizer state from its checkpoint shard, wherever the optimizer
+    keeps them: fp16's fp32 copy, DeepSpeed's flat partitions (bf16/ZeRO), or ``opt.state``."""
+    slot = compat.fp16_slot(p, opt) if native else None
+    if slot is not None:  # fp16 without ZeRO: into the fp32 copy its torch optimizer steps
+        holder, offset = slot
+        compat.slot_view(holder, offset, p).copy_(weight.float())
+        held = opt.optimizer.state[holder]
+        for key, v in state.items():
+            if torch.is_tensor(v) and v.shape == p.shape:
+                if key not in held:
+                    held[key] = torch.zeros_like(holder)
+                compat.slot_view(held[key], offset, p).copy_(v.float())
+            else:
+                held[key] = v.clone() if torch.is_tensor(v) else v
+        return
+    if native:  # fp32 master + state into this DP rank's fragments of the flat partitions
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        safe_set_full_fp32_param(p, weight.float())
+        for key, v in state.items():
+            if torch.is_tensor(v) and v.shape == p.shape:
+                compat.set_flat_state(p, opt, key, v.float())
+        compat.set_flat_state_extras(p, opt, {k: v for k, v in state.items()
+                                              if not (torch.is_tensor(v) and v.shape == p.shape)})
+        return
+    state = {k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v for k, v in state.items()}
+    opt.state.pop(p, None)
+    if state:
+        opt.state[p] = state
+
+
+def _load(engine: EngineView, ckpt_root: str, tag: str | None, verify: bool) -> dict:
+    """:func:`load_checkpoint` on this rank; enters no collective (it runs inside ``everywhere``)."""
+    opt, topo = _optimizer(engine), engine.topology
+    path, reader = _open_checked(engine, ckpt_root, tag, verify)
     trainer = load_torch(os.path.join(path, TRAINER_STATE), reader.manifest)
     base = _base_optimizer(engine)
     if base is not None and trainer["optimizer"] != type(base).__name__:
@@ -323,34 +364,7 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
             p.copy_(weight)  # a bf16 module weight: the master rounded, as DeepSpeed keeps it
             if opt is None or not p.requires_grad:  # frozen (LoRA's base): no master, no optimizer state
                 continue
-            state = reader.get_state_shard(name, kind, topo.tp_rank, topo.tp, **meta)
-            slot = compat.fp16_slot(p, opt) if native else None
-            if slot is not None:  # fp16 without ZeRO: into the fp32 copy its torch optimizer steps
-                holder, offset = slot
-                compat.slot_view(holder, offset, p).copy_(weight.float())
-                held = opt.optimizer.state[holder]
-                for key, v in state.items():
-                    if torch.is_tensor(v) and v.shape == p.shape:
-                        if key not in held:
-                            held[key] = torch.zeros_like(holder)
-                        compat.slot_view(held[key], offset, p).copy_(v.float())
-                    else:
-                        held[key] = v.clone() if torch.is_tensor(v) else v
-                continue
-            if native:  # fp32 master + state into this DP rank's fragments of the flat partitions
-                from deepspeed.utils import safe_set_full_fp32_param
-
-                safe_set_full_fp32_param(p, weight.float())
-                for key, v in state.items():
-                    if torch.is_tensor(v) and v.shape == p.shape:
-                        compat.set_flat_state(p, opt, key, v.float())
-                compat.set_flat_state_extras(p, opt, {k: v for k, v in state.items()
-                                                      if not (torch.is_tensor(v) and v.shape == p.shape)})
-                continue
-            state = {k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v for k, v in state.items()}
-            opt.state.pop(p, None)
-            if state:
-                opt.state[p] = state
+            _restore_state(p, weight, reader.get_state_shard(name, kind, topo.tp_rank, topo.tp, **meta), opt, native)
     built = [{k: v for k, v in group.items() if k != "params"} for group, _ in groups]  # from this run's config
     for group, saved in groups:
         group.update(saved)
@@ -361,7 +375,6 @@ def _load(engine: Any, ckpt_root: str, tag: str | None, verify: bool) -> dict:
         compat.set_loss_scaler_state(engine.optimizer, trainer["loss_scaler"])
     if engine.lr_scheduler is not None and trainer["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
-    engine.global_steps, engine.global_samples = trainer["global_steps"], trainer["global_samples"]
-    engine.skipped_steps = trainer["skipped_steps"]
+    compat.set_step_counters(engine, trainer["global_steps"], trainer["global_samples"], trainer["skipped_steps"])
     load_schedule_state(engine, path, reader.manifest, trainer.get("layout"))
     return trainer["client_state"]

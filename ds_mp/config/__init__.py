@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from ds_mp.config.batching import ramp_micro_multiple
 from ds_mp.config.checks import check_model_family, load_config, read_json, shape_of, validate
-from ds_mp.config.schema import (LLAMA_LORA_TARGETS, LLAMA_SCHEDULES, LORA_TARGETS, MODEL_TYPES,
+from ds_mp.config.schema import (LLAMA_LORA_TARGETS, LORA_TARGETS, MODEL_TYPES,
                                  BatchRampConfig, ConfigError, DataConfig, DsMpConfig, InlineModel, LoraConfig,
                                  OuroborosConfig, PipelineConfig, TensorParallelConfig, TeraPipeConfig,
                                  TrainingConfig, parse_config)
 
 __all__ = ["BatchRampConfig", "ConfigError", "DataConfig", "DsMpConfig", "InlineModel", "LLAMA_LORA_TARGETS",
-           "LLAMA_SCHEDULES", "LORA_TARGETS", "LoraConfig", "MODEL_TYPES", "OuroborosConfig", "PipelineConfig",
+           "LORA_TARGETS", "LoraConfig", "MODEL_TYPES", "OuroborosConfig", "PipelineConfig",
            "TensorParallelConfig", "TeraPipeConfig", "TrainingConfig", "check_model_family", "load_config",
            "parse_config", "ramp_micro_multiple", "read_json", "shape_of", "validate"]

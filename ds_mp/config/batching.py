@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 
+from ds_mp.config.registry import names_where, schedule_spec
 from ds_mp.config.schema import ConfigError, DsMpConfig, positive
 
 
@@ -15,20 +16,18 @@ def check_noise_scale(raw: dict, cfg: DsMpConfig, key: str, instead: str) -> Non
                           f"it needs DP >= 2 (this layout has DP = 1) and would never be measured; {instead}, or launch "
                           "more ranks or lower tensor_parallel.size/pipeline.stages")
     stage = (raw.get("zero_optimization") or {}).get("stage", 0) or 0
-    if (raw.get("fp16") or {}).get("enabled") or cfg.pipeline.schedule == "ouroboros" or stage >= 2:
+    measurable = schedule_spec(cfg.pipeline.schedule).noise_scale  # its gradients go through DP reduction
+    if (raw.get("fp16") or {}).get("enabled") or not measurable or stage >= 2:
         raise ConfigError(f"{key}: the noise scale is measured in fp32 or bf16 at ZeRO 0/1 around the pipeline engine's "
                           "DP reduction (not on fp16's scaled gradients; not with ouroboros, which assembles gradients "
                           "by hand; not at ZeRO-2, which reduces during the backward); " + instead)
 
 
-RAMP_SCHEDULES = ("1f1b", "gpipe", "terapipe", "zb-h1", "interleaved")  # tested with a changing batch
-
-
 def ramp_micro_multiple(cfg: DsMpConfig) -> int:
     """The number of micro-batches per step a batch ramp's sizes must be a multiple of (per DP
-    rank): the pipeline stages for the interleaved schedule (its order walks the ring in groups of
-    that many), else 1."""
-    return cfg.pipeline.stages if cfg.pipeline.schedule == "interleaved" else 1
+    rank): the schedule's spec says (interleaved: the pipeline stages, its order walks the ring in
+    groups of that many; else 1)."""
+    return schedule_spec(cfg.pipeline.schedule).micro_multiple(cfg)
 
 
 def check_batch_ramp(raw: dict, cfg: DsMpConfig) -> None:
@@ -51,9 +50,10 @@ def check_batch_ramp(raw: dict, cfg: DsMpConfig) -> None:
     if br.start > br.max:
         raise ConfigError(f"{key}.start: {br.start} > max={br.max}; the batch only grows: make start <= max")
     micro = raw.get("train_micro_batch_size_per_gpu", 1)
-    per_step = ramp_micro_multiple(cfg)
+    spec = schedule_spec(cfg.pipeline.schedule)
+    per_step = spec.micro_multiple(cfg)
     unit = micro * cfg.dp * per_step
-    ring = f" × stages ({per_step}: interleaved runs a multiple of the ring's micro-batches)" if per_step > 1 else ""
+    ring = f" × {spec.micro_multiple_reason(cfg)}" if per_step > 1 else ""
     for name in ("start", "max"):
         v = getattr(br, name)
         if v % unit:
@@ -66,19 +66,19 @@ def check_batch_ramp(raw: dict, cfg: DsMpConfig) -> None:
         raise ConfigError(f"{key}: not with zero_optimization.offload_optimizer: DeepSpeed's ZeRO optimizer stores "
                           "gradient_accumulation_steps when it is built and branches on it in its CPU-offload path, "
                           "so a batch change would leave it on the old branch; remove offload_optimizer or the ramp")
+    tested = spec.batch_ramp  # True, False (untested) or the refusal
     if br.policy == "linear":
         positive(br.ramp_samples, "batch_ramp.ramp_samples")
     elif cfg.dp < 2:
         raise ConfigError(f"{key}.policy: 'noise_scale' measures B_simple from the per-replica vs all-reduced "
                           "gradient, which needs DP >= 2 (this layout has DP = 1); launch more ranks or lower "
                           "tensor_parallel.size/pipeline.stages, or use policy 'linear'")
-    elif cfg.pipeline.schedule != "ouroboros":
+    elif not isinstance(tested, str):  # (a refused schedule says why below)
         check_noise_scale(raw, cfg, f"{key}.policy", "use policy 'linear'")
-    if cfg.pipeline.schedule == "ouroboros":
-        raise ConfigError(f"{key}: not supported with the ouroboros schedule: its updates apply gradients computed "
-                          "up to K-2 steps earlier, so a batch (and LR) change would mix batch sizes inside one "
-                          "update; use a fixed batch or another schedule")
-    if cfg.pipeline.schedule not in RAMP_SCHEDULES:
-        raise ConfigError(f"{key}: tested with the {', '.join(RAMP_SCHEDULES)} schedules (a batch change gives the "
+    if isinstance(tested, str):
+        raise ConfigError(tested)
+    if tested is not True:
+        ramped = names_where(lambda other: other.batch_ramp is True)
+        raise ConfigError(f"{key}: tested with the {', '.join(ramped)} schedules (a batch change gives the "
                           f"schedule more micro-batches per step), not with {cfg.pipeline.schedule!r}; use one of "
                           "those or a fixed batch")

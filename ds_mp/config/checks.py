@@ -9,11 +9,11 @@ import json
 import math
 import os
 import warnings
+from typing import Callable
 
 from ds_mp.config.batching import check_batch_ramp, check_noise_scale
-from ds_mp.config.schema import (LLAMA_SCHEDULES, MODEL_TYPES, ConfigError, DsMpConfig, InlineModel, parse_config,
-                                 positive)
-from ds_mp.config.registry import SCHEDULES
+from ds_mp.config.registry import SCHEDULES, names_where, schedule_spec
+from ds_mp.config.schema import MODEL_TYPES, ConfigError, DsMpConfig, InlineModel, parse_config, positive
 
 
 def _model_shape(cfg: DsMpConfig) -> InlineModel:
@@ -66,18 +66,18 @@ def shape_of(cfg: DsMpConfig, hf: dict, where: str) -> InlineModel:
 def check_model_family(cfg: DsMpConfig) -> None:
     """What the model's family supports (``cfg.hf_config``; nothing to check for GPT-2).
 
-    Llama / Qwen2 / Mistral: the schedules tested against HF (or, Ouroboros, against its
-    reference over HF's modules) for them (:data:`LLAMA_SCHEDULES`); LoRA on their linears, on
-    k_proj/v_proj only where TP divides the key/value heads (otherwise the frozen projections are
-    replicated and the factor cut would differ by rank); an MLP width TP splits evenly; a sliding
-    attention window refused unless it covers the sequence."""
+    Llama / Qwen2 / Mistral: the schedules whose spec lists the family (tested against HF or, for
+    Ouroboros, against its reference over HF's modules); LoRA on their linears, on k_proj/v_proj
+    only where TP divides the key/value heads (otherwise the frozen projections are replicated and
+    the factor cut would differ by rank); an MLP width TP splits evenly."""
     hf = cfg.hf_config
     kind = hf.get("model_type", "gpt2")
     if kind == "gpt2":
         return
-    if cfg.pipeline.schedule not in LLAMA_SCHEDULES:
+    if kind not in schedule_spec(cfg.pipeline.schedule).families:
+        tested = names_where(lambda spec: kind in spec.families)
         raise ConfigError(f"ds_mp.pipeline.schedule: {cfg.pipeline.schedule!r} is not tested with {kind} models (only "
-                          f"with GPT-2); use one of {', '.join(LLAMA_SCHEDULES)}")
+                          f"with GPT-2); use one of {', '.join(tested)}")
     inner = hf.get("intermediate_size", 0)
     if inner % cfg.tp:
         raise ConfigError(f"ds_mp.tensor_parallel.size: {cfg.tp} does not divide intermediate_size={inner} (the MLP "
@@ -89,12 +89,9 @@ def check_model_family(cfg: DsMpConfig) -> None:
                           "or LoRA on q_proj, o_proj and the MLP")
 
 
-def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) -> DsMpConfig:
-    """Check ``cfg`` against itself and ``world_size``; fill ``dp`` and ``shape``.
-
-    World size = TP × PP × DP, except for Ouroboros where PP is K − 1 ring ranks.  ``hf_config``:
-    the config dict of a model object given to ``ds_mp.initialize`` (its shape and family).
-    """
+# --- the checks of validate(), in the order they run -------------------------------------------------
+def check_degrees_and_counts(cfg: DsMpConfig) -> None:
+    """Sizes that must be >= 1 and counts/intervals that must be >= 0."""
     tp, pp = cfg.tensor_parallel, cfg.pipeline
     for key, v in (("tensor_parallel.size", tp.size), ("pipeline.stages", pp.stages),
                    ("tensor_parallel.vocab_pad_multiple", tp.vocab_pad_multiple),
@@ -110,6 +107,10 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
                    ("pipeline.activation_checkpoint_interval", pp.activation_checkpoint_interval)):
         if v < 0:
             raise ConfigError(f"ds_mp.{key}: must be >= 0, got {v}")
+
+
+def check_run_length(cfg: DsMpConfig) -> None:
+    """``training.epochs`` (not with a batch ramp deciding its batches) and ``training.trace_steps``."""
     if not 0 <= cfg.training.epochs < math.inf:
         raise ConfigError(f"ds_mp.training.epochs: must be a number >= 0 (0 = use training.steps), got "
                           f"{cfg.training.epochs!r}")
@@ -121,6 +122,10 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
                or not 1 <= ts[0] <= ts[1] <= cfg.training.steps):
         raise ConfigError(f"ds_mp.training.trace_steps: {ts} must be [first, last] steps with 1 <= first <= last <= "
                           f"training.steps={cfg.training.steps} (e.g. [10, 12]), or [] for no trace")
+
+
+def check_choices(cfg: DsMpConfig) -> None:
+    """The keys that take one of a few words."""
     if cfg.data.overlong not in ("truncate", "drop"):
         raise ConfigError(f"ds_mp.data.overlong: must be 'truncate' or 'drop', got {cfg.data.overlong!r}")
     if cfg.loss.normalization not in ("tokens", "micro_batch"):
@@ -130,13 +135,21 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
     if cfg.training.max_consecutive_skips < 0:
         raise ConfigError(f"ds_mp.training.max_consecutive_skips: must be >= 0 (0 = no limit), got "
                           f"{cfg.training.max_consecutive_skips}")
-    if pp.schedule not in SCHEDULES:
-        close = difflib.get_close_matches(pp.schedule, list(SCHEDULES), n=1)
+
+
+def check_schedule_name(cfg: DsMpConfig) -> None:
+    """``pipeline.schedule`` is registered (a close name suggested)."""
+    name = cfg.pipeline.schedule
+    if name not in SCHEDULES:
+        close = difflib.get_close_matches(name, list(SCHEDULES), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"ds_mp.pipeline.schedule: unknown schedule {pp.schedule!r}; "
+        raise ConfigError(f"ds_mp.pipeline.schedule: unknown schedule {name!r}; "
                           f"registered: {', '.join(sorted(SCHEDULES))}{hint}")
 
-    shape = _model_shape(cfg) if hf_config is None else shape_of(cfg, hf_config, "the model object")
+
+def check_shape(cfg: DsMpConfig, shape: InlineModel) -> None:
+    """The model's shape, and what TP and the sequence length ask of it."""
+    tp = cfg.tensor_parallel
     for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
         positive(getattr(shape, key), f"model.{key}")
     if shape.n_embd % shape.n_head:
@@ -154,41 +167,12 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
         raise ConfigError(f"ds_mp.data.seq_len: {cfg.data.seq_len} exceeds the model's "
                           f"n_positions={shape.n_positions}; lower seq_len")
 
-    ring = pp.schedule == "ouroboros"
-    if ring:
-        k = cfg.ouroboros.modules or pp.stages + 1
-        if k < 2:
-            raise ConfigError(f"ds_mp.ouroboros.modules: K={k} < 2; Ouroboros needs at least 2 modules")
-        if k != pp.stages + 1:
-            raise ConfigError(f"ds_mp.ouroboros.modules: K={k} modules run on K-1 ranks, but "
-                              f"pipeline.stages={pp.stages}; set pipeline.stages to {k - 1}")
-        if k > shape.n_layer:
-            raise ConfigError(f"ds_mp.ouroboros.modules: K={k} exceeds n_layer={shape.n_layer}; "
-                              f"use at most {shape.n_layer} modules")
-        osplit = cfg.ouroboros.split
-        if isinstance(osplit, list):
-            if (len(osplit) != k or sum(osplit) != shape.n_layer
-                    or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in osplit)
-                    or any(n < 1 for n in osplit[1:-1])):
-                raise ConfigError(f"ds_mp.ouroboros.split: {osplit} must be {k} block counts summing to "
-                                  f"n_layer={shape.n_layer}, at least 1 for every middle module")
-        elif osplit not in ("balanced", "equal"):
-            raise ConfigError(f"ds_mp.ouroboros.split: {osplit!r} is not 'balanced', 'equal' or a list of "
-                              f"{k} block counts")
-        if cfg.ouroboros.recompute not in ("current", "stashed", "none"):
-            raise ConfigError(f"ds_mp.ouroboros.recompute: {cfg.ouroboros.recompute!r} is not 'current' "
-                              "(features replay with the current weights), 'stashed' (the forward's weights) or "
-                              "'none' (keep the forward's activations: 'stashed' without the replay)")
-        if cfg.ouroboros.recompute == "none" and not cfg.ouroboros.repeat_dropout:
-            raise ConfigError("ds_mp.ouroboros.repeat_dropout: false draws fresh masks in a replay, but recompute "
-                              "'none' keeps the forward's graph and replays nothing; use recompute 'stashed'")
-        if pp.activation_checkpoint_interval:
-            raise ConfigError("ds_mp.pipeline.activation_checkpoint_interval: ouroboros already recomputes every "
-                              "delayed module's forward (features replay); set it to 0")
-    elif pp.stages > shape.n_layer:
-        raise ConfigError(f"ds_mp.pipeline.stages: {pp.stages} stages but the model has "
-                          f"{shape.n_layer} blocks; use at most {shape.n_layer} stages")
 
+def check_stage_layout(cfg: DsMpConfig, shape: InlineModel) -> None:
+    """The schedule's placement of stages (its spec), then ``pipeline.partition`` over the
+    stages × virtual_stages chunks it cuts."""
+    pp = cfg.pipeline
+    schedule_spec(pp.schedule).check_layout(cfg, shape)
     chunks = pp.stages * pp.virtual_stages  # interleaved: the partition cuts stages × virtual_stages chunks
     if isinstance(pp.partition, list):
         if len(pp.partition) != chunks or any(
@@ -207,79 +191,30 @@ def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) ->
     elif pp.partition not in ("uniform", "parameters", "cost"):
         raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} is not 'uniform', 'parameters', "
                           "'cost' or a list of blocks per stage")
-    elif pp.partition == "cost" and ring:
-        raise ConfigError("ds_mp.pipeline.partition: 'cost' balances pipeline stages, but the ouroboros schedule "
-                          "places its modules by ouroboros.split; remove pipeline.partition")
-
-    if pp.schedule == "terapipe" and tp.sequence_parallel and tp.size > 1:
-        if isinstance(cfg.terapipe.slices, list) and any(n % tp.size for n in cfg.terapipe.slices):
-            raise ConfigError(f"ds_mp.terapipe.slices: {cfg.terapipe.slices} with sequence parallelism: every "
-                              f"slice is split over the {tp.size} TP ranks; make each a multiple of {tp.size}")
-        if cfg.terapipe.slices == "auto" and cfg.terapipe.granularity % tp.size:
-            raise ConfigError(f"ds_mp.terapipe.granularity: {cfg.terapipe.granularity} with sequence parallelism: "
-                              f"planned slices are split over {tp.size} TP ranks; use a multiple of {tp.size}")
-
-    bs = cfg.terapipe.batch_slices
-    if bs == "auto":
-        if cfg.terapipe.slices != "auto":
-            raise ConfigError("ds_mp.terapipe.batch_slices: 'auto' chooses the batch split together with the token "
-                              "slices; set terapipe.slices to 'auto' too, or give batch_slices a number")
-    elif isinstance(bs, str):
-        raise ConfigError(f"ds_mp.terapipe.batch_slices: {bs!r} is not a positive integer or 'auto'")
-    else:
-        positive(bs, "terapipe.batch_slices")
-    sl = cfg.terapipe.slices
-    if isinstance(sl, list):
-        if not sl or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sl):
-            raise ConfigError(f"ds_mp.terapipe.slices: expected positive integers, got {sl}")
-        if sum(sl) != cfg.data.seq_len:
-            raise ConfigError(f"ds_mp.terapipe.slices: {sl} sums to {sum(sl)} but data.seq_len "
-                              f"is {cfg.data.seq_len}; make the slices sum to {cfg.data.seq_len}")
-    elif sl != "auto":
-        raise ConfigError(f"ds_mp.terapipe.slices: {sl!r} is not 'auto' or a list of lengths")
-    if cfg.terapipe.order not in ("gpipe", "1f1b"):
-        raise ConfigError(f"ds_mp.terapipe.order: {cfg.terapipe.order!r} is not 'gpipe' (all slice forwards, then "
-                          "all backwards) or '1f1b' (each sequence's slices backwarded as soon as possible)")
-
-    _validate_interleaved(cfg, shape.n_layer)
-    _validate_zero_bubble(cfg)
-    _validate_lora(cfg)
-    check_model_family(cfg)
-    model_ranks = tp.size * pp.stages
-    if world_size % model_ranks:
-        raise ConfigError(f"ds_mp: world size {world_size} is not divisible by tensor_parallel.size "
-                          f"({tp.size}) × pipeline.stages ({pp.stages}) = {model_ranks}; launch a "
-                          f"multiple of {model_ranks} ranks or change the degrees")
-    cfg.world_size, cfg.dp, cfg.shape = world_size, world_size // model_ranks, shape
-    return cfg
 
 
-def _validate_interleaved(cfg: DsMpConfig, n_layer: int) -> None:
-    """``pipeline.virtual_stages`` belongs to the interleaved schedule, which is tested against HF in
-    fp32/bf16 with ZeRO 0/1, DP, TP (sequence parallelism too), LoRA and activation checkpointing."""
+def check_virtual_stages(cfg: DsMpConfig, shape: InlineModel) -> None:
+    """``pipeline.virtual_stages`` > 1 only for a schedule whose spec takes chunks per stage."""
     pp, v = cfg.pipeline, cfg.pipeline.virtual_stages
     positive(v, "pipeline.virtual_stages")
-    if pp.schedule != "interleaved":
-        if v != 1:
-            raise ConfigError(f"ds_mp.pipeline.virtual_stages: {v} chunks per stage need schedule 'interleaved', "
-                              f"not {pp.schedule!r}; set it to 1 or pick the interleaved schedule")
-        return
-    if pp.stages < 2:
-        raise ConfigError(f"ds_mp.pipeline.stages: {pp.stages}; the interleaved schedule needs a ring of at least 2 "
-                          "stages (use 1f1b on one stage)")
-    if pp.stages * v > n_layer:
-        raise ConfigError(f"ds_mp.pipeline.virtual_stages: {pp.stages} stages × {v} chunks exceed n_layer={n_layer} "
-                          "blocks; lower it")
+    if v != 1 and not schedule_spec(pp.schedule).virtual_stages:
+        chunked = names_where(lambda spec: spec.virtual_stages)
+        raise ConfigError(f"ds_mp.pipeline.virtual_stages: {v} chunks per stage need schedule "
+                          f"{' or '.join(map(repr, chunked))}, not {pp.schedule!r}; set it to 1 or pick the "
+                          f"{' or '.join(chunked)} schedule")
 
 
-def _validate_zero_bubble(cfg: DsMpConfig) -> None:
+def check_zb_max_pending_w(cfg: DsMpConfig, shape: InlineModel) -> None:
+    """``pipeline.zb_max_pending_w``: 'auto', 'paper' or a count."""
     n = cfg.pipeline.zb_max_pending_w
     if n not in ("auto", "paper") and not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
         raise ConfigError(f"ds_mp.pipeline.zb_max_pending_w: {n!r}; use 'auto', 'paper' or an int >= 0 "
                           "(W passes a zb-h1 stage may defer)")
 
 
-def _validate_lora(cfg: DsMpConfig) -> None:
+def check_lora(cfg: DsMpConfig, shape: InlineModel) -> None:
+    """The ``lora`` block: rank, scale, dropout, the family's target names; not with sequence
+    parallelism, nor with a schedule whose spec refuses it."""
     lo = cfg.lora
     if lo.r < 0:
         raise ConfigError(f"ds_mp.lora.r: must be >= 0 (0 = off), got {lo.r}")
@@ -298,9 +233,59 @@ def _validate_lora(cfg: DsMpConfig) -> None:
     if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1:
         raise ConfigError("ds_mp.lora: not supported with tensor_parallel.sequence_parallel (the replicated LoRA "
                           "factors would see only a slice of tokens); set sequence_parallel to false")
-    if cfg.pipeline.schedule == "ouroboros":
-        raise ConfigError("ds_mp.lora: not supported with the ouroboros schedule (it assembles every module's "
-                          "gradients by hand); use 1f1b, gpipe or terapipe")
+    refusal = schedule_spec(cfg.pipeline.schedule).lora
+    if isinstance(refusal, str):
+        raise ConfigError(refusal)
+
+
+def check_world_size(cfg: DsMpConfig, world_size: int) -> None:
+    """World size = TP × PP × DP (Ouroboros' PP is its K − 1 ring ranks)."""
+    tp, pp = cfg.tensor_parallel, cfg.pipeline
+    model_ranks = tp.size * pp.stages
+    if world_size % model_ranks:
+        raise ConfigError(f"ds_mp: world size {world_size} is not divisible by tensor_parallel.size "
+                          f"({tp.size}) × pipeline.stages ({pp.stages}) = {model_ranks}; launch a "
+                          f"multiple of {model_ranks} ranks or change the degrees")
+
+
+def check_schedule_options(cfg: DsMpConfig, shape: InlineModel) -> None:
+    """The schedule's own checks (its spec's ``check``)."""
+    schedule_spec(cfg.pipeline.schedule).check(cfg, shape)
+
+
+def check_terapipe_block(cfg: DsMpConfig, shape: InlineModel) -> None:
+    """The ``terapipe`` block's own values, whatever the schedule (the block validates itself)."""
+    cfg.terapipe.validate(cfg.data.seq_len)
+
+
+def check_family(cfg: DsMpConfig, shape: InlineModel) -> None:
+    """:func:`check_model_family`."""
+    check_model_family(cfg)
+
+
+BLOCK_CHECKS: tuple[Callable[[DsMpConfig], None], ...] = (
+    check_degrees_and_counts, check_run_length, check_choices, check_schedule_name)
+SHAPE_CHECKS: tuple[Callable[[DsMpConfig, InlineModel], None], ...] = (
+    check_shape, check_stage_layout, check_virtual_stages, check_schedule_options, check_terapipe_block,
+    check_zb_max_pending_w, check_lora, check_family)
+
+
+def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) -> DsMpConfig:
+    """Check ``cfg`` against itself and ``world_size``; fill ``dp`` and ``shape``.
+
+    Runs :data:`BLOCK_CHECKS`, reads the model's shape, runs :data:`SHAPE_CHECKS` (the schedule's
+    own through its spec) and the world size.  ``hf_config``: the config dict of a model object
+    given to ``ds_mp.initialize`` (its shape and family).
+    """
+    for check in BLOCK_CHECKS:
+        check(cfg)
+    shape = _model_shape(cfg) if hf_config is None else shape_of(cfg, hf_config, "the model object")
+    for shape_check in SHAPE_CHECKS:
+        shape_check(cfg, shape)
+    check_world_size(cfg, world_size)
+    model_ranks = cfg.tensor_parallel.size * cfg.pipeline.stages
+    cfg.world_size, cfg.dp, cfg.shape = world_size, world_size // model_ranks, shape
+    return cfg
 
 
 def read_json(config: str | dict) -> dict:
@@ -365,32 +350,7 @@ def load_config(config: str | dict, world_size: int, hf_config: dict | None = No
             raise ConfigError(f"{key}: must be a positive integer, got {v!r}")
     cfg = validate(parse_config(raw.get("ds_mp", {})), world_size, hf_config)
     _check_combination(raw, cfg)
-    if cfg.pipeline.schedule == "ouroboros":  # its module gradients are set on .grad by hand
-        if (raw.get("fp16") or {}).get("enabled"):
-            raise ConfigError("fp16.enabled: the ouroboros schedule trains in fp32 or bf16 (fp16's loss scaling "
-                              "would have to scale every delayed module's replay); use the bf16 block instead")
-        if (raw.get("bf16") or {}).get("immediate_grad_update"):
-            raise ConfigError("bf16.immediate_grad_update: the ouroboros schedule sets every module's gradients "
-                              "after its delayed backward, which DeepSpeed's immediate update (hooks during backward) "
-                              "never sees; set it to false")
-        if (raw.get("zero_optimization") or {}).get("stage", 0):
-            raise ConfigError("zero_optimization.stage: the ouroboros schedule supports ZeRO stage 0 (its "
-                              "gradients are assembled by hand, outside ZeRO's reduction hooks); set it to 0")
-    if cfg.pipeline.schedule == "zb-h1":  # its W pass adds weight gradients outside autograd's accumulation
-        if ((raw.get("zero_optimization") or {}).get("stage", 0) or 0) >= 2:
-            raise ConfigError("zero_optimization.stage: the zb-h1 schedule computes weight gradients in a deferred "
-                              "pass that ZeRO-2's per-parameter reduction hooks do not see; set it to 0 or 1")
-        if (raw.get("fp16") or {}).get("enabled"):
-            raise ConfigError("fp16.enabled: the zb-h1 schedule is tested in fp32 and bf16 only; use the bf16 block")
-    if cfg.pipeline.schedule == "interleaved":
-        gas, zero = raw.get("gradient_accumulation_steps", 1), (raw.get("zero_optimization") or {}).get("stage", 0)
-        if gas % cfg.pp:
-            raise ConfigError(f"gradient_accumulation_steps: {gas} micro-batches; the interleaved schedule runs them "
-                              f"in groups of pipeline.stages={cfg.pp} (as Megatron does): use a multiple of {cfg.pp}")
-        if (zero or 0) >= 2:
-            raise ConfigError("zero_optimization.stage: the interleaved schedule is tested with ZeRO 0 and 1; use one")
-        if (raw.get("fp16") or {}).get("enabled"):
-            raise ConfigError("fp16.enabled: the interleaved schedule is tested in fp32 and bf16; use the bf16 block")
+    schedule_spec(cfg.pipeline.schedule).check_deepspeed(raw, cfg)
     if cfg.training.noise_scale_interval:  # measured on fp32/bf16 gradients around DeepSpeed's DP reduction
         check_noise_scale(raw, cfg, "ds_mp.training.noise_scale_interval", "set it to 0")
     check_batch_ramp(raw, cfg)

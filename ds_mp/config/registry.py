@@ -1,16 +1,15 @@
-"""Schedule names -> where their classes live (a table; imports nothing).
+"""The schedule registry: schedule name -> its :class:`ScheduleSpec` (a table; imports no schedule).
 
-``"ds_mp": {"pipeline": {"schedule": NAME}}`` picks a schedule by name.  Config validation
-reads :data:`SCHEDULES` to check the name without importing DeepSpeed's pipeline engine or
-any schedule; the engine resolves the entry with :func:`resolve` when it builds one.
+``"ds_mp": {"pipeline": {"schedule": NAME}}`` picks a schedule by name.  Everything ds_mp knows of
+a schedule is its spec: the timetable class, the checks of its config (the ``"ds_mp"`` block and
+the DeepSpeed JSON), its pipeline layout, parameter-group and batching hooks, and ``runtime(engine)``,
+the object whose methods handle its instructions and which owns its state.  Config validation,
+batching and the engine build ask the spec, never a schedule's name.
 
-An entry is ``"module:attribute"`` of a ``deepspeed.runtime.pipe.schedule.PipeSchedule``
-subclass, or the class itself (user schedules registered with :func:`register_schedule`).
-A schedule class may define ``from_engine(engine)`` to read its options; otherwise it is
-built as ``cls(micro_batches=, stages=, stage_id=)`` (:class:`TimetableHooks`).  A schedule with
-instructions or state of its own has a runtime (:class:`ScheduleRuntime`), made per engine by
-its factory in :data:`ENGINE_SUPPORT` (a built-in names its module, whose ``attach`` is the
-factory; ``register_schedule(name, cls, runtime=)`` gives a user's schedule the same).
+A built-in's entry is ``"module:attribute"`` of its spec, which lives in the schedule's own files
+and is imported on first use (:func:`schedule_spec`); ``register_schedule(name, cls, runtime=)``
+builds a plain spec for a user's ``PipeSchedule`` class, and ``register_schedule(name, spec)``
+registers a spec with every hook a built-in has.
 
 This module is on the ground floor, in ``ds_mp.config`` (which validates the name against it):
 it is a table of names and imports no schedule.  ``ds_mp.schedules.registry`` re-exports it.
@@ -18,17 +17,23 @@ it is a table of names and imports no schedule.  ``ds_mp.schedules.registry`` re
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, ClassVar, Iterator, Protocol, Union
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol, Union
 
-SCHEDULES: dict[str, Union[str, type]] = {
-    "1f1b": "ds_mp.schedules.gpipe:OneFOneB",
-    "gpipe": "ds_mp.schedules.gpipe:GPipe",
-    "terapipe": "ds_mp.schedules.terapipe.schedule:TeraPipeSchedule",
-    "ouroboros": "ds_mp.schedules.ouroboros.timetable:OuroborosSchedule",
-    "zb-h1": "ds_mp.schedules.zero_bubble:ZeroBubbleH1",
-    "interleaved": "ds_mp.schedules.interleaved:Interleaved1F1B",
-    "zb-v": "ds_mp.schedules.zb_v:ZeroBubbleV",
+from ds_mp.config.schema import MODEL_TYPES, ConfigError, DsMpConfig, InlineModel
+
+SCHEDULES: dict[str, Union[str, "ScheduleSpec", type]] = {
+    "1f1b": "ds_mp.schedules.gpipe:ONE_F_ONE_B",
+    "gpipe": "ds_mp.schedules.gpipe:GPIPE",
+    "terapipe": "ds_mp.schedules.terapipe.spec:TERAPIPE",
+    "zb-h1": "ds_mp.schedules.zero_bubble:ZB_H1",
+    "ouroboros": "ds_mp.schedules.ouroboros.spec:OUROBOROS",
+    "interleaved": "ds_mp.schedules.interleaved:INTERLEAVED",
+    "zb-v": "ds_mp.schedules.zb_v:ZB_V",
 }
+
+ALL_FAMILIES = tuple(MODEL_TYPES)  # every model family ds_mp trains (a spec tested with all of them)
+
 
 class TimetableHooks(Protocol):
     """What the engine asks of a schedule class (a ``PipeSchedule`` subclass), each optional:
@@ -50,7 +55,7 @@ class TimetableHooks(Protocol):
 
 
 class ScheduleRuntime(Protocol):
-    """A schedule's runtime: made once per engine by its factory (``ENGINE_SUPPORT``), it owns the
+    """A schedule's runtime: made once per engine by its spec's ``runtime``, it owns the
     schedule's state; its methods named in ``instructions`` handle the schedule's own instruction
     types (called with the instruction's kwargs).  Every hook below is optional: absent, the engine
     does what the bracket says."""
@@ -85,40 +90,129 @@ class ScheduleRuntime(Protocol):
 
 RuntimeFactory = Callable[[Any], ScheduleRuntime]
 
-# schedule name -> its runtime: a factory engine -> runtime, or (built-ins) the module whose attach() is one
-ENGINE_SUPPORT: dict[str, Union[str, RuntimeFactory]] = {
-    "terapipe": "ds_mp.engine.terapipe",
-    "ouroboros": "ds_mp.engine.ouroboros",
-    "zb-h1": "ds_mp.engine.zero_bubble",
-    "interleaved": "ds_mp.engine.interleaved",
-    "zb-v": "ds_mp.engine.zb_v",
-}
+
+def load(entry: Union[str, Any]) -> Any:
+    """``"module:attribute"`` imported (an attribute path may be dotted), anything else as it is."""
+    if not isinstance(entry, str):
+        return entry
+    module, attr = entry.split(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
-def register_schedule(name: str, cls: type, runtime: RuntimeFactory | None = None) -> type:
-    """Register ``cls`` (a ``PipeSchedule`` subclass, :class:`TimetableHooks`) as ``name``, with
-    ``runtime(engine)`` making its :class:`ScheduleRuntime` (handlers of its own instructions, its
-    state, its hooks) as the built-ins have; returns ``cls``."""
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule, whole.  A built-in subclasses it beside its timetable and overrides the hooks
+    it needs; every hook has the default a plain ``PipeSchedule`` (DeepSpeed's 1F1B) needs.
+
+    Fields: ``timetable`` (a ``PipeSchedule`` subclass, :class:`TimetableHooks`, or its
+    ``"module:Class"``); ``runtime`` (``engine -> ScheduleRuntime`` or its ``"module:function"``;
+    None: no instructions or state of its own); ``families`` (the model families it is tested
+    with, ``model_type`` names); ``batch_ramp`` (True: tested with a changing batch; False:
+    untested, refused with the tested ones named; a string: refused with that line);
+    ``noise_scale`` (its gradients go through DeepSpeed's DP reduction, so B_simple is measurable);
+    ``lora`` (True, or the line refusing LoRA); ``virtual_stages`` (it takes
+    ``pipeline.virtual_stages`` > 1); ``param_groups`` (``(net, cfg, pp_rank) -> keys`` or its
+    ``"module:function"``: one optimizer group per key; None: the default groups)."""
+
+    timetable: Union[str, type]
+    runtime: Union[str, RuntimeFactory, None] = None
+    families: tuple[str, ...] = ("gpt2",)
+    batch_ramp: Union[bool, str] = False
+    noise_scale: bool = True
+    lora: Union[bool, str] = True
+    virtual_stages: bool = False
+    param_groups: Union[str, Callable[..., Any], None] = None
+
+    # --- config: checked on every rank before any collective ---------------------------------
+    def check_layout(self, cfg: DsMpConfig, shape: InlineModel) -> None:
+        """The pipeline's stages against the model (before ``pipeline.partition`` is checked)
+        [at most one stage per block]."""
+        if cfg.pipeline.stages > shape.n_layer:
+            raise ConfigError(f"ds_mp.pipeline.stages: {cfg.pipeline.stages} stages but the model has "
+                              f"{shape.n_layer} blocks; use at most {shape.n_layer} stages")
+
+    def check(self, cfg: DsMpConfig, shape: InlineModel) -> None:
+        """Its own checks of the ``"ds_mp"`` block (after the pipeline partition's) [none]."""
+
+    def check_deepspeed(self, raw: dict, cfg: DsMpConfig) -> None:
+        """Its checks of the DeepSpeed JSON beside the block (precision, ZeRO, accumulation) [none]."""
+
+    # --- batching and build ------------------------------------------------------------------
+    def micro_multiple(self, cfg: DsMpConfig) -> int:
+        """Micro-batches per step (per DP rank) must be a multiple of this: a batch ramp's sizes
+        are [1]."""
+        return 1
+
+    def micro_multiple_reason(self, cfg: DsMpConfig) -> str:
+        """The factor :meth:`micro_multiple` adds to a refused batch size's unit, with its reason."""
+        n = self.micro_multiple(cfg)
+        return f"{n} (the {cfg.pipeline.schedule} schedule runs a multiple of {n} micro-batches per step)"
+
+    def group_keys(self, net: Any, cfg: DsMpConfig, pp_rank: int) -> Optional[list]:
+        """One optimizer parameter group per key of this rank's parameters [None: the default groups]."""
+        return load(self.param_groups)(net, cfg, pp_rank) if self.param_groups else None
+
+    def timetable_class(self) -> type:
+        """The timetable (``PipeSchedule`` subclass), imported on first use."""
+        return load(self.timetable)
+
+    def pipeline_layout(self, cfg: DsMpConfig, hf_config: Any) -> Optional[tuple[list[str], list[int]]]:
+        """The pipeline's layer order and stage bounds [None: the family's, partitioned]."""
+        cls = self.timetable_class()
+        return cls.pipeline_layout(cfg, hf_config) if hasattr(cls, "pipeline_layout") else None
+
+    def dynamic_shape(self) -> bool:
+        """Activation shapes change between sends (announce each one) [False]."""
+        return getattr(self.timetable_class(), "dynamic_shape", False)
+
+    def make_runtime(self, engine: Any) -> Optional[ScheduleRuntime]:
+        """Its runtime for ``engine`` (made once per engine) [None]."""
+        return load(self.runtime)(engine) if self.runtime else None
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The spec registered as ``name`` (its module imported on first use); a bare ``PipeSchedule``
+    class in the table gets the plain spec."""
+    entry = load(SCHEDULES[name])
+    return entry if isinstance(entry, ScheduleSpec) else ScheduleSpec(timetable=entry)
+
+
+def names_where(test: Callable[[ScheduleSpec], bool]) -> list[str]:
+    """The registered names whose spec passes ``test``, in table order (for messages listing them)."""
+    return [n for n in SCHEDULES if test(schedule_spec(n))]
+
+
+def register_schedule(name: str, cls: Union[type, ScheduleSpec], runtime: RuntimeFactory | None = None) -> Any:
+    """Register a schedule as ``name``: a :class:`ScheduleSpec` (every hook a built-in has), or a
+    ``PipeSchedule`` subclass ``cls`` (:class:`TimetableHooks`) with ``runtime(engine)`` making its
+    :class:`ScheduleRuntime` (handlers of its own instructions, its state, its hooks), which is
+    ``ScheduleSpec(timetable=cls, runtime=runtime)``; returns ``cls``."""
     from deepspeed.runtime.pipe.schedule import PipeSchedule
 
-    if not (isinstance(cls, type) and issubclass(cls, PipeSchedule)):
-        raise TypeError(f"schedule {name!r} must be a PipeSchedule subclass, got {cls!r}")
-    if runtime is not None and not callable(runtime):
-        raise TypeError(f"schedule {name!r}: runtime must be a callable engine -> runtime, got {runtime!r}")
-    SCHEDULES[name] = cls
-    if runtime is not None:
-        ENGINE_SUPPORT[name] = runtime
+    if isinstance(cls, ScheduleSpec):
+        if runtime is not None:
+            raise TypeError(f"schedule {name!r}: give the runtime in the spec, not beside it")
+        spec = cls
+    elif isinstance(cls, type) and issubclass(cls, PipeSchedule):
+        spec = ScheduleSpec(timetable=cls, runtime=runtime)
+    else:
+        raise TypeError(f"schedule {name!r} must be a PipeSchedule subclass or a ScheduleSpec, got {cls!r}")
+    if not isinstance(spec.timetable, str) and not (isinstance(spec.timetable, type)
+                                                    and issubclass(spec.timetable, PipeSchedule)):
+        raise TypeError(f"schedule {name!r}: the timetable must be a PipeSchedule subclass, got {spec.timetable!r}")
+    if spec.runtime is not None and not isinstance(spec.runtime, str) and not callable(spec.runtime):
+        raise TypeError(f"schedule {name!r}: runtime must be a callable engine -> runtime, got {spec.runtime!r}")
+    SCHEDULES[name] = spec
     return cls
 
 
 def resolve(name: str) -> type:
-    """The schedule class registered as ``name`` (importing it on first use)."""
-    entry = SCHEDULES[name]
-    if isinstance(entry, str):
-        module, attr = entry.split(":")
-        entry = getattr(importlib.import_module(module), attr)
-    return entry
+    """The timetable class of the schedule registered as ``name`` (importing it on first use)."""
+    return schedule_spec(name).timetable_class()
 
 
-__all__ = ["SCHEDULES", "ENGINE_SUPPORT", "ScheduleRuntime", "TimetableHooks", "RuntimeFactory", "register_schedule",
-           "resolve"]
+__all__ = ["SCHEDULES", "ALL_FAMILIES", "ScheduleSpec", "ScheduleRuntime", "TimetableHooks", "RuntimeFactory",
+           "load", "names_where", "register_schedule", "resolve", "schedule_spec"]

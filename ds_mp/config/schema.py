@@ -70,6 +70,30 @@ class TeraPipeConfig:
     profile: str = ""  # cost-model JSON to reuse ("" = <output_dir>/terapipe_profile.json)
     order: str = "gpipe"  # "gpipe" (all slice forwards, then all backwards) or "1f1b" (activations bounded by stages)
 
+    def validate(self, seq_len: int) -> None:
+        """The block's own values (checked whatever the schedule): slices, batch slices, order."""
+        bs = self.batch_slices
+        if bs == "auto":
+            if self.slices != "auto":
+                raise ConfigError("ds_mp.terapipe.batch_slices: 'auto' chooses the batch split together with the "
+                                  "token slices; set terapipe.slices to 'auto' too, or give batch_slices a number")
+        elif isinstance(bs, str):
+            raise ConfigError(f"ds_mp.terapipe.batch_slices: {bs!r} is not a positive integer or 'auto'")
+        else:
+            positive(bs, "terapipe.batch_slices")
+        sl = self.slices
+        if isinstance(sl, list):
+            if not sl or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sl):
+                raise ConfigError(f"ds_mp.terapipe.slices: expected positive integers, got {sl}")
+            if sum(sl) != seq_len:
+                raise ConfigError(f"ds_mp.terapipe.slices: {sl} sums to {sum(sl)} but data.seq_len "
+                                  f"is {seq_len}; make the slices sum to {seq_len}")
+        elif sl != "auto":
+            raise ConfigError(f"ds_mp.terapipe.slices: {sl!r} is not 'auto' or a list of lengths")
+        if self.order not in ("gpipe", "1f1b"):
+            raise ConfigError(f"ds_mp.terapipe.order: {self.order!r} is not 'gpipe' (all slice forwards, then "
+                              "all backwards) or '1f1b' (each sequence's slices backwarded as soon as possible)")
+
 
 @dataclass
 class OuroborosConfig:
@@ -117,8 +141,6 @@ class TrainingConfig:
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")  # PEFT-style names of GPT-2's Conv1Ds
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # its nn.Linears
 _LLAMA_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
-# the schedules tested against HF for the Llama family
-LLAMA_SCHEDULES = ("1f1b", "gpipe", "terapipe", "zb-h1", "ouroboros", "interleaved", "zb-v")
 #: HF model_type -> (config.json keys of n_layer, n_embd, n_head, vocab_size, n_positions; LoRA target names).
 #: The families themselves live in ds_mp.models (this module imports no model).
 MODEL_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

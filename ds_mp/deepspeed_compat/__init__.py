@@ -26,14 +26,15 @@ from ds_mp.deepspeed_compat.pipeline import (ASSUMPTIONS, ENGINE_ATTRIBUTES, Ass
 from ds_mp.deepspeed_compat.p2p import activation_messages, grad_messages, stage_rank
 from ds_mp.deepspeed_compat.internals import (neighbours, set_neighbours, announce_every_shape, set_computing_loss, received_grad, set_received_grad,
     release_loss_graph, set_train_loss, drop_bf16_grads, bf16_fp32_gradients, zero_gradient_for_reduction, use_activation_checkpoint,
-    local_layers, running_layers, stage_bounds, tied_parameter_ids, has_tied_comms)
+    local_layers, running_layers, stage_bounds, tied_parameter_ids, has_tied_comms, batch_fn_done, set_step_counters)
 
 __all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine", "checkpointable_flags", "inference_schedule", "instruction_handlers", "layer_spec_arguments", "activation_messages", "grad_messages", "stage_rank",
            "skip_op_build", "set_global_grad_norm", "uses_bf16_optimizer", "copy_bf16_grads_to_master",
            "reserve_pipe_buffers", "reset_forward_outputs", "computing_loss", "tied_weights", "set_local_layers",
            "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations", "module_grid",
            "module_topology", "unapplied_loss_scale", "output_hook_managers", "neighbours", "set_neighbours",
-           "announce_every_shape", "set_computing_loss", "received_grad", "set_received_grad", "release_loss_graph", "set_train_loss", "drop_bf16_grads", "bf16_fp32_gradients",
+           "announce_every_shape", "set_computing_loss", "batch_fn_done", "set_step_counters",
+           "received_grad", "set_received_grad", "release_loss_graph", "set_train_loss", "drop_bf16_grads", "bf16_fp32_gradients",
            "zero_gradient_for_reduction", "use_activation_checkpoint", "local_layers", "running_layers", "stage_bounds",
            "tied_parameter_ids", "has_tied_comms",
            "flat_group_params", "skipping_flat_groups", "master_grad", "FLAT_PARTITIONS",

@@ -53,6 +53,22 @@ def set_train_loss(engine: Any, loss: Any) -> Any:
     return loss
 
 
+@contextlib.contextmanager
+def batch_fn_done(engine: Any) -> Iterator[None]:
+    """Inside, DeepSpeed reads the micro-batches as they are (``batch_fn`` None): ds_mp's read already
+    applied it."""
+    batch_fn, engine.batch_fn = engine.batch_fn, None
+    try:
+        yield
+    finally:
+        engine.batch_fn = batch_fn
+
+
+def set_step_counters(engine: Any, global_steps: int, global_samples: int, skipped_steps: int) -> None:
+    """DeepSpeed's step counters (``global_steps``, ``global_samples``, ``skipped_steps``), as a resume restores them."""
+    engine.global_steps, engine.global_samples, engine.skipped_steps = global_steps, global_samples, skipped_steps
+
+
 def drop_bf16_grads(engine: Any) -> None:
     """BF16_Optimizer: drop the bf16 ``.grad`` of every parameter (its masters keep theirs)."""
     engine.optimizer.clear_lp_grads()

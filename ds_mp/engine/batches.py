@@ -45,15 +45,16 @@ class Step:
     layouts: list[Layout | None] = field(default_factory=list)  # per micro-batch, in order
 
 
-def batch_source(engine: Any, data_iter: Any) -> Any:
-    """The iterator this step reads: ``data_iter``, or the one given last (or DeepSpeed's own)."""
+def batch_source(data_iter: Any, kept: Any, deepspeed_iter: Any, fed: Any) -> Any:
+    """The iterator a training step reads (the engine keeps it for the next step): ``data_iter``;
+    else DeepSpeed's own (``set_dataiterator`` / ``deepspeed.initialize(training_data=…)``) unless
+    that is only the normalized micro-batches ``fed`` last step; else the one ``kept`` from before."""
     if data_iter is not None:
-        engine.ds_mp_source = data_iter
-    elif engine.data_iterator is not None and engine.data_iterator is not engine.ds_mp_fed:
-        engine.ds_mp_source = engine.data_iterator  # set_dataiterator / deepspeed.initialize(training_data=…)
-    if engine.ds_mp_source is None:
+        return data_iter
+    source = deepspeed_iter if deepspeed_iter is not None and deepspeed_iter is not fed else kept
+    if source is None:
         raise ValueError("train_batch: no data; pass a data iterator (or training_data to the engine)")
-    return engine.ds_mp_source
+    return source
 
 
 def _read(engine: Any, source: Any, n: int) -> tuple[list[MicroBatch], str]:
@@ -83,15 +84,15 @@ FLATTENED = ("; a flattened (1, T) batch (DataCollatorWithFlattening, TRL paddin
              "by ds_mp.data.flatten.unflatten_all (docs/batches.md)")
 
 
-def prepare_step(engine: Any, data_iter: Any, n: int, training: bool) -> tuple[Iterator | None, Step]:
-    """Read, check and count this step's ``n`` micro-batches (see the module docstring).
+def prepare_step(engine: Any, source: Any, n: int) -> tuple[Iterator | None, Step]:
+    """Read, check and count this step's ``n`` micro-batches from ``source`` (see the module docstring).
 
     Returns the iterator DeepSpeed reads (the normalized micro-batches; None on stages that read
     no data) and the :class:`Step`.  Collective over DP (reading ranks) and the pipeline; a
     refused batch raises on every rank, after the collectives, so no rank is left waiting."""
     topo, dev = engine.topology, engine.device
     reads = engine.stage_id in engine.data_stages()
-    mbs, error = _read(engine, batch_source(engine, data_iter) if training else data_iter, n) if reads else ([], "")
+    mbs, error = _read(engine, source, n) if reads else ([], "")
     ctx = engine.module.ds_mp_ctx
     layouts = [mb.layout(ctx.window) for mb in mbs]
     counts = [int((mb.targets() != -100).sum()) for mb in mbs]
@@ -136,18 +137,7 @@ def prepare_step(engine: Any, data_iter: Any, n: int, training: bool) -> tuple[I
         fed.append((inputs, (mb.targets(), denom)))
     step.layouts = [None if lay is None else Layout(lay.positions.to(dev), lay.docs.to(dev), lay.window)
                     for lay in layouts]
-    engine.ds_mp_fed = iter(fed)
-    return engine.ds_mp_fed, step
-
-
-@contextlib.contextmanager
-def feeding(engine: Any) -> Iterator[None]:
-    """DeepSpeed reads the normalized micro-batches: its ``batch_fn`` already ran in the read."""
-    batch_fn, engine.batch_fn = engine.batch_fn, None
-    try:
-        yield
-    finally:
-        engine.batch_fn = batch_fn
+    return iter(fed), step
 
 
 @contextlib.contextmanager
@@ -180,4 +170,4 @@ def warn_no_targets(engine: Any) -> torch.Tensor:
     return torch.zeros((), device=engine.device)
 
 
-__all__ = ["Step", "prepare_step", "batch_source", "feeding", "micro_layout", "warn_no_targets"]
+__all__ = ["Step", "prepare_step", "batch_source", "micro_layout", "warn_no_targets"]

@@ -50,6 +50,25 @@ def global_grad_norm(module: torch.nn.Module, topology: Any, device: torch.devic
     return math.sqrt(float(total))
 
 
+def reduction_grad_norm(module: torch.nn.Module, topology: Any, optimizer: Any, device: torch.device, bf16: bool,
+                        zero: bool) -> float:
+    """‖g‖₂ (ownership rule above) of the gradients DeepSpeed's DP reduction averages: ``p.grad`` in
+    fp32 and under ZeRO (before its reduction), BF16_Optimizer's fp32 gradient buffers
+    (``fp32_groups_gradients``: the bf16 micro-batch gradients accumulated in fp32)."""
+    owned = owned_parameters(module, topology)
+    if bf16:
+        fp32 = compat.bf16_fp32_gradients(optimizer)
+        tensors = [fp32.get(id(p)) for p in owned]
+    elif zero:
+        tensors = [compat.zero_gradient_for_reduction(optimizer, p) for p in owned]
+    else:
+        return global_grad_norm(module, topology, device)
+    total = sum_of_squares(tensors, device)
+    if topology.tp * topology.pp > 1:
+        dist.all_reduce(total, group=topology.model_group)
+    return math.sqrt(float(total))
+
+
 def clip_(params: Iterable[torch.nn.Parameter], norm: float, max_norm: float) -> None:
     """Scale gradients by ``max_norm / (norm + 1e-6)`` when that is below 1 (torch's rule)."""
     coef = max_norm / (norm + 1e-6)
@@ -72,4 +91,4 @@ def any_nonfinite_tensors(tensors: Iterable[torch.Tensor | None], device: torch.
     return bool(bad.item())
 
 
-__all__ = ["owned_parameters", "sum_of_squares", "global_grad_norm", "clip_", "any_nonfinite", "any_nonfinite_tensors"]
+__all__ = ["owned_parameters", "sum_of_squares", "global_grad_norm", "reduction_grad_norm", "clip_", "any_nonfinite", "any_nonfinite_tensors"]

@@ -1,5 +1,5 @@
 """Held memory of a pipeline step, measured between instructions: the storage census
-(:class:`ds_mp.schedules.memory.HeldMemory`) taken after every instruction a ds_mp engine runs.
+(:class:`ds_mp.engine.memory.HeldMemory`) taken after every instruction a ds_mp engine runs.
 
 Counts every tensor storage alive on this rank other than the weights, their gradients, module
 buffers and optimizer state: the activations autograd saved, the gradients a split backward
@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.schedules.memory import HeldMemory, static_tensors
+from ds_mp.engine.memory import HeldMemory, static_tensors
 
 
 def source_weights(module: Any) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ from ds_mp.models.family import causal_lm_family, inline_config
 from ds_mp.models.partition import LayerCosts
 from ds_mp.models.pipeline import build_pipeline
 from ds_mp.models.weights import WeightSource, fresh_source
-from ds_mp.config.registry import resolve
+from ds_mp.config.registry import schedule_spec
 from ds_mp.topology import Topology
 
 
@@ -123,8 +123,8 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     # ranks) draw different dropout masks.
     seed_everything(cfg.training.seed, topology.tp_rank, pp_rank=topology.pp_rank)
     src = agreed_weight_source(model, cfg)
-    schedule = resolve(cfg.pipeline.schedule)
-    layout = schedule.pipeline_layout(cfg, src.config) if hasattr(schedule, "pipeline_layout") else None
+    spec = schedule_spec(cfg.pipeline.schedule)  # what the schedule asks of the build
+    layout = spec.pipeline_layout(cfg, src.config)
     ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
     ds_dict.setdefault("train_micro_batch_size_per_gpu", 1)
     ds_dict.setdefault("gradient_accumulation_steps", 1)
@@ -139,14 +139,10 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
                          overlap_comm=cfg.tensor_parallel.overlap_comm,
                          vocab_pad_multiple=cfg.tensor_parallel.vocab_pad_multiple,
                          activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
-                         dynamic_shape=getattr(schedule, "dynamic_shape", False), layout=layout,
+                         dynamic_shape=spec.dynamic_shape(), layout=layout,
                          lora=cfg.lora, seed=cfg.training.seed, virtual_stages=cfg.pipeline.virtual_stages)
     mpu = net.mpu()
-    keys = None
-    if cfg.pipeline.schedule == "ouroboros":  # one group per module, so warm-up leaves a module out whole
-        from ds_mp.engine.ouroboros_modules import param_group_keys
-
-        keys = param_group_keys(net, cfg, topology.pp_rank)
+    keys = spec.group_keys(net, cfg, topology.pp_rank)  # (Ouroboros: one per module, so warm-up leaves one out)
     params, optimizer = optimizer_setup(net, ds_dict, optimizer, group_keys=keys)
     engine = DsMpPipelineEngine(args=args, model=net, optimizer=optimizer, model_parameters=params,
                                 training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,

@@ -1,6 +1,6 @@
 """Engine side of interleaved 1F1B: run one local chunk of the pipeline module at a time.
 
-Imported by the engine when the ``interleaved`` schedule is selected (``ENGINE_SUPPORT``).  The
+Imported by the engine when the ``interleaved`` schedule is selected (its spec's runtime: :func:`attach`).  The
 module (``build_pipeline(virtual_stages=v)``) holds this rank's v chunks as consecutive runs of
 its ``forward_funcs`` (chunk c = virtual stage c·K + s, its layers in the order of the model);
 ``module.virtual_parts`` are the chunk boundaries over the whole layer table.
@@ -30,7 +30,6 @@ from typing import Any, Iterator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.engine.batches import feeding
 from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B
 
 
@@ -92,12 +91,12 @@ class InterleavedState:
         e = self.engine
         fed = e._prepare(data_iter, num_micro_batches or e.micro_batches, training=False)
         with compat.inference_schedule(e, lambda n: Interleaved1F1B(n, self.K, self.s, self.v, forward_only=True)), \
-                feeding(e):
+                compat.batch_fn_done(e):
             return PipelineEngine.eval_batch(e, fed, *args, num_micro_batches=num_micro_batches, **kwargs)
 
 
 def attach(engine: Any) -> InterleavedState:
-    """The runtime of an interleaved engine (``config.registry.ENGINE_SUPPORT``)."""
+    """The runtime of an interleaved engine (made by its spec, ``config.registry.ScheduleSpec.runtime``)."""
     return InterleavedState(engine)
 
 

@@ -4,7 +4,7 @@ Ouroboros runs on ds_mp's pipeline engine like every schedule: the model is ds_m
 any family (TP blocks, vocab-parallel embedding, head and loss) built in the ring order of
 ``ring_pipeline_layout`` over the family's layer table (ring rank 0 holds G_0 and G_{K-1}, which
 share a tied embedding; rank r holds G_r), and ``OuroborosSchedule`` yields ``rank_steps(K, t, rank)`` each ``train_batch``.  The
-update is exactly ``OuroborosReference.step`` (``ds_mp.schedules.ouroboros.algorithm``):
+update is exactly ``OuroborosReference.step`` (the tests' oracle, ``tests/ouroboros_oracle.py``):
 
     forward with w^t, send h; replay G_m on the stashed input of sample t - d_m with the CURRENT
     weights w^t (``ouroboros.recompute = "current"``; ``"stashed"`` replays with the weights the
@@ -38,8 +38,8 @@ from torch import Tensor
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.engine.p2p import PostedSends
-from ds_mp.engine.ouroboros_modules import ModuleLayers, SampleLayouts, accumulate, leaf, module_ranges, replayed
-from ds_mp.schedules.ouroboros.algorithm import grad_holders, module_grad_sum
+from ds_mp.engine.ouroboros_modules import (ModuleLayers, SampleLayouts, accumulate, grad_holders, leaf, module_grad_sum,
+                                           module_ranges, replayed)
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
                                                  SendHidden, UpdateModules, module_owner)
 from ds_mp.tensor_parallel.layers import sparse_lookups
@@ -368,7 +368,7 @@ class OuroborosState:
 
 
 def attach(engine: Any) -> OuroborosState:
-    """The runtime of an Ouroboros engine (``config.registry.ENGINE_SUPPORT``)."""
+    """The runtime of an Ouroboros engine (made by its spec, ``config.registry.ScheduleSpec.runtime``)."""
     return OuroborosState(engine)
 
 

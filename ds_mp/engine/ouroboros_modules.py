@@ -4,7 +4,7 @@ state, and the small tensor helpers of the delayed backward (used by ``engine/ou
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -126,4 +126,36 @@ def param_group_keys(net: Any, cfg: Any, stage_id: int) -> dict[int, tuple[int, 
     return {k: tuple(v) for k, v in keys.items()}
 
 
-__all__ = ["replayed", "leaf", "accumulate", "ModuleLayers", "SampleLayouts", "module_ranges", "param_group_keys"]
+Holders = dict[int, list[tuple[int, int]]]  # id(p) -> [(module index, position in its parameters())]
+
+
+def grad_holders(modules: Iterable[nn.Module] | dict) -> Holders:
+    """Where each parameter sits in the modules holding it (two entries for the tied V).
+    ``modules``: index -> module or parameter list (or a list of modules).  Built once."""
+    items = modules.items() if isinstance(modules, dict) else enumerate(modules)
+    out: Holders = {}
+    for m, module in items:
+        params = list(module.parameters()) if isinstance(module, nn.Module) else module
+        for i, q in enumerate(params):
+            out.setdefault(id(q), []).append((m, i))
+    return out
+
+
+def module_grad_sum(p: nn.Parameter, holders: Holders, grads: dict[int, list[Tensor]],
+                    tie_scale: float) -> Tensor | None:
+    """Step 4's gradient of ``p``: Σ over the modules holding p of their gradient (zero for a
+    module in warm-up, i.e. absent from ``grads``), times ``tie_scale`` when two modules hold p
+    (the tied V); None when no module holding p has a gradient yet.  ``grads``: module index ->
+    gradients in ``parameters()`` order; ``holders`` from :func:`grad_holders`.  The sum is
+    formed in place in the first module's gradient tensor (``grads`` is consumed)."""
+    where = holders[id(p)]
+    real = [grads[m][i] for m, i in where if m in grads]
+    if not real:
+        return None
+    total = real[0]
+    for g in real[1:]:
+        total += g
+    return total.mul_(tie_scale) if len(where) == 2 else total
+
+
+__all__ = ["Holders", "grad_holders", "module_grad_sum", "replayed", "leaf", "accumulate", "ModuleLayers", "SampleLayouts", "module_ranges", "param_group_keys"]

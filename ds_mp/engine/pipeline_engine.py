@@ -9,9 +9,7 @@ DeepSpeed name appears here.  Everything else (p2p receive, optimizer, ZeRO, bf1
 from __future__ import annotations
 
 import functools
-import importlib
 import math
-import os
 import time
 from typing import Any
 
@@ -23,12 +21,14 @@ from ds_mp import deepspeed_compat as compat
 from ds_mp.deepspeed_compat import stage_gate
 from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
-from ds_mp.engine.batches import Step, feeding, micro_layout, prepare_step, warn_no_targets
+from ds_mp.engine.checkpoint_api import LayoutFreeCheckpoints
+from ds_mp.engine.batches import Step, batch_source, micro_layout, prepare_step, warn_no_targets
 from ds_mp.engine.p2p import PostedSends
-from ds_mp.config.registry import ENGINE_SUPPORT, ScheduleRuntime, resolve
+from ds_mp.config.registry import ScheduleRuntime, schedule_spec
+from ds_mp.config.schema import PipelineConfig
 
 
-class DsMpPipelineEngine(PipelineEngineAdapter):
+class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
     """DeepSpeed's pipeline engine with a pluggable schedule (``ds_mp.pipeline.schedule``)."""
     #: Post activation/gradient sends (isend) and wait for them at the end of the schedule,
     #: instead of DeepSpeed's blocking send (a rendezvous with the receiver on gloo).  Every
@@ -41,11 +41,12 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         self.hf_config = hf_config  # the model's HF config (exports, checkpoints)
         self.optimizer_hparams = dict(optimizer_hparams or {})  # the JSON optimizer's params, kept by checkpoints
         self.layer_costs = layer_costs  # what "partition": "cost" balanced (None otherwise)
-        self.schedule_name = ds_mp_config.pipeline.schedule if ds_mp_config else "1f1b"
+        self.schedule_name = (ds_mp_config.pipeline if ds_mp_config else PipelineConfig()).schedule
+        self.schedule_spec = schedule_spec(self.schedule_name)
         self.trace: list[tuple[str, int, float, float]] = []  # (instruction, buffer, start, end)
         self.trace_enabled = False
         self.last_grad_norm: float | None = None
-        self.noise_scale: Any = None  # set by the training loop when training.noise_scale_interval > 0
+        self.noise_scale: Any = None  # use_noise_probe(): the training loop's when training.noise_scale_interval > 0
         self._noise_b_small: int | None = None  # ZeRO: a measurement waiting for the step's gradient norm
         self.nonfinite_steps = 0  # optimizer steps skipped because a gradient was NaN/Inf
         self.last_step_nonfinite = False
@@ -69,18 +70,24 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         layerwise.attach(self)  # ds_mp's Lamb: one trust ratio per model parameter, at any TP/DP/ZeRO
         if getattr(getattr(self.module, "ds_mp_ctx", None), "sp", False):
             compat.send_whole_activations(self)
-        support = ENGINE_SUPPORT.get(self.schedule_name)
-        if isinstance(support, str):  # a built-in's module: its attach(engine) makes the runtime
-            support = importlib.import_module(support).attach
-        # The schedule's runtime (config.registry.ScheduleRuntime): it owns the schedule's state, its
-        # methods handle the schedule's instructions (``instructions``), and its optional hooks
+        # The schedule's runtime (config.registry.ScheduleRuntime), made by its spec: it owns the schedule's
+        # state, its methods handle the schedule's instructions (``instructions``), and its optional hooks
         # (state_dict/load_state_dict, aggregate_loss, eval_batch, …) are asked by the engine.
-        self.schedule_support: ScheduleRuntime | None = support(self) if support else None
+        self.schedule_support: ScheduleRuntime | None = self.schedule_spec.make_runtime(self)
+
+    def use_noise_probe(self, probe: Any) -> None:
+        """Measure the gradient noise scale with ``probe`` (``training.metrics.NoiseScaleProbe``) on
+        the steps it asks for; None: never."""
+        self.noise_scale = probe
+
+    def record_trace(self, on: bool = True) -> None:
+        """Append every instruction's ``(name, buffer_id, start, end)`` to :attr:`trace` (GPU synced)."""
+        self.trace_enabled = on
 
     # --- extension points (register_instruction: the adapter's) -----------------------------
     def train_schedule(self) -> Any:
         """The schedule ``train_batch`` runs (the configured one)."""
-        cls = resolve(self.schedule_name)
+        cls = self.schedule_spec.timetable_class()
         if hasattr(cls, "from_engine"):
             return cls.from_engine(self)
         return cls(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
@@ -185,7 +192,12 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         shapes valid: with ``dynamic_shape`` off (everything but TeraPipe) DeepSpeed sends tensor
         metadata once; when the batch shape changes every stage calls ``reset_activation_shape()``
         so the next sends re-announce (DeepSpeed#4777)."""
-        fed, self.step_info = prepare_step(self, data_iter, n, training)
+        source = data_iter
+        if training and self.stage_id in self.data_stages():  # the iterator this and later steps read
+            source = self.ds_mp_source = batch_source(data_iter, self.ds_mp_source, self.data_iterator, self.ds_mp_fed)
+        fed, self.step_info = prepare_step(self, source, n)
+        if fed is not None:
+            self.ds_mp_fed = fed
         if self.num_stages > 1 and not self.module.dynamic_shape:
             if getattr(self, "_announced_shape", None) not in (None, self.step_info.shape):
                 self.reset_activation_shape()
@@ -198,7 +210,7 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         fed = self._prepare(data_iter, self.micro_batches, training=True)
         if self.step_info.count == 0:
             return compat.set_train_loss(self, warn_no_targets(self))
-        with feeding(self):
+        with compat.batch_fn_done(self):
             return super().train_batch(fed)
 
     def eval_batch(self, data_iter: Any, *args: Any, num_micro_batches: int | None = None, **kwargs: Any) -> Any:
@@ -206,7 +218,7 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         if hook is not None:
             return hook(data_iter, *args, num_micro_batches=num_micro_batches, **kwargs)
         fed = self._prepare(data_iter, num_micro_batches or self.micro_batches, training=False)
-        with feeding(self):
+        with compat.batch_fn_done(self):
             return super().eval_batch(fed, *args, num_micro_batches=num_micro_batches, **kwargs)
 
     def micro_layout(self, buffer_id: int, forward: bool = False) -> Any:
@@ -359,59 +371,11 @@ class DsMpPipelineEngine(PipelineEngineAdapter):
         """True when the optimizer steps ``p.grad`` directly (no bf16/fp16 master copy, no ZeRO)."""
         return not (self.bfloat16_enabled() or self.fp16_enabled() or self.zero_optimization())
 
-    # --- DeepSpeed's checkpoint API, on ds_mp's layout-free format -------------------------
-    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's ``engine.save_checkpoint``, writing ds_mp's layout-free checkpoint
-        (:func:`ds_mp.checkpoint.training.save_checkpoint`): it resumes at any TP × PP × DP,
-        precision wrapper and schedule.  Collective.  ``tag`` defaults to DeepSpeed's
-        ``global_step<N>``; frozen parameters (LoRA's base) are always kept, so the checkpoint
-        stands alone."""
-        from ds_mp.checkpoint.training import save_checkpoint
-
-        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        save_checkpoint(self, save_dir, tag, client_state=client_state, update_latest=save_latest)
-        return True
-
-    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
-        """DeepSpeed's ``engine.load_checkpoint`` on ds_mp's layout-free format: returns
-        ``(checkpoint path, client_state)``, or ``(None, None)`` when ``load_dir`` has no
-        ``latest`` pointer and no tag is given (as DeepSpeed does: start fresh).  Collective."""
-        from ds_mp.checkpoint.training import load_checkpoint, read_latest
-
-        partial = [k for k, v in (("load_module_strict=False", not load_module_strict),
-                                  ("load_optimizer_states=False", not load_optimizer_states),
-                                  ("load_lr_scheduler_states=False", not load_lr_scheduler_states),
-                                  ("load_module_only=True", load_module_only),
-                                  ("custom_load_fn", custom_load_fn is not None)) if v]
-        if partial:
-            raise ValueError(f"load_checkpoint: {', '.join(partial)} is not supported: a ds_mp checkpoint resumes "
-                             "the whole run; to start from its weights alone set ds_mp.training.init_from to it")
-        if tag is None and read_latest(load_dir) is None:
-            return None, None
-        tag = str(tag) if tag is not None else read_latest(load_dir)
-        client_state = load_checkpoint(self, load_dir, tag)
-        return os.path.join(load_dir, tag), client_state
-
     # --- norms ------------------------------------------------------------------------------
     def reduction_grad_norm(self) -> float:
-        """‖g‖₂ (ownership rule of :meth:`global_grad_norm`) of the gradients DeepSpeed's DP reduction
-        averages: ``p.grad`` in fp32 and under ZeRO (before its reduction), BF16_Optimizer's fp32
-        gradient buffers (``fp32_groups_gradients``: the bf16 micro-batch gradients accumulated in fp32)."""
-        opt, owned = self.optimizer, grads.owned_parameters(self.module, self.topology)
-        if compat.uses_bf16_optimizer(self):
-            fp32 = compat.bf16_fp32_gradients(opt)
-            tensors = [fp32.get(id(p)) for p in owned]
-        elif self.zero_optimization():
-            tensors = [compat.zero_gradient_for_reduction(opt, p) for p in owned]
-        else:
-            return self.global_grad_norm()
-        total = grads.sum_of_squares(tensors, self.device)
-        if self.topology.tp * self.topology.pp > 1:
-            dist.all_reduce(total, group=self.topology.model_group)
-        return math.sqrt(float(total))
+        """:func:`ds_mp.engine.grads.reduction_grad_norm` of this engine's gradients."""
+        return grads.reduction_grad_norm(self.module, self.topology, self.optimizer, self.device,
+                                         bf16=compat.uses_bf16_optimizer(self), zero=bool(self.zero_optimization()))
 
     def global_grad_norm(self) -> float:
         """‖g‖₂ over the whole model: each TP shard once, each replicated or tied tensor

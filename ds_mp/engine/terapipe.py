@@ -1,7 +1,7 @@
 """Engine side of TeraPipe: the per-engine state and the handlers of its instructions.
 
 Imported by the engine when the ``terapipe`` schedule is selected (see
-``ds_mp.config.registry.ENGINE_SUPPORT``); :func:`attach` makes the engine's runtime, a
+its spec, ``ds_mp.schedules.terapipe.spec``); :func:`attach` makes the engine's runtime, a
 :class:`TeraPipeState`, whose methods handle the three instructions of
 ``ds_mp.schedules.terapipe.schedule``.
 """
@@ -15,8 +15,8 @@ import torch
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.models.gpt2 import attending_to
-from ds_mp.schedules.terapipe.kv_cache import KVContext
-from ds_mp.schedules.terapipe.profile import engine_plan
+from ds_mp.engine.terapipe_kv import KVContext
+from ds_mp.engine.terapipe_profile import engine_plan
 from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, LoadSlice, Plan
 
 
@@ -102,7 +102,7 @@ class TeraPipeState:
 
 
 def attach(engine: Any) -> TeraPipeState:
-    """The runtime of a TeraPipe engine (``config.registry.ENGINE_SUPPORT``)."""
+    """The runtime of a TeraPipe engine (made by its spec, ``config.registry.ScheduleSpec.runtime``)."""
     return TeraPipeState(engine=engine, make_plan=lambda: engine_plan(engine))
 
 

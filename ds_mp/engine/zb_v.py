@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.engine.batches import feeding
 from ds_mp.engine.interleaved import InterleavedState
 from ds_mp.engine.zero_bubble import ZeroBubbleState
 from ds_mp.models.pipeline import v_pipeline_layout
@@ -53,7 +52,6 @@ class ZeroBubbleVState(InterleavedState):
     (labels from chunk 0 to chunk 2P − 1 on rank 0, activations and gradients at the turn)."""
 
     def __init__(self, engine: Any) -> None:
-        refuse_precision(engine)
         P, r = engine.num_stages, engine.stage_id
         _, _, chunk_parts = v_pipeline_layout(engine.hf_config, P, engine.ds_mp_config.pipeline.partition)
         super().__init__(engine, virtual=[r, 2 * P - 1 - r], bounds=chunk_parts)
@@ -150,7 +148,7 @@ class ZeroBubbleVState(InterleavedState):
         e.module.eval()
         compat.set_computing_loss(e, True)
         try:
-            with feeding(e):
+            with compat.batch_fn_done(e):
                 e.run_schedule(ZeroBubbleV(n, self.P, self.s, forward_only=True))
         finally:
             e.module.train()
@@ -167,21 +165,9 @@ def _as_leaf(outputs: Any) -> Any:
     return outputs.detach().requires_grad_(outputs.is_floating_point())
 
 
-def refuse_precision(engine: Any) -> None:
-    """What the engine's DeepSpeed JSON asks that ZB-V does not run (fp16: untested, this CPU has none;
-    ZeRO-2: its per-parameter reduction hooks do not see W's gradients, as for zb-h1), refused with
-    one line on every rank (the ``ds_mp`` block's refusals: ``ZeroBubbleV.pipeline_layout``)."""
-    from ds_mp.config import ConfigError
-
-    for on, key, fix in ((engine.fp16_enabled(), "fp16.enabled", "train in fp32 or bf16"),
-                         (engine.zero_optimization_stage() >= 2, "zero_optimization.stage", "set it to 0 or 1")):
-        if on:
-            raise ConfigError(f"{key}: not supported by the zb-v schedule; {fix}")
-
-
 def attach(engine: Any) -> ZeroBubbleVState:
-    """The runtime of a ZB-V engine (``config.registry.ENGINE_SUPPORT``)."""
+    """The runtime of a ZB-V engine (made by its spec, ``ds_mp.schedules.zb_v.ZB_V``)."""
     return ZeroBubbleVState(engine)
 
 
-__all__ = ["ZeroBubbleVState", "attach", "refuse_precision"]
+__all__ = ["ZeroBubbleVState", "attach"]

@@ -1,6 +1,6 @@
 """Engine side of ZB-H1: the split backward (B = input gradient, W = weight gradient).
 
-Imported by the engine when the ``zb-h1`` schedule is selected (``ENGINE_SUPPORT``).
+Imported by the engine when the ``zb-h1`` schedule is selected (its spec names :func:`attach` as its runtime).
 
 **B** runs DeepSpeed's own backward handler (``BackwardPass``: partitioned-gradient restore,
 loss scaling by gradient accumulation and fp16/ZeRO, bf16 bookkeeping) inside a torch function
@@ -103,7 +103,7 @@ class ZeroBubbleState:
 
 
 def attach(engine: Any) -> ZeroBubbleState:
-    """The runtime of a ZB-H1 engine (``config.registry.ENGINE_SUPPORT``)."""
+    """The runtime of a ZB-H1 engine (made by its spec, ``config.registry.ScheduleSpec.runtime``)."""
     return ZeroBubbleState(engine)
 
 

@@ -3,13 +3,15 @@
 A schedule is DeepSpeed's shape: a ``PipeSchedule`` whose ``steps()`` yields, per step,
 the list of instructions this stage executes.  Sends at step ``t`` on stage ``s`` are
 matched by receives at step ``t`` on the neighbour, so a barrier between steps cannot
-deadlock.  Names are in :mod:`ds_mp.config.registry`.
+deadlock.  Their specs (``ONE_F_ONE_B``, ``GPIPE``) are registered in :mod:`ds_mp.config.registry`.
 """
 from __future__ import annotations
 
 from typing import Iterator
 
 from deepspeed.runtime.pipe import schedule as ds
+
+from ds_mp.config.registry import ALL_FAMILIES, ScheduleSpec
 
 
 class OneFOneB(ds.TrainSchedule):
@@ -109,3 +111,8 @@ class GPipe(FillDrain):
         stage 1             F0  F1  F2     |     B0  B1  B2
         stage 2                 F0  F1  F2 | B0  B1  B2
     """
+
+
+# Plain timetables of DeepSpeed's instructions: no runtime; tested with every family and a batch ramp.
+ONE_F_ONE_B = ScheduleSpec(timetable=OneFOneB, families=ALL_FAMILIES, batch_ramp=True)
+GPIPE = ScheduleSpec(timetable=GPipe, families=ALL_FAMILIES, batch_ramp=True)

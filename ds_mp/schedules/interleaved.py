@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator
 
 from deepspeed.runtime.pipe import schedule as ds
 
+from ds_mp.config.registry import ALL_FAMILIES, ScheduleSpec
+from ds_mp.config.schema import ConfigError, DsMpConfig, InlineModel
 from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable
 from ds_mp.schedules.timetable import TimetableSchedule, Transfer
 from ds_mp.schedules.zero_bubble import stage_weights
@@ -118,5 +120,40 @@ def chunk_weights(net: Any) -> list[float] | None:
                                          layer_names=getattr(net, "layer_names", None)))
 
 
+class InterleavedSpec(ScheduleSpec):
+    """Interleaved 1F1B: ``pipeline.virtual_stages`` chunks per stage round a ring of at least 2
+    stages, micro-batches in groups of ``pipeline.stages``; tested against HF in fp32/bf16 with
+    ZeRO 0 and 1, DP, TP (sequence parallelism too), LoRA and activation checkpointing."""
+
+    def check(self, cfg: DsMpConfig, shape: InlineModel) -> None:
+        pp, v = cfg.pipeline, cfg.pipeline.virtual_stages
+        if pp.stages < 2:
+            raise ConfigError(f"ds_mp.pipeline.stages: {pp.stages}; the interleaved schedule needs a ring of at least 2 "
+                              "stages (use 1f1b on one stage)")
+        if pp.stages * v > shape.n_layer:
+            raise ConfigError(f"ds_mp.pipeline.virtual_stages: {pp.stages} stages × {v} chunks exceed "
+                              f"n_layer={shape.n_layer} blocks; lower it")
+
+    def check_deepspeed(self, raw: dict, cfg: DsMpConfig) -> None:
+        gas, zero = raw.get("gradient_accumulation_steps", 1), (raw.get("zero_optimization") or {}).get("stage", 0)
+        if gas % cfg.pp:
+            raise ConfigError(f"gradient_accumulation_steps: {gas} micro-batches; the interleaved schedule runs them "
+                              f"in groups of pipeline.stages={cfg.pp} (as Megatron does): use a multiple of {cfg.pp}")
+        if (zero or 0) >= 2:
+            raise ConfigError("zero_optimization.stage: the interleaved schedule is tested with ZeRO 0 and 1; use one")
+        if (raw.get("fp16") or {}).get("enabled"):
+            raise ConfigError("fp16.enabled: the interleaved schedule is tested in fp32 and bf16; use the bf16 block")
+
+    def micro_multiple(self, cfg: DsMpConfig) -> int:
+        """Its order walks the ring in groups of ``pipeline.stages`` micro-batches."""
+        return cfg.pipeline.stages
+
+    def micro_multiple_reason(self, cfg: DsMpConfig) -> str:
+        return f"stages ({cfg.pipeline.stages}: interleaved runs a multiple of the ring's micro-batches)"
+
+
+INTERLEAVED = InterleavedSpec(timetable=Interleaved1F1B, runtime="ds_mp.engine.interleaved:attach",
+                              families=ALL_FAMILIES, batch_ramp=True, virtual_stages=True)
+
 __all__ = ["ChunkForward", "ChunkBackward", "ring_peer", "forward_only_timetable", "Interleaved1F1B",
-           "chunk_weights"]
+           "chunk_weights", "InterleavedSpec", "INTERLEAVED"]

@@ -2,6 +2,6 @@
 (ground floor, beside the config that validates a schedule's name against it)."""
 from __future__ import annotations
 
-from ds_mp.config.registry import ENGINE_SUPPORT, SCHEDULES, register_schedule, resolve
+from ds_mp.config.registry import SCHEDULES, ScheduleSpec, register_schedule, resolve, schedule_spec
 
-__all__ = ["SCHEDULES", "ENGINE_SUPPORT", "register_schedule", "resolve"]
+__all__ = ["SCHEDULES", "ScheduleSpec", "register_schedule", "resolve", "schedule_spec"]

@@ -218,9 +218,9 @@ def zb_deferrals(K: int, max_pending_w: int | str = "paper") -> list[int]:
     as if a pending W held what an in-flight forward holds).  ``"auto"``: max(0, ⌊(s − 1)/2⌋), within
     1F1B's peak (K forwards' worth, its first stage) when a pending W holds up to two forwards' worth
     (it keeps the forward's activations *and* the gradients B recorded for it: 1.6× on GPT-2's last
-    stage, measured by :class:`~ds_mp.schedules.memory.HeldMemory`): right after a B, stage s holds
+    stage, measured by :class:`~ds_mp.engine.memory.HeldMemory`): right after a B, stage s holds
     K − s − 1 forwards and d_s + 1 pending W, (K − s − 1) + 2(d_s + 1) ≤ K
-    (:func:`~ds_mp.schedules.memory.modelled_peak`).  The first stage's B records nothing (it has no
+    (:func:`~ds_mp.schedules.timetable.modelled_peak`).  The first stage's B records nothing (it has no
     input gradient to compute), so its pending W costs one forward.
     An int n: min(s, n) (0: every W right after its B, 1F1B's order with the dX sent before W)."""
     if max_pending_w == "paper":

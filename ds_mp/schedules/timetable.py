@@ -187,7 +187,26 @@ class Compiled:
     acks: list[int]
 
 
-__all__ = ["Transfer", "Item", "transfers", "linear_peer", "rounds", "sends_early", "acknowledgements", "COMPILED",
+def modelled_peak(ops: Sequence[Any], pending_weight: float = 1.0) -> float:
+    """The most a stage's op order (simulator ``Op``s) holds at once, in forwards' worth: an F adds
+    1 (its activations), a split backward's B turns it into ``pending_weight`` (the activations a
+    pending W keeps plus the gradients B recorded for it), W frees it; a whole backward ``B`` with
+    no W in the order frees it."""
+    split = {(op.micro, op.slice) for op in ops if op.kind == "W"}
+    live = peak = 0.0
+    for op in ops:
+        unit = (op.micro, op.slice)
+        if op.kind == "F":
+            live += 1
+        elif op.kind == "B":
+            live += pending_weight - 1 if unit in split else -1
+        elif op.kind == "W":
+            live -= pending_weight
+        peak = max(peak, live)
+    return peak
+
+
+__all__ = ["modelled_peak", "Transfer", "Item", "transfers", "linear_peer", "rounds", "sends_early", "acknowledgements", "COMPILED",
            "Compiled", "TimetableSchedule"]
 
 

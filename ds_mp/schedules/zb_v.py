@@ -50,6 +50,8 @@ from typing import Any, Callable, Iterator
 
 from deepspeed.runtime.pipe import schedule as ds
 
+from ds_mp.config.registry import ALL_FAMILIES, ScheduleSpec
+from ds_mp.config.schema import ConfigError, DsMpConfig, InlineModel
 from ds_mp.schedules.simulate import (Deps, Op, OpCost, SimResult, Timetable, interleaved_deps, interleaved_timetable,
                                       one_f_one_b_timetable, simulate, zb_h1_timetable, zero_bubble_deps)
 from ds_mp.schedules.timetable import TimetableSchedule, Transfer
@@ -234,10 +236,6 @@ def projection(P: int, M: int, F: float, B: float, W: float) -> dict[str, float]
     return out
 
 
-__all__ = ["DEFERRALS", "unit_cost", "v_deps", "v_peer", "zb_v_timetable", "held_peak", "figure", "project",
-           "lower_bound", "projection", "VForward", "VBackwardInput", "VBackwardWeight", "VPeer", "ZeroBubbleV"]
-
-
 # ------------------------------------------------------------------ as a DeepSpeed schedule
 
 class VForward(ds.BufferOpInstruction):
@@ -284,11 +282,10 @@ class ZeroBubbleV(TimetableSchedule):
 
     @staticmethod
     def pipeline_layout(cfg: Any, hf_config: Any) -> tuple[list[str], list[int]]:
-        """The V placement (rank r holds chunks r and 2P − 1 − r), after the refusals of
-        :func:`check_config`."""
+        """The V placement (rank r holds chunks r and 2P − 1 − r); the combinations it cannot
+        place were refused by :class:`ZeroBubbleVSpec` when the config was loaded."""
         from ds_mp.models.pipeline import v_pipeline_layout
 
-        check_config(cfg, hf_config.num_hidden_layers)
         names, parts, _ = v_pipeline_layout(hf_config, cfg.pp, cfg.pipeline.partition)
         return names, parts
 
@@ -325,24 +322,40 @@ def deferral_of(cfg: Any) -> str:
     return {"auto": "bounded", "paper": "paper"}[cfg.pipeline.zb_max_pending_w]
 
 
-def check_config(cfg: Any, n_layer: int) -> None:
-    """The combinations ZB-V does not run (yet), each refused with one line naming the key and
-    the fix (the same on every rank: ``pipeline_layout`` is asked before the model is built).
-    What is tested against HF: PP=2 and 3, DP, TP (with and without sequence parallelism), clipping,
-    LoRA (PEFT), activation checkpointing, ZeRO-1, bf16, GPT-2 and the Llama family; the engine
-    refuses fp16 and ZeRO-2 (:func:`ds_mp.engine.zb_v.refuse_precision`)."""
-    from ds_mp.config import ConfigError
+class ZeroBubbleVSpec(ScheduleSpec):
+    """ZB-V: the combinations it does not run (yet), each refused with one line naming the key and
+    the fix, on every rank before anything is built.  What is tested against HF: PP = 2 and 3, DP,
+    TP (with and without sequence parallelism), clipping, LoRA (PEFT), activation checkpointing,
+    ZeRO-1, bf16, GPT-2 and the Llama family."""
 
-    pp, P = cfg.pipeline, cfg.pp
-    if pp.zb_max_pending_w not in ("auto", "paper"):
-        raise ConfigError(f"ds_mp.pipeline.zb_max_pending_w: {pp.zb_max_pending_w!r}; zb-v defers W 'auto' (within "
-                          "1F1B's memory) or 'paper' (the paper's unbounded deferral); use one of those")
-    if P < 2:
-        raise ConfigError(f"ds_mp.pipeline.stages: {P}; the zb-v schedule needs at least 2 stages (its V turns on "
-                          "the last); use 1f1b on one stage")
-    if n_layer < 2 * P:
-        raise ConfigError(f"ds_mp.pipeline.stages: zb-v cuts the {n_layer} blocks into 2·stages = {2 * P} chunks; "
-                          f"use a model with at least {2 * P} blocks or another schedule")
-    if pp.partition not in ("uniform", "parameters"):
-        raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} with zb-v, which cuts its 2·stages chunks "
-                          "'uniform' or by 'parameters'; use one of those")
+    def check(self, cfg: DsMpConfig, shape: InlineModel) -> None:
+        pp, P = cfg.pipeline, cfg.pp
+        if pp.zb_max_pending_w not in ("auto", "paper"):
+            raise ConfigError(f"ds_mp.pipeline.zb_max_pending_w: {pp.zb_max_pending_w!r}; zb-v defers W 'auto' "
+                              "(within 1F1B's memory) or 'paper' (the paper's unbounded deferral); use one of those")
+        if P < 2:
+            raise ConfigError(f"ds_mp.pipeline.stages: {P}; the zb-v schedule needs at least 2 stages (its V turns "
+                              "on the last); use 1f1b on one stage")
+        if shape.n_layer < 2 * P:
+            raise ConfigError(f"ds_mp.pipeline.stages: zb-v cuts the {shape.n_layer} blocks into 2·stages = {2 * P} "
+                              f"chunks; use a model with at least {2 * P} blocks or another schedule")
+        if pp.partition not in ("uniform", "parameters"):
+            raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} with zb-v, which cuts its 2·stages "
+                              "chunks 'uniform' or by 'parameters'; use one of those")
+
+    def check_deepspeed(self, raw: dict, cfg: DsMpConfig) -> None:
+        """fp16 is untested (this CPU has none); ZeRO-2's per-parameter reduction hooks do not see
+        W's gradients, as for zb-h1."""
+        if (raw.get("fp16") or {}).get("enabled"):
+            raise ConfigError("fp16.enabled: not supported by the zb-v schedule; train in fp32 or bf16")
+        if ((raw.get("zero_optimization") or {}).get("stage", 0) or 0) >= 2:
+            raise ConfigError("zero_optimization.stage: not supported by the zb-v schedule; set it to 0 or 1")
+
+
+ZB_V = ZeroBubbleVSpec(timetable=ZeroBubbleV, runtime="ds_mp.engine.zb_v:attach", families=ALL_FAMILIES,
+                       batch_ramp=False)
+
+
+__all__ = ["DEFERRALS", "unit_cost", "v_deps", "v_peer", "zb_v_timetable", "held_peak", "figure", "project",
+           "lower_bound", "projection", "VForward", "VBackwardInput", "VBackwardWeight", "VPeer", "ZeroBubbleV",
+           "deferral_of", "ZeroBubbleVSpec", "ZB_V"]

@@ -22,6 +22,8 @@ from typing import Any
 
 from deepspeed.runtime.pipe.schedule import BufferOpInstruction
 
+from ds_mp.config.registry import ALL_FAMILIES, ScheduleSpec
+from ds_mp.config.schema import ConfigError, DsMpConfig
 from ds_mp.schedules.simulate import Op, zb_h1_timetable, zero_bubble_deps
 from ds_mp.schedules.timetable import TimetableSchedule
 
@@ -92,4 +94,18 @@ def stage_weights(net: Any) -> list[float] | None:
     return [max(n + (head if s == len(blocks) - 1 else 0.0), 0.1) for s, n in enumerate(blocks)]
 
 
-__all__ = ["BackwardInput", "BackwardWeight", "ZeroBubbleH1", "stage_weights"]
+class ZeroBubbleSpec(ScheduleSpec):
+    """ZB-H1: its W pass adds weight gradients outside autograd's accumulation (ZeRO 0/1 only)."""
+
+    def check_deepspeed(self, raw: dict, cfg: DsMpConfig) -> None:
+        if ((raw.get("zero_optimization") or {}).get("stage", 0) or 0) >= 2:
+            raise ConfigError("zero_optimization.stage: the zb-h1 schedule computes weight gradients in a deferred "
+                              "pass that ZeRO-2's per-parameter reduction hooks do not see; set it to 0 or 1")
+        if (raw.get("fp16") or {}).get("enabled"):
+            raise ConfigError("fp16.enabled: the zb-h1 schedule is tested in fp32 and bf16 only; use the bf16 block")
+
+
+ZB_H1 = ZeroBubbleSpec(timetable=ZeroBubbleH1, runtime="ds_mp.engine.zero_bubble:attach", families=ALL_FAMILIES,
+                       batch_ramp=True)
+
+__all__ = ["BackwardInput", "BackwardWeight", "ZeroBubbleH1", "ZeroBubbleSpec", "ZB_H1", "stage_weights"]

@@ -11,7 +11,7 @@ from ds_mp.config import ConfigError, load_config, parse_config, read_json
 from ds_mp.schedules.terapipe.cost_model import (BatchTableCostModel, as_batch_cost, fit_table_cost_model,
                                                  load_cost_model)
 from ds_mp.schedules.terapipe.planner import plan_for, predicted_time_joint, profile_sizes, uniform_slices
-from ds_mp.schedules.terapipe.profile import profile_blocks, profile_path
+from ds_mp.engine.terapipe_profile import profile_blocks, profile_path
 
 
 def plan_from_config(config: str | dict, profile: bool = False) -> dict:

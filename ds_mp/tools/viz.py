@@ -4,7 +4,7 @@
     ds-mp plot RUN_DIR [--out curves.png]                      loss / val loss / tokens/s / LR
 
 A trace is what :class:`ds_mp.engine.pipeline_engine.DsMpPipelineEngine` records with
-``engine.trace_enabled = True``: per rank a list of ``(instruction, buffer_id, start, end)``
+``engine.record_trace()``: per rank a list of ``(instruction, buffer_id, start, end)``
 in ``time.perf_counter()`` seconds.  :func:`gather_trace` (from :mod:`ds_mp.training.trace`, re-exported here) collects every rank's list on
 rank 0, :func:`write_chrome_trace` writes it as Chrome-trace JSON (open it in
 https://ui.perfetto.dev or chrome://tracing), :func:`timeline_png` draws it.
@@ -59,7 +59,7 @@ def bubble_stats(traces: dict[int, Trace]) -> dict:
     """Makespan, per-rank compute / busy / bubble and the overall bubble (module docstring)."""
     spans = [(s, e) for tr in traces.values() for _, _, s, e in tr]
     if not spans:
-        raise ValueError("empty trace: enable engine.trace_enabled before the step you want to record")
+        raise ValueError("empty trace: call engine.record_trace() before the step you want to record")
     makespan = max(e for _, e in spans) - min(s for s, _ in spans)
     ranks = {}
     for rank, tr in sorted(traces.items()):

@@ -4,7 +4,7 @@ as Chrome-trace JSON (https://ui.perfetto.dev, chrome://tracing).
 Used by the training loop (``training.trace_steps``) and re-exported by
 :mod:`ds_mp.tools.viz`, which draws traces (``ds-mp timeline``).  A trace is what
 :class:`ds_mp.engine.pipeline_engine.DsMpPipelineEngine` records with
-``engine.trace_enabled = True``: per rank a list of ``(instruction, buffer_id, start, end)``
+``engine.record_trace()``: per rank a list of ``(instruction, buffer_id, start, end)``
 in ``time.perf_counter()`` seconds.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from ds_mp.training.metrics import COMPUTE_KINDS, instruction_kind
+from ds_mp.engine_view import EngineView
 
 __all__ = ["Trace", "event_label", "gather_trace", "chrome_trace", "write_chrome_trace"]
 
@@ -36,7 +37,7 @@ def event_label(name: str, buffer_id: int) -> str:
 
 # ------------------------------------------------------------------ recording
 
-def gather_trace(engine: Any, trace: Trace | None = None) -> dict[int, Trace] | None:
+def gather_trace(engine: EngineView, trace: Trace | None = None) -> dict[int, Trace] | None:
     """Collective: every rank's ``engine.trace`` (or the ``trace`` given, e.g. several steps
     collected by the training loop) on rank 0 (``{rank: trace}``), None elsewhere.
 

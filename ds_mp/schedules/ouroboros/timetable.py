@@ -1,5 +1,6 @@
 """Ouroboros placement and timetable: which rank holds which module, and what each rank does
-at iteration t (the algebra is in ``ds_mp.schedules.ouroboros.algorithm``'s docstring).
+at iteration t (the algebra is in the docstring of the tests' single-process reference,
+``tests/ouroboros_oracle.py``).
 """
 from __future__ import annotations
 

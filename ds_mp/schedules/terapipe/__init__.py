@@ -1,3 +1,4 @@
-"""TeraPipe (token-level pipelining): ``schedule`` (instructions and timetable), ``kv_cache``
-(attention to earlier slices), ``planner`` (cost model + dynamic program), ``profile``
-(measuring a stage and ``"slices": "auto"``)."""
+"""TeraPipe (token-level pipelining): ``schedule`` (instructions and timetable), ``planner`` (cost
+model + dynamic program), ``cost_model``, ``spec`` (its ScheduleSpec).  The live parts are on the
+engine floor: ``ds_mp.engine.terapipe_kv`` (attention to earlier slices) and
+``ds_mp.engine.terapipe_profile`` (measuring a stage and ``"slices": "auto"``)."""

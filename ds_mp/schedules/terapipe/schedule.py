@@ -5,7 +5,7 @@ sequence of L tokens is cut into slices l_1 … l_M (and its rows into batch-sli
 k forwards slice i while stage k+1 forwards slice i−1.  A *unit* is one (micro-batch,
 batch-slice, token slice); units run in the order micro → batch-slice → token slice.
 
-Attention of a slice to the earlier slices' keys/values: ``kv_cache``.  Engine handlers of
+Attention of a slice to the earlier slices' keys/values: ``ds_mp.engine.terapipe_kv``.  Engine handlers of
 the instructions below: ``ds_mp.engine.terapipe``.
 
 Loss: slice i's targets are ``shift_labels(labels)[:, c:c+l]`` (the last token of slice i

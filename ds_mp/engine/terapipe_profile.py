@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ds_mp.config import ConfigError, DsMpConfig
 from ds_mp.models.gpt2 import LAYER_COST_VERSION, attending_to
-from ds_mp.schedules.terapipe.kv_cache import KVContext
+from ds_mp.engine.terapipe_kv import KVContext
 from ds_mp.tensor_parallel.layers import sparse_lookups
 from ds_mp.schedules.terapipe.cost_model import (BatchTableCostModel, cost_model_meta, fit_table_cost_model,
                                                  load_cost_model, profile_stage)

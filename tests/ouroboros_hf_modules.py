@@ -1,5 +1,5 @@
 """An unmodified HF causal LM cut into Ouroboros' modules G_0..G_{K-1}, for the single-process
-reference (``algorithm.OuroborosReference``): each family's cut (:data:`CUTS`, by
+reference (``ouroboros_oracle.OuroborosReference``, the tests' oracle): each family's cut (:data:`CUTS`, by
 ``Family.name``) says which of the HF model's own submodules sit before the first block (G_0),
 after the last (G_{K-1}), and how HF calls them; the blocks are HF's decoder layers, called as
 the HF model calls them.  The modules share the HF model's parameters, so a tied head is the

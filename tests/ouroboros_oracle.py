@@ -52,8 +52,11 @@ Dropout: a replay must apply the masks its forward drew, so the RNG state is cap
 each locked forward and restored (in a forked stream) for its replay: module_backward(rng=...).
 The reference refuses dropout unless replay_dropout=True (the distributed engine always replays).
 
-Where the rest lives: the split, ring layout and per-rank timetable in ``timetable``; the
-distributed engine on K-1 ranks in ``ds_mp.engine.ouroboros``.
+Where the rest lives: the split, ring layout and per-rank timetable in
+``ds_mp.schedules.ouroboros.timetable``; the distributed engine on K-1 ranks in
+``ds_mp.engine.ouroboros``, which shares this reference's gradient assembly
+(``ds_mp.engine.ouroboros_modules.grad_holders``/``module_grad_sum``).  This module is the
+tests' oracle, not part of the package; the HF modules it cuts are in ``ouroboros_hf_modules``.
 """
 from __future__ import annotations
 
@@ -66,11 +69,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ds_mp.engine.ouroboros_modules import grad_holders, module_grad_sum
 from ds_mp.models.family import family_of
-from ds_mp.schedules.ouroboros.hf_modules import OuroborosModule
 from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, RecvDelta, RecvHidden, SendDelta,
                                                   SendHidden, Step, UpdateModules, format_timetable,
                                                   ouroboros_timetable, rank_steps, ring_layout, split_modules)
+from ouroboros_hf_modules import OuroborosModule
 
 __all__ = ["split_modules", "ring_layout", "ModuleForward", "ModuleBackward", "SendHidden", "RecvHidden", "SendDelta",
            "RecvDelta", "UpdateModules", "Step", "rank_steps", "ouroboros_timetable", "format_timetable", "OuroborosModule",
@@ -166,38 +170,6 @@ def loss_backward(module: OuroborosModule, x: Tensor, labels: Tensor) -> tuple[T
         loss = lm_loss(module(x), labels)
         grad_x, grads = _grads(module, loss, x, None)
     return loss.detach(), grad_x, grads
-
-
-Holders = dict[int, list[tuple[int, int]]]  # id(p) -> [(module index, position in its parameters())]
-
-
-def grad_holders(modules: Iterable[nn.Module] | dict) -> Holders:
-    """Where each parameter sits in the modules holding it (two entries for the tied V).
-    ``modules``: index -> module or parameter list (or a list of modules).  Built once."""
-    items = modules.items() if isinstance(modules, dict) else enumerate(modules)
-    out: Holders = {}
-    for m, module in items:
-        params = list(module.parameters()) if isinstance(module, nn.Module) else module
-        for i, q in enumerate(params):
-            out.setdefault(id(q), []).append((m, i))
-    return out
-
-
-def module_grad_sum(p: nn.Parameter, holders: Holders, grads: dict[int, list[Tensor]],
-                    tie_scale: float) -> Tensor | None:
-    """Step 4's gradient of ``p``: Σ over the modules holding p of their gradient (zero for a
-    module in warm-up, i.e. absent from ``grads``), times ``tie_scale`` when two modules hold p
-    (the tied V); None when no module holding p has a gradient yet.  ``grads``: module index ->
-    gradients in ``parameters()`` order; ``holders`` from :func:`grad_holders`.  The sum is
-    formed in place in the first module's gradient tensor (``grads`` is consumed)."""
-    where = holders[id(p)]
-    real = [grads[m][i] for m, i in where if m in grads]
-    if not real:
-        return None
-    total = real[0]
-    for g in real[1:]:
-        total += g
-    return total.mul_(tie_scale) if len(where) == 2 else total
 
 
 # ----------------------------------------------------------------------------- reference

@@ -1,0 +1,82 @@
+"""What ``checkpoint/``, ``training/`` and ``tools/`` may read of an engine: the typed view
+:class:`EngineView` (ground floor, imports nothing of the engine).
+
+``ds_mp.initialize`` returns a ``DsMpPipelineEngine`` (``ds_mp/engine/pipeline_engine.py``), which
+has all of it: DeepSpeed's public engine API plus what ds_mp gives it at construction (the
+topology, the validated config, the model's HF config, the JSON optimizer's parameters) and the
+methods by which a run sets what it measures (``use_noise_probe``, ``record_trace``).  A floor
+above the engine takes an ``EngineView`` and never sets an attribute on it
+(``tests/test_architecture.py``)."""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Protocol
+
+import torch
+
+from ds_mp.config.schema import DsMpConfig
+from ds_mp.topology import Topology
+
+Trace = list[tuple[str, int, float, float]]  # (instruction, buffer_id, start, end) per executed instruction
+
+
+class EngineView(Protocol):
+    """The engine as the floors above it see it."""
+
+    module: torch.nn.Module  # this rank's pipeline stage: parameters, ds_mp_ctx (layout), layer names
+    topology: Topology  # the TP × PP × DP grid and this rank's place in it
+    ds_mp_config: Optional[DsMpConfig]  # the validated "ds_mp" block
+    hf_config: Any  # the model's HF config (exports, checkpoints)
+    optimizer_hparams: dict  # the JSON optimizer's params, kept by checkpoints
+    optimizer: Any  # DeepSpeed's optimizer wrapper (or the torch optimizer)
+    lr_scheduler: Any  # the LR scheduler, or None
+    schedule_name: str  # the registered name of the schedule it runs
+    device: torch.device
+    global_steps: int  # DeepSpeed's counters (a resume restores them through deepspeed_compat)
+    global_samples: int
+    skipped_steps: int
+    nonfinite_steps: int  # optimizer steps skipped because a gradient was NaN/Inf
+    last_step_nonfinite: bool
+    trace: Trace  # recorded instructions since the caller last cleared it (record_trace)
+
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        """One optimizer step over a global batch; the per-target-token mean loss."""
+
+    def eval_batch(self, data_iter: Iterator, *args: Any, num_micro_batches: Optional[int] = None,
+                   **kwargs: Any) -> Any:
+        """The loss of a batch, no update."""
+
+    def train_batch_size(self) -> int: ...
+
+    def train_micro_batch_size_per_gpu(self) -> int: ...
+
+    def gradient_accumulation_steps(self) -> int: ...
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's batch change: more micro-batches per step."""
+
+    def get_lr(self) -> list[float]: ...
+
+    def get_global_grad_norm(self) -> Optional[float]: ...
+
+    def instruction_times(self) -> dict[str, float]:
+        """Seconds spent per instruction type since the trace was last cleared."""
+
+    def record_trace(self, on: bool = True) -> None:
+        """Append every instruction to :attr:`trace`."""
+
+    def use_noise_probe(self, probe: Any) -> None:
+        """Measure the gradient noise scale with ``probe``; None: never."""
+
+    def keeps_schedule_state(self) -> bool:
+        """The schedule keeps work in flight across steps (checkpoints carry it)."""
+
+    def schedule_state_dict(self) -> Optional[dict]:
+        """The schedule's in-flight state on this rank, or None."""
+
+    def load_schedule_state_dict(self, state: dict) -> None: ...
+
+    def schedule_state_tp_free(self) -> bool:
+        """The in-flight state is the same on every TP rank (resumes at another TP degree)."""
+
+
+__all__ = ["EngineView", "Trace"]

@@ -263,6 +263,18 @@ def _world4_steps() -> list[list]:
     return _steps(3, 4, seed=23)
 
 
+def _assert_every_rank_equals(results: list[dict], case: str, want: list[float], want_w: dict) -> None:
+    """Every rank's losses of ``case`` equal HF's, each weight it holds equals HF's, and the ranks
+    together hold every weight."""
+    seen: set = set()
+    for rank, res in enumerate(results):
+        losses, w = res[case]
+        assert max(abs(a - b) for a, b in zip(losses, want)) <= TOL, (case, rank, losses, want)
+        assert max_diff(w, want_w) <= TOL, (case, rank, max_diff(w, want_w))
+        seen |= set(w)
+    assert seen == set(want_w), case
+
+
 @pytest.mark.slow
 def test_zb_v_with_dp_and_tp_equals_hf() -> None:
     """4 ranks: PP=2 × DP=2 (each replica on its own half of the global batch), TP=2 × PP=2 (the
@@ -271,13 +283,7 @@ def test_zb_v_with_dp_and_tp_equals_hf() -> None:
     want, _, want_w = hf_train(tiny_gpt2(), _world4_steps(), LR, 0.5)
     results = run_ranks(_world4_rank, 4, timeout=900)
     for name in WORLD4:
-        seen: set = set()
-        for rank, res in enumerate(results):
-            losses, w = res[name]
-            assert max(abs(a - b) for a, b in zip(losses, want)) <= TOL, (name, rank, losses, want)
-            assert max_diff(w, want_w) <= TOL, (name, rank, max_diff(w, want_w))
-            seen |= set(w)
-        assert seen == set(want_w), name
+        _assert_every_rank_equals(results, name, want, want_w)
 
 
 def _pp3_rank(rank: int) -> dict:
@@ -300,13 +306,7 @@ def test_zb_v_pp3_equals_hf() -> None:
     want, want_w = hf_masked(tiny_gpt2(n_layer=6), case["steps"], LR)
     results = run_ranks(_pp3_rank, 3, timeout=600)
     for deferral in ("auto", "paper"):
-        seen: set = set()
-        for rank, res in enumerate(results):
-            losses, w = res[deferral]
-            assert max(abs(a - b) for a, b in zip(losses, want)) <= TOL, (deferral, rank, losses, want)
-            assert max_diff(w, want_w) <= TOL, (deferral, rank, max_diff(w, want_w))
-            seen |= set(w)
-        assert seen == set(want_w), deferral
+        _assert_every_rank_equals(results, deferral, want, want_w)
 
 
 # ------------------------------------------------------------------ held memory: census and model

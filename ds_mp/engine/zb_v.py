@@ -1,6 +1,6 @@
 """Engine side of ZB-V: the V placement's chunks, each with ZB-H1's split backward.
 
-Imported by the engine when the ``zb-v`` schedule is selected (``ENGINE_SUPPORT``).  The module is
+Imported by the engine when the ``zb-v`` schedule is selected (its spec's runtime: :func:`attach`).  The module is
 built in the V placement (``ZeroBubbleV.pipeline_layout``: rank r holds chunk r, then chunk
 2P − 1 − r, as consecutive runs of its layers).  Two pieces are reused as they are:
 

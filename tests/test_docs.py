@@ -34,7 +34,7 @@ from docs_utils import (MATRICES, OTHERS_PAGES, REPO, Block, blocks, clipping_er
 LINKED = ("ds_configs", "launch", "benchmarks", "scripts")  # symlinked into every page's scratch dir
 CORPUS = ("textwrap", "shlex", "fnmatch", "glob", "colorsys", "bisect", "heapq")  # stdlib modules as "your text"
 PREAMBLE = """set -eo pipefail
-free_port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_port() { python "$DOCS_TESTS/ports.py"; }
 deepspeed() { command deepspeed --master_port "$(free_port)" "$@" $DOCS_APPEND; }
 """
 
@@ -105,7 +105,7 @@ def _env(fx: dict, block: Block) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
     env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), HF_HOME=fx["hf_home"],
                HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", DS_MP_TIMEOUT="60", PYTHONUNBUFFERED="1",
-               MPLBACKEND="Agg", DOCS_APPEND=block.append)
+               MPLBACKEND="Agg", DOCS_APPEND=block.append, DOCS_TESTS=os.path.dirname(os.path.abspath(__file__)))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env

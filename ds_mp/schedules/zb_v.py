@@ -50,11 +50,12 @@ from typing import Any, Callable, Iterator
 
 from deepspeed.runtime.pipe import schedule as ds
 
-from ds_mp.config.registry import ALL_FAMILIES, ScheduleSpec
+from ds_mp.config.registry import ALL_FAMILIES
 from ds_mp.config.schema import ConfigError, DsMpConfig, InlineModel
 from ds_mp.schedules.simulate import (Deps, Op, OpCost, SimResult, Timetable, interleaved_deps, interleaved_timetable,
                                       one_f_one_b_timetable, simulate, zb_h1_timetable, zero_bubble_deps)
 from ds_mp.schedules.timetable import TimetableSchedule, Transfer
+from ds_mp.schedules.zero_bubble import ZeroBubbleSpec
 
 DEFERRALS = ("bounded", "paper")
 
@@ -322,11 +323,12 @@ def deferral_of(cfg: Any) -> str:
     return {"auto": "bounded", "paper": "paper"}[cfg.pipeline.zb_max_pending_w]
 
 
-class ZeroBubbleVSpec(ScheduleSpec):
+class ZeroBubbleVSpec(ZeroBubbleSpec):
     """ZB-V: the combinations it does not run (yet), each refused with one line naming the key and
     the fix, on every rank before anything is built.  What is tested against HF: PP = 2 and 3, DP,
     TP (with and without sequence parallelism), clipping, LoRA (PEFT), activation checkpointing,
-    ZeRO-1, bf16, GPT-2 and the Llama family."""
+    ZeRO-1, bf16, GPT-2 and the Llama family; fp16 and ZeRO-2 are refused as for zb-h1
+    (:class:`~ds_mp.schedules.zero_bubble.ZeroBubbleSpec`)."""
 
     def check(self, cfg: DsMpConfig, shape: InlineModel) -> None:
         pp, P = cfg.pipeline, cfg.pp
@@ -342,14 +344,6 @@ class ZeroBubbleVSpec(ScheduleSpec):
         if pp.partition not in ("uniform", "parameters"):
             raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} with zb-v, which cuts its 2·stages "
                               "chunks 'uniform' or by 'parameters'; use one of those")
-
-    def check_deepspeed(self, raw: dict, cfg: DsMpConfig) -> None:
-        """fp16 is untested (this CPU has none); ZeRO-2's per-parameter reduction hooks do not see
-        W's gradients, as for zb-h1."""
-        if (raw.get("fp16") or {}).get("enabled"):
-            raise ConfigError("fp16.enabled: not supported by the zb-v schedule; train in fp32 or bf16")
-        if ((raw.get("zero_optimization") or {}).get("stage", 0) or 0) >= 2:
-            raise ConfigError("zero_optimization.stage: not supported by the zb-v schedule; set it to 0 or 1")
 
 
 ZB_V = ZeroBubbleVSpec(timetable=ZeroBubbleV, runtime="ds_mp.engine.zb_v:attach", families=ALL_FAMILIES,

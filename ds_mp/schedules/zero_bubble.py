@@ -95,14 +95,16 @@ def stage_weights(net: Any) -> list[float] | None:
 
 
 class ZeroBubbleSpec(ScheduleSpec):
-    """ZB-H1: its W pass adds weight gradients outside autograd's accumulation (ZeRO 0/1 only)."""
+    """A split-backward schedule (ZB-H1, ZB-V): its W pass adds weight gradients outside autograd's
+    accumulation (ZeRO 0/1 only); tested in fp32 and bf16."""
 
     def check_deepspeed(self, raw: dict, cfg: DsMpConfig) -> None:
+        name = cfg.pipeline.schedule
         if ((raw.get("zero_optimization") or {}).get("stage", 0) or 0) >= 2:
-            raise ConfigError("zero_optimization.stage: the zb-h1 schedule computes weight gradients in a deferred "
+            raise ConfigError(f"zero_optimization.stage: the {name} schedule computes weight gradients in a deferred "
                               "pass that ZeRO-2's per-parameter reduction hooks do not see; set it to 0 or 1")
         if (raw.get("fp16") or {}).get("enabled"):
-            raise ConfigError("fp16.enabled: the zb-h1 schedule is tested in fp32 and bf16 only; use the bf16 block")
+            raise ConfigError(f"fp16.enabled: the {name} schedule is tested in fp32 and bf16 only; use the bf16 block")
 
 
 ZB_H1 = ZeroBubbleSpec(timetable=ZeroBubbleH1, runtime="ds_mp.engine.zero_bubble:attach", families=ALL_FAMILIES,

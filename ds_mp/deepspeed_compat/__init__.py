@@ -19,17 +19,18 @@ from ds_mp.deepspeed_compat.optimizers import (flat_group_params, skipping_flat_
     zero2_partition_grads, zero2_full_grad, zero2_set_full_grad, fp16_slot, slot_view, SCALER_FIELDS,
     loss_scaler_state, set_loss_scaler_state, master_weights, FLAT_LP_GROUPS, flat_fragments)
 from ds_mp.deepspeed_compat.pipeline import (ASSUMPTIONS, ENGINE_ATTRIBUTES, Assumption, DeepSpeedIncompatible,
-    check, check_engine, checkpointable_flags, inference_schedule, instruction_handlers, layer_spec_arguments, skip_op_build, set_global_grad_norm, uses_bf16_optimizer, copy_bf16_grads_to_master,
+    check, check_engine, checkpointable_flags, inference_schedule, instruction_handlers, layer_spec_arguments, set_global_grad_norm, uses_bf16_optimizer, copy_bf16_grads_to_master,
     reserve_pipe_buffers, reset_forward_outputs, computing_loss, tied_weights, set_local_layers, next_batch,
     pipe_buffers, forget_partitioned_shapes, send_whole_activations, module_grid, module_topology,
     unapplied_loss_scale, output_hook_managers)
+from ds_mp.deepspeed_compat.shm import release_shm_workspace, skip_shm_comm_unless_asked
 from ds_mp.deepspeed_compat.p2p import activation_messages, grad_messages, stage_rank
 from ds_mp.deepspeed_compat.internals import (neighbours, set_neighbours, announce_every_shape, set_computing_loss, received_grad, set_received_grad,
     release_loss_graph, set_train_loss, drop_bf16_grads, bf16_fp32_gradients, zero_gradient_for_reduction, use_activation_checkpoint,
     local_layers, running_layers, stage_bounds, tied_parameter_ids, has_tied_comms, batch_fn_done, set_step_counters)
 
-__all__ = ["ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine", "checkpointable_flags", "inference_schedule", "instruction_handlers", "layer_spec_arguments", "activation_messages", "grad_messages", "stage_rank",
-           "skip_op_build", "set_global_grad_norm", "uses_bf16_optimizer", "copy_bf16_grads_to_master",
+__all__ = ["release_shm_workspace", "skip_shm_comm_unless_asked", "ASSUMPTIONS", "ENGINE_ATTRIBUTES", "Assumption", "DeepSpeedIncompatible", "check", "check_engine", "checkpointable_flags", "inference_schedule", "instruction_handlers", "layer_spec_arguments", "activation_messages", "grad_messages", "stage_rank",
+           "set_global_grad_norm", "uses_bf16_optimizer", "copy_bf16_grads_to_master",
            "reserve_pipe_buffers", "reset_forward_outputs", "computing_loss", "tied_weights", "set_local_layers",
            "next_batch", "pipe_buffers", "forget_partitioned_shapes", "send_whole_activations", "module_grid",
            "module_topology", "unapplied_loss_scale", "output_hook_managers", "neighbours", "set_neighbours",

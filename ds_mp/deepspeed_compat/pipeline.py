@@ -151,13 +151,6 @@ def check_engine(engine: Any) -> None:
 
 
 # --- the accessors ds_mp uses ---------------------------------------------------------------
-def skip_op_build(name: str) -> None:
-    """Mark a DeepSpeed op incompatible so DeepSpeed never JIT-builds it (``__compatible_ops__``)."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__[name] = False
-
-
 def uses_bf16_optimizer(engine: Any) -> bool:
     """DeepSpeed's ``BF16_Optimizer`` (bf16 with ZeRO 0) keeps fp32 master weights and gradients;
     gradients set on the bf16 parameters reach them only through ``update_hp_grads``."""

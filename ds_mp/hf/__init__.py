@@ -14,7 +14,12 @@ from typing import Any
 
 from transformers import Trainer as _HFTrainer
 
+from ds_mp.deepspeed_compat import skip_shm_comm_unless_asked
 from ds_mp.hf.mixin import PipelineTrainerMixin
+
+# Accelerate starts DeepSpeed's comm when the user's TrainingArguments are built, before any Trainer
+# exists: keep DeepSpeed from JIT-building its shm all-reduce op and leaving 69 MB per rank in /dev/shm.
+skip_shm_comm_unless_asked()
 
 
 class Trainer(PipelineTrainerMixin, _HFTrainer):

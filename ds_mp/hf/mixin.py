@@ -54,9 +54,6 @@ class PipelineTrainerMixin:
     """
 
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
-        from ds_mp.deepspeed_compat import skip_op_build
-
-        skip_op_build("deepspeed_shm_comm")  # before Accelerate initialises DeepSpeed's comm (engine/initialize.py)
         model, source = _model_and_source(model)
         optimizers = kwargs.get("optimizers", rest[8] if len(rest) > 8 else (None, None))
         if optimizers is not None and any(o is not None for o in optimizers):

@@ -6,6 +6,7 @@
 # worker at a time (most in-process tests use one core: OMP_NUM_THREADS=1), then the `serial`
 # tests alone, because they bound a wall time (kill-to-exit, start-up, planner speed) that a
 # second worker's load would eat into. DS_MP_TEST_WORKERS=0 runs the first phase in-process.
+# Each phase ends with its slowest tests (--durations): where the suite's time goes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh || exit 1
@@ -15,9 +16,9 @@ parallel=()
 if [ "$workers" != "0" ]; then
     parallel=(-n "$workers" --dist loadfile)
 fi
-python -m pytest -q "${parallel[@]}" -m "not serial" "$@"
+python -m pytest -q --durations=30 "${parallel[@]}" -m "not serial" "$@"
 rc1=$?
-python -m pytest -q -m "serial" "$@"
+python -m pytest -q --durations=10 -m "serial" "$@"
 rc2=$?
 # pytest exits 5 when it collected no test. One phase may legitimately select nothing (e.g. a
 # file with no serial test); the suite as a whole selecting nothing is a failure.

@@ -516,3 +516,15 @@ def test_deepspeed_layer_naming_decoded_only_in_compat() -> None:
         bad += [f"{module} line {n.lineno}" for n in ast.walk(ast.parse(open(path).read()))
                 if isinstance(n, ast.Constant) and isinstance(n.value, str) and "tied_modules" in n.value]
     assert not bad, "DeepSpeed's tied_modules naming outside deepspeed_compat/:\n" + "\n".join(bad)
+
+
+def test_module_adapter_overrides_are_checked() -> None:
+    """The module adapter's overrides of DeepSpeed's build hooks are read off the class and checked
+    against DeepSpeed at engine build (``compat.check_overrides()``); a rename fails naming it."""
+    from ds_mp import deepspeed_compat as compat
+    from ds_mp.deepspeed_compat.pipeline_module import PipelineModuleAdapter
+
+    assert {"_build", "_partition_layers", "_synchronize_tied_weights"} <= set(compat.check_overrides())
+    renamed = type("Adapter", (PipelineModuleAdapter,), {"_build_stage": lambda self: None})
+    with pytest.raises(compat.DeepSpeedIncompatible, match="PipelineModule has no '_build_stage'"):
+        compat.check_overrides(renamed)

@@ -266,9 +266,6 @@ def test_nothing_patches_a_third_party_module_or_class() -> None:
 DEEPSPEED_INTERNALS = {"agg_train_loss", "grad_layer", "bf16_groups", "fp32_groups_gradients",
                        "get_gradient_for_reduction", "clear_lp_grads", "activation_checkpoint_func", "forward_funcs",
                        "is_checkpointable_results", "tied_modules", "tied_comms", "prev_stage", "next_stage"}
-#: The PipelineModule subclass still lives with the model code (its move to deepspeed_compat/ is
-#: part of the model-family folder work): it may override DeepSpeed's module hooks.
-DEEPSPEED_SUBCLASSES_OUTSIDE = {"ds_mp.models.pipeline"}
 
 
 def deepspeed_private_names() -> set[str]:
@@ -328,7 +325,7 @@ def test_deepspeed_internals_only_in_deepspeed_compat() -> None:
     used only inside ``ds_mp/deepspeed_compat/``, behind accessors checked when an engine is built."""
     private, bad = deepspeed_private_names(), []
     for module, path in modules().items():
-        if module.startswith("ds_mp.deepspeed_compat") or module in DEEPSPEED_SUBCLASSES_OUTSIDE:
+        if module.startswith("ds_mp.deepspeed_compat"):
             continue
         bad += [f"{module} {hit}" for hit in deepspeed_internal_uses(open(path).read(), private)]
     assert not bad, "DeepSpeed internals outside deepspeed_compat/:\n" + "\n".join(bad)
@@ -396,8 +393,8 @@ def test_nothing_sets_engine_attributes_from_outside() -> None:
 
 
 MAX_LINES = 400
-# files allowed past MAX_LINES until the work named beside them
-LONG_FILES = {"ds_mp.models.gpt2": "#42's model-family folder (models/gpt2/: layers, plan, HF adapter) splits it"}
+# files allowed past MAX_LINES until the work named beside them (none today)
+LONG_FILES: dict[str, str] = {}
 
 
 def test_files_stay_small() -> None:
@@ -405,3 +402,129 @@ def test_files_stay_small() -> None:
     long = {m: n for m, path in modules().items() if (n := len(open(path).read().splitlines())) > MAX_LINES}
     assert set(long) <= set(LONG_FILES), f"files over {MAX_LINES} lines (split them by concern): " + ", ".join(
         f"{m} ({n})" for m, n in sorted(long.items()) if m not in LONG_FILES)
+
+
+# --- model families: one folder each, one registry, DeepSpeed's module protocol in compat (#42) ---
+
+FAMILY_FILES = ("__init__.py", "plan.py", "layers.py", "hf_adapter.py")
+
+
+def model_type_literals(source: str, model_types: set[str]) -> list[str]:
+    """Tables keyed by model type outside the registry: a dict literal with a registered
+    ``model_type`` as a key, or a tuple/list/set literal holding two or more of them."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            keys = [k.value for k in node.keys if isinstance(k, ast.Constant) and k.value in model_types]
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            keys = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in model_types]
+            keys = keys if len(keys) > 1 else []
+        else:
+            continue
+        if keys:
+            bad.append(f"line {node.lineno}: {keys}")
+    return bad
+
+
+def test_one_family_registry() -> None:
+    """``ds_mp.config.families.FAMILIES`` is the only table keyed by model type (config's views
+    and the families' ``model_types``/``architectures`` derive from it), and every entry resolves to
+    a family folder whose ``FAMILY`` has the entry's name."""
+    from ds_mp.config.families import FAMILIES
+    from ds_mp.models.family import family_named
+
+    types = set(FAMILIES)
+    assert model_type_literals('A = {"gpt2": 1}\nB = ("llama", "qwen2")\nC = ("gpt2",)\n', types) == [
+        "line 1: ['gpt2']", "line 2: ['llama', 'qwen2']"]
+    bad = []
+    for module, path in modules().items():
+        if module != "ds_mp.config.families":
+            bad += [f"{module} {hit}" for hit in model_type_literals(open(path).read(), types)]
+    assert not bad, "tables keyed by model type outside ds_mp/config/families.py:\n" + "\n".join(bad)
+    for model_type, entry in FAMILIES.items():
+        family = family_named(model_type)
+        assert family.name == entry.family and model_type in family.model_types, model_type
+        folder = os.path.join(os.path.dirname(ROOT), *entry.package.split("."))
+        missing = [f for f in FAMILY_FILES if not os.path.isfile(os.path.join(folder, f))]
+        assert not missing, f"{entry.package} is not a family folder: no {', '.join(missing)}"
+
+
+def literal_kinds(source: str) -> list[str]:
+    """Calls that pass a shard kind as a literal (``kind="qkv"``): a cut picked by hand, not read
+    from the plan."""
+    return [f"line {n.lineno}: {ast.unparse(n)}" for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Call) and any(k.arg == "kind" and isinstance(k.value, ast.Constant) for k in n.keywords)]
+
+
+def test_family_layers_are_built_from_the_plan() -> None:
+    """A family's layers take their TP cut from its plan (the table that also shards its checkpoints),
+    never a hand-written ``kind=``: change the plan and both follow."""
+    from ds_mp.config.families import FAMILIES
+
+    assert len(literal_kinds('ColumnParallelLinear(w, b, kind="qkv")\nf(kind=plan[k])\n')) == 1
+    bad = []
+    for package in {e.package for e in FAMILIES.values()}:
+        path = modules()[package + ".layers"]
+        bad += [f"{package}.layers {hit}" for hit in literal_kinds(open(path).read())]
+    assert not bad, "layers cut by hand instead of by the plan:\n" + "\n".join(bad)
+
+
+def test_ctx_and_families_sit_below_the_pipeline() -> None:
+    """``Ctx`` has its own module, importing neither the pipeline nor a family, and no family imports
+    the pipeline: ``family_named`` imports a family by name, so a family importing the pipeline
+    (which imports ``family``) would be a cycle no import statement shows."""
+    from ds_mp.config.families import FAMILIES
+
+    mods = modules()
+    packages = {e.package for e in FAMILIES.values()}
+    bad = [t for t in imports_of(mods["ds_mp.models.ctx"], "ds_mp.models.ctx")
+           if t == "ds_mp.models.pipeline" or any(t == p or t.startswith(p + ".") for p in packages)]
+    for module, path in mods.items():
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            bad += [f"{module} imports {t}" for t in imports_of(path, module) if t == "ds_mp.models.pipeline"]
+    assert not bad, "\n".join(bad)
+
+
+DEEPSPEED_CLASSES = {"PipelineModule", "PipelineEngine", "DeepSpeedEngine"}
+
+
+def deepspeed_subclasses(source: str) -> list[str]:
+    """Classes deriving directly from one of DeepSpeed's :data:`DEEPSPEED_CLASSES`."""
+    return [f"line {n.lineno}: class {n.name}" for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)
+            and any((b.id if isinstance(b, ast.Name) else getattr(b, "attr", None)) in DEEPSPEED_CLASSES
+                    for b in n.bases)]
+
+
+def test_deepspeed_classes_subclassed_only_in_compat() -> None:
+    """DeepSpeed's engine and module are subclassed only by the adapters in ``deepspeed_compat/``;
+    ds_mp's own classes derive from the adapters."""
+    assert len(deepspeed_subclasses("class A(PipelineModule): pass\nclass B(pipe.PipelineEngine): pass\n")) == 2
+    bad = []
+    for module, path in modules().items():
+        if not module.startswith("ds_mp.deepspeed_compat"):
+            bad += [f"{module} {hit}" for hit in deepspeed_subclasses(open(path).read())]
+    assert not bad, "DeepSpeed classes subclassed outside deepspeed_compat/:\n" + "\n".join(bad)
+
+
+def test_deepspeed_layer_naming_decoded_only_in_compat() -> None:
+    """DeepSpeed's names for a pipeline's parameters (``tied_modules.<key>.…`` for a tied layer) are
+    decoded by ``PipelineModuleAdapter.param_layer`` alone: no other module spells the prefix."""
+    bad = []
+    for module, path in modules().items():
+        if module.startswith("ds_mp.deepspeed_compat"):
+            continue
+        bad += [f"{module} line {n.lineno}" for n in ast.walk(ast.parse(open(path).read()))
+                if isinstance(n, ast.Constant) and isinstance(n.value, str) and "tied_modules" in n.value]
+    assert not bad, "DeepSpeed's tied_modules naming outside deepspeed_compat/:\n" + "\n".join(bad)
+
+
+def test_module_adapter_overrides_are_checked() -> None:
+    """The module adapter's overrides of DeepSpeed's build hooks are read off the class and checked
+    against DeepSpeed at engine build (``compat.check_overrides()``); a rename fails naming it."""
+    from ds_mp import deepspeed_compat as compat
+    from ds_mp.deepspeed_compat.pipeline_module import PipelineModuleAdapter
+
+    assert {"_build", "_partition_layers", "_synchronize_tied_weights"} <= set(compat.check_overrides())
+    renamed = type("Adapter", (PipelineModuleAdapter,), {"_build_stage": lambda self: None})
+    with pytest.raises(compat.DeepSpeedIncompatible, match="PipelineModule has no '_build_stage'"):
+        compat.check_overrides(renamed)

@@ -31,7 +31,7 @@ def _brute_force(L: int, K: int, block: float, first: float, last: float, min_en
 def test_balanced_blocks_is_optimal() -> None:
     """Integer costs (exact in floats: ties are real ties, the tie-breaks are checked too) and
     random real costs (the least max-cost is checked)."""
-    from ds_mp.models.gpt2 import balanced_blocks
+    from ds_mp.models.partition import balanced_blocks
 
     rng = random.Random(0)
     for _ in range(300):
@@ -53,7 +53,7 @@ def test_balanced_blocks_is_optimal() -> None:
 def test_cost_partition_moves_blocks_off_the_heavy_end() -> None:
     """A heavy head takes blocks off the last stage (down to none), a heavy embedding off the
     first; "parameters" keeps its old answers; "cost" without costs says what it needs."""
-    from ds_mp.models.gpt2 import LayerCosts, stage_parts
+    from ds_mp.models.partition import LayerCosts, stage_parts
 
     assert LayerCosts(embed=0.1, block=1.0, head=1.5).blocks(8, 2) == [5, 3]
     assert LayerCosts(embed=3.0, block=1.0, head=0.0).blocks(8, 2) == [2, 6]
@@ -69,7 +69,7 @@ def test_measuring_leaves_weights_and_random_streams_alone() -> None:
     """One process, TP = 1: three positive costs; the weight source, the CPU generator and the
     model-parallel RNG tracker are as before (so a "cost" run draws the same dropout masks)."""
     from ds_mp.models.cost_profile import measure_layer_costs
-    from ds_mp.models.gpt2 import WeightSource
+    from ds_mp.models.weights import WeightSource
     from ds_mp.tensor_parallel.random import rng_state, seed_everything
     from ds_mp.topology import Topology
 

@@ -208,7 +208,7 @@ def test_pipeline_equals_hf(world: int, tmp_path) -> None:
 def test_partitions_differ() -> None:
     """The explicit partitions above really move blocks; "parameters" moves blocks off the
     stages that carry the embedding/head once the vocabulary is heavy."""
-    from ds_mp.models.gpt2 import stage_parts
+    from ds_mp.models.partition import stage_parts
 
     assert stage_parts(6, 3, "parameters", 48, 50000) == [0, 3, 7, 10]  # blocks [1, 4, 1]
     assert stage_parts(6, 3, "uniform", 48, 50000) == [0, 4, 6, 10]  # blocks [2, 2, 2]

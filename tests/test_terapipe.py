@@ -38,7 +38,9 @@ SLICES = [5, 3, 7, 1]
 def _blocks(n: int = 3, n_embd: int = 48, n_head: int = 4) -> torch.nn.ModuleList:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from ds_mp.models.gpt2 import Block, Ctx, WeightSource
+    from ds_mp.models.ctx import Ctx
+    from ds_mp.models.gpt2 import Block
+    from ds_mp.models.weights import WeightSource
     from ds_mp.topology import Topology
 
     hf = tiny_gpt2(n_layer=n, n_embd=n_embd, n_head=n_head).config
@@ -137,7 +139,7 @@ def test_plan_profiles_the_models_own_family_blocks(source, tmp_path, monkeypatc
     attention and SwiGLU, not GPT-2 blocks of the same width), ⌈layers / stages⌉ of them, from
     an inline shape or a checkpoint directory."""
     from ds_mp.config import load_config
-    from ds_mp.models import llama_layers
+    from ds_mp.models.llama import layers as llama_layers
     from ds_mp.engine import terapipe_profile as profile
     from test_llama import tiny_llama
 
@@ -260,7 +262,8 @@ def _data(steps: int, per_step: int, micro: int) -> list[list]:
 def _case(tp: int, pp: int, micro: int, gas: int, terapipe: dict, out_dir: str = "", extra: dict | None = None) -> dict:
     """Two SGD steps (lr 0.5) through ds_mp.initialize; this rank's shards vs HF's."""
     import ds_mp
-    from ds_mp.models.gpt2 import hf_param_name, tp_kind
+    from ds_mp.models.gpt2 import tp_kind
+    from ds_mp.models.pipeline import hf_param_name
     from ds_mp.tensor_parallel import shard
 
     dp = int(os.environ["WORLD_SIZE"]) // (tp * pp)

@@ -1,4 +1,4 @@
-"""Hugging Face model directories in and out (any family of ``ds_mp.models.family.FAMILIES``).
+"""Hugging Face model directories in and out (any family of ``ds_mp.config.families.FAMILIES``).
 
 In: :func:`directory_source` turns an HF directory (``config.json`` + ``model.safetensors``,
 a sharded safetensors index, or ``pytorch_model.bin``) or a ds_mp sharded directory into a

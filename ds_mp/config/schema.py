@@ -9,6 +9,9 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from ds_mp.config.families import FAMILIES
+
+
 class ConfigError(ValueError):
     """A ds_mp configuration problem; the message is one line naming the key and the fix."""
 
@@ -138,15 +141,11 @@ class TrainingConfig:
     save_on_signal: bool = True  # on SIGTERM/SIGINT (or the launcher gone): finish the step, save, then exit
 
 
-LORA_TARGETS = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")  # PEFT-style names of GPT-2's Conv1Ds
-LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # its nn.Linears
-_LLAMA_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_position_embeddings")
+#: Views of the family registry (ds_mp.config.families, the one table; this module imports no model):
 #: HF model_type -> (config.json keys of n_layer, n_embd, n_head, vocab_size, n_positions; LoRA target names).
-#: The families themselves live in ds_mp.models (this module imports no model).
 MODEL_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "gpt2": (("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"), LORA_TARGETS),
-    **dict.fromkeys(("llama", "qwen2", "mistral"), (_LLAMA_KEYS, LLAMA_LORA_TARGETS)),
-}
+    t: (e.shape_keys, e.lora_targets) for t, e in FAMILIES.items()}
+LORA_TARGETS, LLAMA_LORA_TARGETS = FAMILIES["gpt2"].lora_targets, FAMILIES["llama"].lora_targets
 
 
 @dataclass

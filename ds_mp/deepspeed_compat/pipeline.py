@@ -42,10 +42,6 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("engine", "_next_batch", "next (inputs, labels) pair from the engine's data iterator"),
     Assumption("engine", "reset_activation_shape", "forces the next p2p send to re-announce tensor metadata"),
     Assumption("engine", "clip_fp32_gradients", "fp32 path of _take_model_step clips through this method"),
-    Assumption("module", "_build", "PipelineModule builds its local layers here (after creating _grid)"),
-    Assumption("module", "_partition_layers", "sets self.parts and the local layer bounds"),
-    Assumption("module", "_synchronize_tied_weights", "called once when the module is built to make tied "
-               "copies equal; ds_mp replaces it (checksum, broadcast only on a mismatch)"),
     Assumption("module", "_recursive_getattr", "resolves a dotted attribute path on a module"),
     Assumption("module", "_set_bounds", "_set_bounds(start, stop) makes layers [start, stop) local"),
     Assumption("engine", "_inference_schedule", "eval_batch builds its PipeSchedule through this hook (interleaved "
@@ -277,11 +273,6 @@ def instruction_handlers(engine: Any, wrap: Any) -> Iterator[None]:
         del engine._INSTRUCTION_MAP
 
 
-def set_local_layers(module: Any, start: int, stop: int) -> None:
-    """Make layers ``[start, stop)`` of the PipelineModule's spec list the ones this stage builds."""
-    module._set_bounds(start=start, stop=stop)
-
-
 def next_batch(engine: Any) -> Any:
     return engine._next_batch()
 
@@ -301,11 +292,3 @@ def send_whole_activations(engine: Any) -> None:
     """Turn off DeepSpeed's TP-partitioned p2p (it assumes activations equal on all TP ranks;
     sequence-parallel shards differ)."""
     engine.is_pipe_partitioned = engine.is_grad_partitioned = False
-
-
-def module_grid(module: Any) -> Any:
-    return module._grid
-
-
-def module_topology(module: Any) -> Any:
-    return module._topo

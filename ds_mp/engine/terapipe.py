@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.models.gpt2 import attending_to
+from ds_mp.models.pipeline import attending_to
 from ds_mp.engine.terapipe_kv import KVContext
 from ds_mp.engine.terapipe_profile import engine_plan
 from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, LoadSlice, Plan

@@ -13,7 +13,7 @@ K_j in slice j's own graph) adds it, giving dK_j = ∂L/∂K_j|own + K̂_j.grad 
 unsliced training.  Memory: the cached K/V of a sequence plus the usual stashed activations.
 
 :class:`KVContext` implements the model's key/value extension protocol
-(``extend(index, k, v) -> (K̃, Ṽ, mask)``, see ``ds_mp.models.gpt2.Block``).
+(``extend(index, k, v) -> (K̃, Ṽ, mask)``, see ``ds_mp.models.gpt2.layers.Block``).
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ds_mp.config import ConfigError, DsMpConfig
-from ds_mp.models.gpt2 import LAYER_COST_VERSION, attending_to
+from ds_mp.models.pipeline import LAYER_COST_VERSION, attending_to
 from ds_mp.engine.terapipe_kv import KVContext
 from ds_mp.tensor_parallel.layers import sparse_lookups
 from ds_mp.schedules.terapipe.cost_model import (BatchTableCostModel, cost_model_meta, fit_table_cost_model,
@@ -289,7 +289,7 @@ def profile_blocks(cfg: DsMpConfig, micro_batch: int) -> list[tuple[int, int, fl
     family (a stage's blocks; embedding and head are left out) at the micro-batch size, on
     DeepSpeed's accelerator device (the GPU where there is one, else the CPU)."""
     from ds_mp.models.family import model_config
-    from ds_mp.models.pipeline import Ctx
+    from ds_mp.models.ctx import Ctx
     from ds_mp.models.weights import fresh_source
     from ds_mp.topology import Topology
 

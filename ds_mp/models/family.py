@@ -5,8 +5,8 @@ the fresh-weight init) asks a :class:`Family` instead of naming a model:
 
 * the **layer table** — :meth:`Family.pipeline_layers`: the HF name prefix held by each pipeline
   layer in pipeline order (``["wte", "wpe", "h.0", …, "ln_f", "lm_head"]`` for GPT-2), with
-  :meth:`~Family.layer_index` (HF name -> layer) and :meth:`~Family.hf_param_name` (pipeline
-  parameter name -> HF name) its two directions; :attr:`~Family.lead_layers` of them come before
+  :meth:`~Family.layer_index` (HF name -> layer) and :meth:`~Family.hf_name` (layer row and the
+  name inside the layer -> HF name) its two directions; :attr:`~Family.lead_layers` of them come before
   the first block and :attr:`~Family.tail_layers` after the last;
 * the **TP plan** — ``tp_plan`` (HF name suffix -> shard kind of
   :mod:`ds_mp.tensor_parallel.sharding`) applied by the one function :meth:`~Family.tp_kind`, and
@@ -17,8 +17,11 @@ the fresh-weight init) asks a :class:`Family` instead of naming a model:
   and the HF config of an inline shape to draw fresh weights for (:meth:`~Family.inline_config`);
 * the **layers** — :meth:`~Family.layer_spec` builds the DeepSpeed ``LayerSpec`` of one table row.
 
-A family registers its ``model_type`` values in :data:`FAMILIES` (name -> module path, imported on
-first use); :func:`family_of` finds the family of an HF config.  Adding a family: docs/models.md.
+A family is one package, ``ds_mp/models/<family>/`` (``plan.py``: the TP/LoRA plan that builds the
+layers and shards checkpoints; ``layers.py``; ``hf_adapter.py``: HF names; ``__init__.py``: the
+``Family`` subclass and ``FAMILY``), registered per ``model_type`` in the one registry,
+:data:`ds_mp.config.families.FAMILIES` (imported on first use); :func:`family_of` finds the family of
+an HF config.  Adding a family: docs/design.md, "How to add a model family".
 """
 from __future__ import annotations
 
@@ -27,25 +30,15 @@ import math
 import re
 from typing import Any
 
-#: HF ``model_type`` -> module defining ``FAMILY`` (imported lazily: reading a config imports no model).
-FAMILIES: dict[str, str] = {
-    "gpt2": "ds_mp.models.gpt2",
-    "llama": "ds_mp.models.llama",
-    "qwen2": "ds_mp.models.llama",
-    "mistral": "ds_mp.models.llama",
-}
-
+from ds_mp.config.families import FAMILIES, model_types_of
 
 class Family:
     """The tables of one model family (see the module docstring); subclasses fill them in."""
 
-    name: str = ""
-    model_types: tuple[str, ...] = ()
-    architectures: tuple[str, ...] = ()  # HF classes whose checkpoints it reads; the first is written
+    name: str = ""  # its name in the registry (ds_mp.config.families) and its package
     tp_plan: dict[str, str] = {}
     lora_plan: dict[str, str] = {}
     lora_modules: tuple[str, ...] = ()  # block-relative HF names of the linears LoRA may wrap
-    lora_targets: tuple[str, ...] = ()  # the target_modules values accepted in ds_mp.lora
     lead_layers: int = 2  # pipeline layers before the first block
     tail_layers: int = 2  # pipeline layers after the last block (the head's loss is DeepSpeed's loss_fn)
     block_prefix: str = ""  # HF prefix of block i is f"{block_prefix}{i}" (e.g. "transformer.h.")
@@ -53,6 +46,17 @@ class Family:
     # layer classes DeepSpeed may activation-checkpoint (None: any layer with parameters); a layer fed
     # token ids must not be (a reentrant checkpoint of an input without grad returns no graph)
     checkpointable: tuple[str, ...] | None = None
+
+    # --- the registry's entries ---------------------------------------------------------
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        """The HF ``model_type`` values registered for this family."""
+        return model_types_of(self.name)
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """The HF classes whose checkpoints it reads (one per ``model_type``)."""
+        return tuple(FAMILIES[t].architecture for t in self.model_types)
 
     # --- configs -----------------------------------------------------------------------
     def config_class(self) -> Any:
@@ -85,8 +89,8 @@ class Family:
         raise NotImplementedError
 
     def architecture(self, cfg: Any) -> str:
-        """The HF class name an exported ``config.json`` names for ``cfg``."""
-        return self.architectures[0]
+        """The HF class name an exported ``config.json`` names for ``cfg`` (by its ``model_type``)."""
+        return FAMILIES[cfg.model_type].architecture
 
     # --- the layer table ---------------------------------------------------------------
     def pipeline_layers(self, cfg: Any) -> list[str]:
@@ -105,8 +109,9 @@ class Family:
         holding ``hf_name`` (its first occurrence for a tied weight)."""
         return layers.index(self.layer_prefix(self.canonical_name(hf_name)))
 
-    def hf_param_name(self, module_name: str, layer_names: list[str]) -> str:
-        """HF name of a pipeline parameter (``5.attn_proj.weight``, ``tied_modules.wte.wte.weight``)."""
+    def hf_name(self, prefix: str, name: str) -> str:
+        """HF name of the parameter ``name`` of the layer built for the table row ``prefix``
+        (``("h.3", "attn_proj.weight")`` -> ``transformer.h.3.attn.c_proj.weight``)."""
         raise NotImplementedError
 
     def param_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]:
@@ -166,7 +171,7 @@ class Family:
         raise NotImplementedError
 
     def layer_spec(self, prefix: str, src: Any, ctx: Any) -> Any:
-        """The DeepSpeed ``LayerSpec``/``TiedLayerSpec`` of the table row ``prefix``."""
+        """The DeepSpeed ``LayerSpec``/``TiedLayerSpec`` of the table row ``prefix`` (built from the plan)."""
         raise NotImplementedError
 
     def block_parameters(self, cfg: Any) -> int:
@@ -185,7 +190,7 @@ def family_named(model_type: str) -> Family:
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not a model family ds_mp knows; it trains GPT-2, Llama, "
                          f"Qwen2 and Mistral (model_type {', '.join(sorted(FAMILIES))})")
-    return importlib.import_module(FAMILIES[model_type]).FAMILY
+    return importlib.import_module(FAMILIES[model_type].package).FAMILY
 
 
 def family_of(hf_config: Any) -> Family:

@@ -1,11 +1,15 @@
-"""Any family's HF causal LM as a DeepSpeed ``PipelineModule`` with Megatron tensor parallelism.
+"""Any family's HF causal LM as a pipeline of layers with Megatron tensor parallelism.
 
 The pipeline is a flat list of layers, one per row of the family's layer table
 (``Family.pipeline_layers``: GPT-2's ``["wte", "wpe", "h.0", …, "ln_f", "lm_head"]``), split into
 stages by :func:`ds_mp.models.partition.stage_parts` (or a ring layout); each rank builds only its
 stage's layers (``Family.layer_spec``), reading only their weights from a
 :class:`~ds_mp.models.weights.WeightSource`.  The loss is :class:`LMLoss` (fused vocab-parallel
-cross-entropy with HF's label shift).  Nothing here names a model.
+cross-entropy with HF's label shift).  Nothing here names a model, and nothing here touches
+DeepSpeed's module protocol: :class:`DsMpPipeline` subclasses the adapter
+``ds_mp.deepspeed_compat.pipeline_module.PipelineModuleAdapter``, which translates DeepSpeed's build
+hooks into :meth:`DsMpPipeline.grid_ready` and decodes DeepSpeed's parameter naming
+(:meth:`~ds_mp.deepspeed_compat.pipeline_module.PipelineModuleAdapter.param_layer`).
 """
 from __future__ import annotations
 
@@ -16,51 +20,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed import checkpointing
-from deepspeed.pipe import PipelineModule
 
-from ds_mp.deepspeed_compat import module_grid, module_topology, set_local_layers, tied_weights
-from ds_mp.models.family import Family, family_of
+from ds_mp.deepspeed_compat.pipeline_module import PipelineModuleAdapter, is_tied_param
+from ds_mp.models.ctx import Ctx
+from ds_mp.models.family import family_of
 from ds_mp.models.partition import interleaved_layout, stage_parts, v_layout
 from ds_mp.models.weights import WeightSource
-from ds_mp.tensor_parallel import padded_vocab_size, vocab_parallel_cross_entropy
-from ds_mp.tensor_parallel.random import parallel_region_rng
+from ds_mp.tensor_parallel import vocab_parallel_cross_entropy
 from ds_mp.topology import Topology
 
 #: Part of every cached cost profile's key (``partition_profile.json``, ``terapipe_profile.json``):
 #: bumped when what a layer's forward + backward costs changes in kind, so older profiles are
 #: measured again.  2: a step's later embedding backwards add only the looked-up rows.
 LAYER_COST_VERSION = 2
-
-
-class Ctx:
-    """What every layer needs: TP rank/size/group, SP flag, shapes, the family. Passed explicitly."""
-
-    def __init__(self, topology: Topology, hf_config: Any, sequence_parallel: bool,
-                 vocab_pad_multiple: int) -> None:
-        self.topology, self.hf = topology, hf_config
-        self.family: Family = family_of(hf_config)
-        self.tp_rank, self.tp = topology.tp_rank, topology.tp
-        self.sp = sequence_parallel and self.tp > 1
-        self.n_head, self.n_embd = hf_config.num_attention_heads, hf_config.hidden_size
-        self.vocab = hf_config.vocab_size
-        self.padded_vocab = padded_vocab_size(self.vocab, self.tp, vocab_pad_multiple)
-        # residual, embedding and attention-probability dropout (0 where the family has none)
-        self.dropout, self.embd_dropout, self.attn_dropout = self.family.dropouts(hf_config)
-        self.lora: Any = None  # a ds_mp.config.LoraConfig with r > 0, or None (set by build_pipeline)
-        self.seed = 0  # LoRA factors not in the weight source are initialised from this seed
-        self.overlap_comm = True  # column-parallel backward overlaps the dX all-reduce with dW
-        # the running micro-batch's documents/padding/window (ds_mp.models.batch.Layout), set by the engine
-        # around each forward and backward; None = plain causal attention over positions 0 … T-1
-        self.layout: Any = None
-        self.window: int | None = self.family.sliding_window(hf_config)
-
-    @property
-    def group(self) -> Any:
-        return self.topology.tp_group if self.tp > 1 else None
-
-    def dropout_rng(self) -> Any:
-        """Dropout on sequence-sharded activations must differ per TP rank."""
-        return parallel_region_rng() if self.sp else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -112,47 +84,25 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels[:, 1:], (0, 1), value=-100)
 
 
-class DsMpPipeline(PipelineModule):
-    """A family's model as a PipelineModule; our partition replaces DeepSpeed's."""
+class DsMpPipeline(PipelineModuleAdapter):
+    """A family's model as a pipeline stage: the layers of its table, ``parts`` (stage bounds over
+    ``layer_names``), the ``Ctx`` its layers read, :class:`LMLoss`; DeepSpeed's module protocol is the
+    adapter's (``ds_mp.deepspeed_compat.pipeline_module``)."""
 
     def __init__(self, layers: list, layer_names: list[str], parts: list[int], topology: Topology, ctx: Ctx,
                  **kw: Any) -> None:
-        self._ds_mp_parts, self.ds_mp_topology, self.ds_mp_ctx = parts, topology, ctx
+        self.ds_mp_topology, self.ds_mp_ctx = topology, ctx
         self.family = ctx.family
         self.layer_names = layer_names  # the family's pipeline_layers() entries in this pipeline's order
-        super().__init__(layers=layers, topology=topology.topo, loss_fn=LMLoss(ctx),
+        super().__init__(layers, parts, topology.topo, LMLoss(ctx),
                          activation_checkpoint_func=inputs_carry_grad(checkpointing.checkpoint), **kw)
 
-    def _build(self) -> None:
-        self.ds_mp_topology.attach(module_grid(self))  # layers need the TP group at construction
-        super()._build()
-
-    def _synchronize_tied_weights(self) -> None:
-        """DeepSpeed broadcasts the tied embedding from its first owner when the module is built.
-        Every stage here built its copy from the same weight source, so the copies already agree:
-        an all-reduce of per-row checksums (their max and min over the copies) confirms it, and
-        the full broadcast (which also doubled the last stage's memory for the tied shard while
-        building) runs only if a row differs.  The row sums are fp32 reductions along each row
-        (deterministic, no temporary the size of the shard: a float64 sum upcast its chunks and
-        left ~50 MiB of freed heap behind on GPT-2 medium).  Under no_grad: outside it autograd
-        would record the in-place collective on the leaf and warn on every backward that it
-        backpropagates through ``c10d::broadcast_``."""
-        with torch.no_grad():
-            for _, w, group, ranks in tied_weights(self):
-                rows = w.detach().reshape(w.shape[0], -1).sum(dim=1)  # (rows,)
-                both = torch.cat([rows, -rows])  # all-reduce MAX: (max, -min) per row
-                torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
-                if not torch.equal(both[:len(rows)], -both[len(rows):]):
-                    torch.distributed.broadcast(w, src=min(ranks), group=group)
-
-    def _partition_layers(self, method: str = "uniform") -> None:  # noqa: ARG002 - ours
-        self.parts = self._ds_mp_parts
-        stage = module_topology(self).get_coord(self.global_rank).pipe
-        set_local_layers(self, self.parts[stage], self.parts[stage + 1])
+    def grid_ready(self, grid: Any) -> None:
+        self.ds_mp_topology.attach(grid)  # layers need the TP group at construction
 
     def blocks(self) -> list[nn.Module]:
         """This stage's transformer blocks, in order (the layers marked ``is_block``)."""
-        return [m for m in self.forward_funcs if getattr(m, "is_block", False)]
+        return [m for m in self.local_layers() if getattr(m, "is_block", False)]
 
 
 def inputs_carry_grad(checkpoint: Callable) -> Callable:
@@ -173,15 +123,16 @@ def inputs_carry_grad(checkpoint: Callable) -> Callable:
 
 
 def hf_param_name(module_name: str, pipe: DsMpPipeline) -> str:
-    """HF name of a pipeline parameter (``5.c_attn.weight`` -> ``transformer.h.3.attn.c_attn.weight``),
-    through the family's layer table."""
-    return pipe.family.hf_param_name(module_name, pipe.layer_names)
+    """HF name of a pipeline parameter (``5.c_attn.weight`` -> ``transformer.h.3.attn.c_attn.weight``):
+    its layer's table row, then the family's name of it."""
+    index, name = pipe.param_layer(module_name)
+    return pipe.family.hf_name(pipe.layer_names[index], name)
 
 
 def is_tied_copy(module_name: str, pp_rank: int) -> bool:
     """True for a tied module's copy off stage 0 (the first and last stage share the embedding;
     checkpoints store it once, from stage 0, which holds the first layer in every layout)."""
-    return module_name.startswith("tied_modules.") and pp_rank != 0
+    return is_tied_param(module_name) and pp_rank != 0
 
 
 def v_pipeline_layout(hf_config: Any, stages: int, partition: str) -> tuple[list[str], list[int], list[int]]:
@@ -248,5 +199,5 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
     return net
 
 
-__all__ = ["LAYER_COST_VERSION", "Ctx", "attending_to", "LMLoss", "shift_labels", "DsMpPipeline", "hf_param_name",
+__all__ = ["LAYER_COST_VERSION", "attending_to", "LMLoss", "shift_labels", "DsMpPipeline", "hf_param_name",
            "is_tied_copy", "v_pipeline_layout", "build_pipeline"]

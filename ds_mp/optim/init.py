@@ -1,6 +1,6 @@
 """A family's weight initialisation applied to a whole HF model, by parameter name.
 
-The rules live with each family (``Family.init_rule``; GPT-2's: ``ds_mp.models.gpt2``) and the
+The rules live with each family (``Family.init_rule``; GPT-2's: ``ds_mp.models.gpt2.plan``) and the
 layout-free per-name draws in :mod:`ds_mp.models.weights` (``fresh_tensor`` / ``fresh_source``,
 what ``ds_mp.initialize`` creates for a fresh model).  :func:`init_gpt2_weights` re-draws an
 in-memory GPT-2 (HF ``GPT2LMHeadModel``, or anything whose parameter names follow GPT-2's, e.g.
@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from ds_mp.models.gpt2 import RESIDUAL_PROJECTION, init_rule
+from ds_mp.models.gpt2.plan import RESIDUAL_PROJECTION, init_rule
 from ds_mp.models.weights import fresh_source, fresh_tensor
 
 __all__ = ["init_gpt2_weights", "fresh_source"]
@@ -24,7 +24,7 @@ __all__ = ["init_gpt2_weights", "fresh_source"]
 @torch.no_grad()
 def init_gpt2_weights(model: nn.Module, n_layer: int, std: float = 0.02,
                       generator: torch.Generator | None = None, seed: int | None = None) -> dict[str, str]:
-    """Re-initialise every parameter of ``model`` in place by GPT-2's rule (``ds_mp.models.gpt2``).
+    """Re-initialise every parameter of ``model`` in place by GPT-2's rule (``ds_mp.models.gpt2.plan``).
 
     Args:
         model: a GPT-2 style model (HF ``GPT2LMHeadModel`` or ``GPT2Model``).

@@ -1,4 +1,4 @@
-"""The Llama family's layers (``ds_mp.models.llama`` holds its tables and explains the TP plan).
+"""The Llama family's layers (``ds_mp.models.llama.plan`` holds its tables and explains the TP plan).
 
 Each layer reads its cut from the family's plan through ``ctx.family`` (``tp_plan``, ``linear_shape``,
 ``biases``), so this file holds the maths only: RMSNorm, a TP-cut ``nn.Linear`` with LoRA, grouped-query
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ds_mp.models.family import lora_targeted
-from ds_mp.models.pipeline import Ctx
+from ds_mp.models.ctx import Ctx
 from ds_mp.models.token_ids import check_input_ids
 from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, reduce_from_tp

@@ -99,7 +99,8 @@ def workload(name: str, quick: bool, vocab: int | None = None) -> tuple[Config, 
         from benchmarks import ouroboros
 
         p = ouroboros.QUICK if quick else ouroboros.FULL
-        oshape = {**asdict(p["shape"]), **({"vocab": vocab} if vocab else {})}
+        oshape = {k: v for k, v in {**asdict(p["shape"]), **({"vocab": vocab} if vocab else {})}.items()
+                  if k not in defaults or defaults[k] != v}
         return Config(name, "benchmarks.ouroboros:setup_train", 2, 1,
                       {"shape": oshape, "rows": p["rows"], "schedule": "ouroboros", "micro_batches": 1,
                        "data": ouroboros.dataset_path(), "val_batches": 1, "total_steps": 100}), p["rows"] * oshape["seq"]

@@ -19,6 +19,10 @@ both sides run the same split):
     terapipe   ds_mp TeraPipe PP=2, blocks [5, 3], 1 × 1024 in 8 slices of 128
     interleaved  ds_mp interleaved 1F1B, v = 2, on ``benchmarks.schedules``' shape (GPT-2 6 × 256,
                vocab 4096, uniform split), M=8 micro-batches of 2 × 256
+    ouroboros  ds_mp Ouroboros K = 3 on 2 ranks (rank 0: G_0 + G_2 with the tied embedding, rank 1:
+               G_1; ``split`` "balanced", from the shape alone), ``benchmarks.ouroboros``' shape
+               (GPT-2 6 × 256, vocab 8192), one micro-batch of 8 × 128 rows of the embedded corpus per
+               step, AdamW + warm-up/cosine LR, clipping 1.0 (``benchmarks.ouroboros.engine_config``)
 """
 from __future__ import annotations
 
@@ -91,7 +95,16 @@ def workload(name: str, quick: bool, vocab: int | None = None) -> tuple[Config, 
         return Config(name, "benchmarks.schedules:setup_sched", 2, 1,
                       {"shape": sshape, "micro": micro, "gas": gas, "schedule": "interleaved",
                        "pipeline": {"virtual_stages": 2}}), micro * gas * sshape["seq"]
-    raise SystemExit(f"unknown --config {name!r}: tp, pipeline, zb-h1, terapipe or interleaved")
+    if name == "ouroboros":
+        from benchmarks import ouroboros
+
+        p = ouroboros.QUICK if quick else ouroboros.FULL
+        oshape = {k: v for k, v in {**asdict(p["shape"]), **({"vocab": vocab} if vocab else {})}.items()
+                  if k not in defaults or defaults[k] != v}
+        return Config(name, "benchmarks.ouroboros:setup_train", 2, 1,
+                      {"shape": oshape, "rows": p["rows"], "schedule": "ouroboros", "micro_batches": 1,
+                       "data": ouroboros.dataset_path(), "val_batches": 1, "total_steps": 100}), p["rows"] * oshape["seq"]
+    raise SystemExit(f"unknown --config {name!r}: tp, pipeline, zb-h1, terapipe, interleaved or ouroboros")
 
 
 def compare(base: str, name: str, rounds: int, steps: int, quick: bool, vocab: int | None = None) -> dict:
@@ -126,7 +139,7 @@ def compare(base: str, name: str, rounds: int, steps: int, quick: bool, vocab: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="git revision to compare against (e.g. HEAD~1, a commit)")
-    ap.add_argument("--config", default="tp", help="tp, pipeline, zb-h1, terapipe or interleaved")
+    ap.add_argument("--config", default="tp", help="tp, pipeline, zb-h1, terapipe, interleaved or ouroboros")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="timed steps per group per round")
     ap.add_argument("--quick", action="store_true", help="the benchmarks' small shapes")

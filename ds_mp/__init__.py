@@ -20,7 +20,8 @@ __all__ = ["initialize", "ConfigError", "DsMpConfig", "load_config", "SCHEDULES"
            "save_hf", "save_lora", "save_checkpoint", "load_checkpoint", "__version__"]
 
 
-def initialize(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None):
+def initialize(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None,
+               loaded=None):
     """Build the parallel model (GPT-2, Llama, Qwen2, Mistral) and DeepSpeed's engine for it.
 
     Args:
@@ -28,6 +29,8 @@ def initialize(model=None, config=None, training_data=None, args=None, optimizer
             ``ds_mp.model`` from the config: a directory or an inline shape).
         config: path or dict of the DeepSpeed JSON (default: ``args.deepspeed_config``).
         training_data, args, optimizer, lr_scheduler: as in ``deepspeed.initialize``.
+        loaded: the ``DsMpConfig`` that ``load_config`` already returned for ``config`` (a run parses
+            and validates its config once; None: ``initialize`` loads it).
 
     Returns ``(engine, optimizer, dataloader, lr_scheduler)``; ``engine.train_batch(it)``
     takes an iterator of ``(input_ids, labels)`` pairs ``[micro_batch, seq]`` and
@@ -36,7 +39,7 @@ def initialize(model=None, config=None, training_data=None, args=None, optimizer
     from ds_mp.engine.initialize import build_engine
 
     return build_engine(model=model, config=config, training_data=training_data, args=args,
-                        optimizer=optimizer, lr_scheduler=lr_scheduler)
+                        optimizer=optimizer, lr_scheduler=lr_scheduler, loaded=loaded)
 
 
 def save_hf(engine, out_dir: str, tokenizer_dir: str | None = None) -> None:

@@ -1,5 +1,8 @@
 """What ``checkpoint/``, ``training/`` and ``tools/`` may read of an engine: the typed view
-:class:`EngineView` (ground floor, imports nothing of the engine).
+:class:`EngineView` (ground floor, imports nothing of the engine); what a schedule's timetable
+reads to build a step: :class:`StageView`; and what the engine floor's runtimes and helpers read
+of the engine they serve: :class:`RuntimeEngine` (both also on the ground floor, so the spec
+registry and the timetables below the engine can name them).
 
 ``ds_mp.initialize`` returns a ``DsMpPipelineEngine`` (``ds_mp/engine/pipeline_engine.py``), which
 has all of it: DeepSpeed's public engine API plus what ds_mp gives it at construction (the
@@ -37,6 +40,7 @@ class EngineView(Protocol):
     nonfinite_steps: int  # optimizer steps skipped because a gradient was NaN/Inf
     last_step_nonfinite: bool
     trace: Trace  # recorded instructions since the caller last cleared it (record_trace)
+    step_info: Any  # the last step's target count (``.count``), shape and micro-batch layouts (engine/batches.Step)
 
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         """One optimizer step over a global batch; the per-target-token mean loss."""
@@ -79,4 +83,48 @@ class EngineView(Protocol):
         """The in-flight state is the same on every TP rank (resumes at another TP degree)."""
 
 
-__all__ = ["EngineView", "Trace"]
+class StageView(Protocol):
+    """What a timetable's ``from_engine`` reads: the step's size and this rank's place."""
+
+    micro_batches: int  # micro-batches of this step (gradient accumulation steps)
+    num_stages: int  # pipeline stages (Ouroboros: its ring ranks)
+    stage_id: int  # this rank's stage
+    ds_mp_config: Optional[DsMpConfig]  # the schedule's own options (pipeline.*, terapipe.*)
+    module: torch.nn.Module  # this rank's pipeline stage (its layers and ds_mp_ctx)
+
+
+class RuntimeEngine(EngineView, StageView, Protocol):
+    """The engine as the engine floor's runtimes and helpers read it (``DsMpPipelineEngine``):
+    the views above, the step's micro-batch layouts, and the instruction steps a runtime composes
+    (its own handlers run the engine's forward, backward, reductions and step).  DeepSpeed's
+    internals are not here: they are read only through ``deepspeed_compat``'s accessors."""
+
+    schedule_support: Any  # the schedule's runtime (config.registry.ScheduleRuntime), or None
+    batch_fn: Any  # DeepSpeed's per-micro-batch conversion (PipelineEngine.batch_fn)
+    grid: Any  # DeepSpeed's PipelineParallelGrid (stage -> global rank)
+
+    def is_first_stage(self) -> bool: ...
+
+    def is_last_stage(self) -> bool: ...
+
+    def data_stages(self) -> set[int]:
+        """The stages that read micro-batches (the schedule's runtime may widen the ends)."""
+
+    def expect_micro(self, buffer_id: int, micro: int) -> None:
+        """Pipe buffer ``buffer_id`` holds micro-batch ``micro`` (its layout, its targets)."""
+
+    def micro_layout(self, buffer_id: int, forward: bool = False) -> Any:
+        """Context: the layout of the micro-batch in ``buffer_id`` is the one blocks read."""
+
+    def run_forward(self, buffer_id: int) -> None: ...
+
+    def run_backward(self, buffer_id: int) -> None: ...
+
+    def reduce_gradients(self) -> None: ...
+
+    def optimizer_step(self, lr_kwargs: Any = None) -> None: ...
+
+    def zero_optimization_partition_gradients(self) -> bool: ...
+
+
+__all__ = ["EngineView", "RuntimeEngine", "StageView", "Trace"]

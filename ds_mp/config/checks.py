@@ -4,6 +4,7 @@ point; it runs on every rank before any collective, so a bad config fails everyw
 the same single line naming the key and the fix."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -13,54 +14,30 @@ from typing import Callable
 
 from ds_mp.config.batching import check_batch_ramp, check_noise_scale
 from ds_mp.config.registry import SCHEDULES, names_where, schedule_spec
+from ds_mp.config.resolve import resolve_model_source, shape_of
 from ds_mp.config.schema import MODEL_TYPES, ConfigError, DsMpConfig, InlineModel, parse_config, positive
 
 
-def _model_shape(cfg: DsMpConfig) -> InlineModel:
-    if isinstance(cfg.model, InlineModel):
-        m = cfg.model
-        if m.model_type not in MODEL_TYPES:
-            raise ConfigError(f"ds_mp.model.model_type: {m.model_type!r} is not one of {', '.join(MODEL_TYPES)}")
-        if m.model_type == "gpt2" and (m.n_kv_head, m.intermediate_size, m.tie_word_embeddings) != (0, 0, True):
-            raise ConfigError("ds_mp.model.model_type: n_kv_head, intermediate_size and tie_word_embeddings shape "
-                              "Llama-family models; set model_type to llama, qwen2 or mistral, or remove them")
-        if m.model_type != "gpt2":
-            if m.n_kv_head < 0 or m.n_head % (m.n_kv_head or m.n_head):
-                raise ConfigError(f"ds_mp.model.n_kv_head: {m.n_kv_head} does not divide n_head={m.n_head}")
-            cfg.hf_config = m.hf_dict()  # for the family checks
-        return m
-    from ds_mp.hub import HubError, resolve_model
-
-    try:
-        cfg.model = resolve_model(cfg.model, "ds_mp.model")  # a Hub id becomes its cached snapshot dir
-    except HubError as e:
-        raise ConfigError(str(e)) from None
-    path = os.path.join(cfg.model, "config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"ds_mp.model: {cfg.model!r} has no config.json; give an HF GPT-2 "
-                          "directory (save_pretrained) or an inline {n_layer, n_embd, ...} object")
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"ds_mp.model: cannot read {path}: {e}") from None
-    return shape_of(cfg, {"model_type": "gpt2", **hf}, path)
-
-
-def shape_of(cfg: DsMpConfig, hf: dict, where: str) -> InlineModel:
-    """The model shape of an HF config dict (``config.json``, or a model object's ``config.to_dict()``),
-    kept in ``cfg.hf_config`` for the family checks of :func:`check_model_family`."""
-    if hf.get("model_type") not in MODEL_TYPES:
-        raise ConfigError(f"ds_mp.model: {where} is a {hf.get('model_type')!r} model; ds_mp trains GPT-2, Llama, "
-                          f"Qwen2 and Mistral (model_type {', '.join(MODEL_TYPES)})")
-    keys = MODEL_TYPES[hf["model_type"]][0]
-    missing = [k for k in keys if k not in hf]
-    if missing:
-        raise ConfigError(f"ds_mp.model: {where} lacks {', '.join(missing)}; it is not a {hf['model_type']} "
-                          "config.json (give a directory written by save_pretrained)")
-    cfg.hf_config = hf
-    drop = hf.get("resid_pdrop", 0.1) if hf["model_type"] == "gpt2" else hf.get("attention_dropout", 0.0)
-    return InlineModel(*(hf[k] for k in keys), dropout=drop)
+def _model_shape(cfg: DsMpConfig) -> tuple[InlineModel, dict]:
+    """The model's shape and HF config dict: a resolved directory's or model object's
+    (:func:`resolve_model_source`), or an inline shape's own (Llama family: as HF keys, for the
+    family checks)."""
+    if cfg.model_source:
+        return shape_of(cfg.hf_config, cfg.model_source), cfg.hf_config
+    if not isinstance(cfg.model, InlineModel):
+        raise ConfigError(f"ds_mp.model: {cfg.model!r} is not resolved; call ds_mp.config.resolve_model_source(cfg) "
+                          "before validate (load_config does both)")
+    m = cfg.model
+    if m.model_type not in MODEL_TYPES:
+        raise ConfigError(f"ds_mp.model.model_type: {m.model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+    if m.model_type == "gpt2" and (m.n_kv_head, m.intermediate_size, m.tie_word_embeddings) != (0, 0, True):
+        raise ConfigError("ds_mp.model.model_type: n_kv_head, intermediate_size and tie_word_embeddings shape "
+                          "Llama-family models; set model_type to llama, qwen2 or mistral, or remove them")
+    if m.model_type == "gpt2":
+        return m, cfg.hf_config
+    if m.n_kv_head < 0 or m.n_head % (m.n_kv_head or m.n_head):
+        raise ConfigError(f"ds_mp.model.n_kv_head: {m.n_kv_head} does not divide n_head={m.n_head}")
+    return m, m.hf_dict()
 
 
 def check_model_family(cfg: DsMpConfig) -> None:
@@ -270,22 +247,26 @@ SHAPE_CHECKS: tuple[Callable[[DsMpConfig, InlineModel], None], ...] = (
     check_zb_max_pending_w, check_lora, check_family)
 
 
-def validate(cfg: DsMpConfig, world_size: int, hf_config: dict | None = None) -> DsMpConfig:
-    """Check ``cfg`` against itself and ``world_size``; fill ``dp`` and ``shape``.
-
-    Runs :data:`BLOCK_CHECKS`, reads the model's shape, runs :data:`SHAPE_CHECKS` (the schedule's
-    own through its spec) and the world size.  ``hf_config``: the config dict of a model object
-    given to ``ds_mp.initialize`` (its shape and family).
-    """
+def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
+    """``cfg`` checked against itself and ``world_size``: :data:`BLOCK_CHECKS`, then
+    :func:`validate_model`.  Pure (reads no file, environment or network): a model directory or
+    Hub id must be resolved first (:func:`resolve_model_source`)."""
     for check in BLOCK_CHECKS:
         check(cfg)
-    shape = _model_shape(cfg) if hf_config is None else shape_of(cfg, hf_config, "the model object")
+    return validate_model(cfg, world_size)
+
+
+def validate_model(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
+    """The checks that need the model's shape (:data:`SHAPE_CHECKS`, the schedule's own through its
+    spec) and the world size, on a block that passed :data:`BLOCK_CHECKS`; returns a copy with
+    ``world_size``, ``dp``, ``shape`` and ``hf_config`` filled (``cfg`` itself is not changed)."""
+    shape, hf = _model_shape(cfg)
+    cfg = dataclasses.replace(cfg, hf_config=hf)  # the family checks read it
     for shape_check in SHAPE_CHECKS:
         shape_check(cfg, shape)
     check_world_size(cfg, world_size)
     model_ranks = cfg.tensor_parallel.size * cfg.pipeline.stages
-    cfg.world_size, cfg.dp, cfg.shape = world_size, world_size // model_ranks, shape
-    return cfg
+    return dataclasses.replace(cfg, world_size=world_size, dp=world_size // model_ranks, shape=shape)
 
 
 def read_json(config: str | dict) -> dict:
@@ -338,21 +319,35 @@ def _warn_default_clipping(raw: dict) -> None:
     if "gradient_clipping" not in raw and os.environ.get("RANK", "0") == "0":
         warnings.warn(f"gradient_clipping: absent, so DeepSpeed's default {DEEPSPEED_CLIPPING_DEFAULT} applies (the "
                       "global gradient norm is clipped to it); set \"gradient_clipping\" in the JSON (0.0 = no "
-                      "clipping) to silence this", UserWarning, stacklevel=3)
+                      "clipping) to silence this", UserWarning, stacklevel=4)
 
 
 def load_config(config: str | dict, world_size: int, hf_config: dict | None = None) -> tuple[DsMpConfig, dict]:
-    """Return the validated ds_mp block and the full DeepSpeed dict (with ``ds_mp`` kept)."""
+    """The validated ds_mp block and the full DeepSpeed dict (with ``ds_mp`` kept): the JSON read and
+    typed once, its own checks, then the one step that reads outside it (:func:`resolve_model_source`:
+    a Hub id or directory -> its ``config.json``; ``hf_config``: a model object's instead), then the
+    checks against the model and ``world_size`` (given: nothing here reads the environment), then
+    DeepSpeed's blocks beside it.  The dict passed in is not changed."""
     raw = read_json(config)
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         v = raw.get(key, 1)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{key}: must be a positive integer, got {v!r}")
-    cfg = validate(parse_config(raw.get("ds_mp", {})), world_size, hf_config)
+    cfg = parse_config(raw.get("ds_mp", {}))
+    for check in BLOCK_CHECKS:  # before the model is read: the errors come in the order they always did
+        check(cfg)
+    cfg = validate_model(resolve_model_source(cfg, hf_config), world_size)
+    check_deepspeed_blocks(raw, cfg)
+    return cfg, raw
+
+
+def check_deepspeed_blocks(raw: dict, cfg: DsMpConfig) -> None:
+    """The DeepSpeed JSON beside a validated block: precision × ZeRO, the schedule's own refusals
+    (its spec's ``check_deepspeed``), the noise scale and batch ramp against the batch keys; warns
+    once when DeepSpeed's default clipping applies."""
     _check_combination(raw, cfg)
     schedule_spec(cfg.pipeline.schedule).check_deepspeed(raw, cfg)
     if cfg.training.noise_scale_interval:  # measured on fp32/bf16 gradients around DeepSpeed's DP reduction
         check_noise_scale(raw, cfg, "ds_mp.training.noise_scale_interval", "set it to 0")
     check_batch_ramp(raw, cfg)
     _warn_default_clipping(raw)
-    return cfg, raw

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional, Protocol, Union
 
 from ds_mp.config.schema import MODEL_TYPES, ConfigError, DsMpConfig, InlineModel
+
+if TYPE_CHECKING:
+    from ds_mp.engine_view import RuntimeEngine, StageView
 
 SCHEDULES: dict[str, Union[str, "ScheduleSpec", type]] = {
     "1f1b": "ds_mp.schedules.gpipe:ONE_F_ONE_B",
@@ -43,7 +46,7 @@ class TimetableHooks(Protocol):
     posted_sends: bool  # set by the engine on a timetable schedule: compile sends for posting [absent: not compiled]
 
     @classmethod
-    def from_engine(cls, engine: Any) -> "TimetableHooks":
+    def from_engine(cls, engine: StageView) -> "TimetableHooks":
         """Build the step's schedule from the engine [``cls(micro_batches=, stages=, stage_id=)``]."""
 
     @staticmethod
@@ -168,7 +171,7 @@ class ScheduleSpec:
         """Activation shapes change between sends (announce each one) [False]."""
         return getattr(self.timetable_class(), "dynamic_shape", False)
 
-    def make_runtime(self, engine: Any) -> Optional[ScheduleRuntime]:
+    def make_runtime(self, engine: RuntimeEngine) -> Optional[ScheduleRuntime]:
         """Its runtime for ``engine`` (made once per engine) [None]."""
         return load(self.runtime)(engine) if self.runtime else None
 

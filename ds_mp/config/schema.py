@@ -187,11 +187,13 @@ class DsMpConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    # Filled by validate(): the degrees and the model shape actually used.
+    # Filled by validate(): the degrees and the model shape actually used (a copy: the input is not changed).
     world_size: int = field(default=1, repr=False)
     dp: int = field(default=1, repr=False)
     shape: InlineModel | None = field(default=None, repr=False)
     hf_config: dict = field(default_factory=dict, repr=False)  # the model's HF config.json ({} for an inline shape)
+    # Filled by resolve_model_source(): where hf_config was read ("" = the inline shape is the model's)
+    model_source: str = field(default="", repr=False)
 
     @property
     def tp(self) -> int:

@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
 
 from .errors import DataError
 from .sft import IGNORE, SftDataset, SftRows
+
+if TYPE_CHECKING:
+    from ds_mp.engine_view import EngineView
 
 
 class HeldOutBatches:
@@ -67,7 +70,7 @@ class HeldOutBatches:
                 yield batch
 
 
-def held_out_loss(engine: Any, batches: HeldOutBatches) -> float:
+def held_out_loss(engine: EngineView, batches: HeldOutBatches) -> float:
     """The per-target-token loss over ``batches`` (module docstring); collective like
     ``engine.eval_batch``, every rank returns the same value."""
     it = iter(batches)

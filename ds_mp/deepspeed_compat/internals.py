@@ -4,57 +4,60 @@ built, or checked here where it is read)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ds_mp.deepspeed_compat.pipeline import Assumption, _fail
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
-def neighbours(engine: Any) -> tuple[int, int]:
+
+def neighbours(engine: PipelineEngine) -> tuple[int, int]:
     """``(prev_stage, next_stage)``: the stages this rank's pipe sends/receives exchange with."""
     return engine.prev_stage, engine.next_stage
 
 
-def set_neighbours(engine: Any, prev: int, next_: int) -> None:
+def set_neighbours(engine: PipelineEngine, prev: int, next_: int) -> None:
     """Point the pipe's p2p at other stages (interleaved: the ring ``s-1, s+1 mod K``)."""
     engine.prev_stage, engine.next_stage = prev, next_
 
 
-def announce_every_shape(engine: Any) -> None:
+def announce_every_shape(engine: PipelineEngine) -> None:
     """Send the shape announcement with every activation and read one with every receive (what
     ``dynamic_shape`` does): for a rank that receives activations from two peers (ZB-V's middle
     ranks), whose first messages would otherwise each be expected to carry the one announcement."""
     engine.dynamic_shape = True
 
 
-def set_computing_loss(engine: Any, on: bool) -> None:
+def set_computing_loss(engine: PipelineEngine, on: bool) -> None:
     """Whether the last stage's forward computes the loss (``_compute_loss``: set by DeepSpeed's
     ``train_batch`` / ``eval_batch``; a runtime running its own evaluation sets it)."""
     engine._compute_loss = on
 
 
-def received_grad(engine: Any) -> Any:
+def received_grad(engine: PipelineEngine) -> Any:
     """The gradient the last ``RecvGrad`` wrote (DeepSpeed's one shared buffer, overwritten by the next)."""
     return engine.grad_layer
 
 
-def set_received_grad(engine: Any, grad: Any) -> None:
+def set_received_grad(engine: PipelineEngine, grad: Any) -> None:
     """What the next ``BackwardPass`` of a non-last stage backpropagates."""
     engine.grad_layer = grad
 
 
-def release_loss_graph(engine: Any) -> None:
+def release_loss_graph(engine: PipelineEngine) -> None:
     """Keep the last stage's loss (``loss``) as a value only: the graph above it may be freed."""
     engine.loss = engine.loss.detach()
 
 
-def set_train_loss(engine: Any, loss: Any) -> Any:
+def set_train_loss(engine: PipelineEngine, loss: Any) -> Any:
     """``train_batch``'s reported loss (``agg_train_loss``, read by DeepSpeed's logging); returns it."""
     engine.agg_train_loss = loss
     return loss
 
 
 @contextlib.contextmanager
-def batch_fn_done(engine: Any) -> Iterator[None]:
+def batch_fn_done(engine: PipelineEngine) -> Iterator[None]:
     """Inside, DeepSpeed reads the micro-batches as they are (``batch_fn`` None): ds_mp's read already
     applied it."""
     batch_fn, engine.batch_fn = engine.batch_fn, None
@@ -64,12 +67,12 @@ def batch_fn_done(engine: Any) -> Iterator[None]:
         engine.batch_fn = batch_fn
 
 
-def set_step_counters(engine: Any, global_steps: int, global_samples: int, skipped_steps: int) -> None:
+def set_step_counters(engine: PipelineEngine, global_steps: int, global_samples: int, skipped_steps: int) -> None:
     """DeepSpeed's step counters (``global_steps``, ``global_samples``, ``skipped_steps``), as a resume restores them."""
     engine.global_steps, engine.global_samples, engine.skipped_steps = global_steps, global_samples, skipped_steps
 
 
-def drop_bf16_grads(engine: Any) -> None:
+def drop_bf16_grads(engine: PipelineEngine) -> None:
     """BF16_Optimizer: drop the bf16 ``.grad`` of every parameter (its masters keep theirs)."""
     engine.optimizer.clear_lp_grads()
 

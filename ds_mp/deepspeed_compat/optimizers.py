@@ -4,9 +4,12 @@ scaler, and the fragments layer-wise optimizers read."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ds_mp.deepspeed_compat.pipeline import Assumption, DeepSpeedIncompatible, _fail
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
 
 # --- fp32 master weights and optimizer state of DeepSpeed's flat-buffer optimizers -----------
@@ -158,7 +161,7 @@ ZERO2_ASSUMPTIONS: tuple[Assumption, ...] = (
 )
 
 
-def check_zero2(engine: Any = None) -> None:
+def check_zero2(engine: PipelineEngine | None = None) -> None:
     """Raise :class:`DeepSpeedIncompatible` naming the first broken ZeRO-2 assumption."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 

@@ -2,9 +2,12 @@
 post itself (``ds_mp/engine/p2p.py``) so DeepSpeed's own receive handlers read them unchanged."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-def activation_messages(engine: Any, buffer_id: int) -> list:
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+def activation_messages(engine: PipelineEngine, buffer_id: int) -> list:
     """The tensors DeepSpeed's ``_exec_send_activations`` sends the next stage for ``buffer_id``,
     in order, without sending them: the shape announcement (``_send_tensor_meta``'s buffer) when
     due (the first send, or every send with ``dynamic_shape``), then the outputs, a trailing bool
@@ -26,7 +29,7 @@ def activation_messages(engine: Any, buffer_id: int) -> list:
     raise NotImplementedError(f"Could not send output of type {type(outputs)}")
 
 
-def grad_messages(engine: Any, buffer_id: int) -> list:
+def grad_messages(engine: PipelineEngine, buffer_id: int) -> list:
     """The tensors DeepSpeed's ``_exec_send_grads`` sends the previous stage for ``buffer_id``, in
     order, without sending them (the first input's gradient partitioned over TP when
     ``is_grad_partitioned``: its meta and local part; no bool mask); the buffer's inputs are then
@@ -58,7 +61,7 @@ def grad_messages(engine: Any, buffer_id: int) -> list:
     return messages
 
 
-def _tensor_meta(engine: Any, buffer: Any) -> Any:
+def _tensor_meta(engine: PipelineEngine, buffer: Any) -> Any:
     """``_send_tensor_meta``'s int32 buffer announcing ``buffer``'s type, dtypes and shapes."""
     import torch
     from deepspeed.runtime.pipe.engine import TENSOR_META_SIZE
@@ -78,7 +81,7 @@ def _tensor_meta(engine: Any, buffer: Any) -> Any:
     return out
 
 
-def stage_rank(engine: Any, stage: int) -> int:
+def stage_rank(engine: PipelineEngine, stage: int) -> int:
     """The global rank of pipeline stage ``stage`` in this rank's pipe (DeepSpeed's grid)."""
     return engine.grid.stage_to_global(stage_id=stage)
 

@@ -22,9 +22,12 @@ and after construction).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deepspeed.runtime.engine import DeepSpeedEngine
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
 
 class PipelineStageGate(DeepSpeedEngine):
@@ -42,7 +45,7 @@ class PipelineStageGate(DeepSpeedEngine):
         return stage
 
 
-def disarm(engine: Any) -> None:
+def disarm(engine: PipelineEngine) -> None:
     """After the engine's constructor: no later read of the stage may see the one-shot."""
     engine.__dict__.pop("_ds_mp_stage_for_pipeline_assert", None)
 

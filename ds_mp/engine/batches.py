@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ds_mp.models.batch import Layout, MicroBatch, parse_micro_batch
+from ds_mp.engine_view import RuntimeEngine
 
 _REFUSED_ELSEWHERE = "batch: refused on another rank (its error names the problem)"
 
@@ -57,7 +58,7 @@ def batch_source(data_iter: Any, kept: Any, deepspeed_iter: Any, fed: Any) -> An
     return source
 
 
-def _read(engine: Any, source: Any, n: int) -> tuple[list[MicroBatch], str]:
+def _read(engine: RuntimeEngine, source: Any, n: int) -> tuple[list[MicroBatch], str]:
     """Parse ``n`` micro-batches; on a refusal, the message (the step is refused on every rank)."""
     try:
         mbs = []
@@ -84,7 +85,7 @@ FLATTENED = ("; a flattened (1, T) batch (DataCollatorWithFlattening, TRL paddin
              "by ds_mp.data.flatten.unflatten_all (docs/batches.md)")
 
 
-def prepare_step(engine: Any, source: Any, n: int) -> tuple[Iterator | None, Step]:
+def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator | None, Step]:
     """Read, check and count this step's ``n`` micro-batches from ``source`` (see the module docstring).
 
     Returns the iterator DeepSpeed reads (the normalized micro-batches; None on stages that read
@@ -141,7 +142,7 @@ def prepare_step(engine: Any, source: Any, n: int) -> tuple[Iterator | None, Ste
 
 
 @contextlib.contextmanager
-def micro_layout(engine: Any, buffer_id: int, forward: bool = False) -> Iterator[None]:
+def micro_layout(engine: RuntimeEngine, buffer_id: int, forward: bool = False) -> Iterator[None]:
     """Inside: the model attends with the layout of the micro-batch in ``buffer_id`` (documents,
     padding, window; None = plain causal).  ``forward`` records which micro-batch that is (the
     loaded one on the first stage, the received one elsewhere) for its backward.  A schedule may
@@ -163,7 +164,7 @@ def micro_layout(engine: Any, buffer_id: int, forward: bool = False) -> Iterator
         ctx.layout = saved
 
 
-def warn_no_targets(engine: Any) -> torch.Tensor:
+def warn_no_targets(engine: RuntimeEngine) -> torch.Tensor:
     """The step of a global batch without a target: skipped (no update), loss 0, a warning."""
     warnings.warn(f"step {engine.global_steps + 1}: the global batch has no target token (every shifted label is "
                   "-100); step skipped, weights unchanged", RuntimeWarning, stacklevel=3)

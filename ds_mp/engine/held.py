@@ -17,6 +17,7 @@ import torch
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.engine.memory import HeldMemory, static_tensors
+from ds_mp.engine_view import RuntimeEngine
 
 
 def source_weights(module: Any) -> list[torch.Tensor]:
@@ -37,7 +38,7 @@ def source_weights(module: Any) -> list[torch.Tensor]:
     return list(out.values())
 
 
-def held_during(engine: Any, step: Callable[[], Any]) -> tuple[int, int]:
+def held_during(engine: RuntimeEngine, step: Callable[[], Any]) -> tuple[int, int]:
     """Run ``step()`` (e.g. one ``engine.train_batch``) with a census after every pipeline
     instruction (the engine's instruction map, shadowed on the instance for the call); returns
     (peak held bytes, bytes held before the step).  Weights, their gradients, optimizer state and

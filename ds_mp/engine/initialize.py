@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.config import ConfigError, DsMpConfig, load_config, read_json
+from ds_mp.config import ConfigError, DsMpConfig, check_deepspeed_blocks, load_config, read_json, validate_model
 from ds_mp.engine.optimizer import optimizer_setup
 from ds_mp.models.cost_profile import PROFILE_NAME, agreed_layer_costs
 from ds_mp.models.family import causal_lm_family, inline_config
@@ -17,6 +17,9 @@ from ds_mp.models.pipeline import build_pipeline
 from ds_mp.models.weights import WeightSource, fresh_source
 from ds_mp.config.registry import schedule_spec
 from ds_mp.topology import Topology
+
+if TYPE_CHECKING:
+    from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
 
 
 def init_distributed(timeout_s: float | None = None) -> None:
@@ -90,18 +93,53 @@ def agreed_weight_source(model: Any, cfg: DsMpConfig) -> WeightSource:
     return src
 
 
-def build_engine(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None):
+def build_engine(model: Any = None, config: Any = None, training_data: Any = None, args: Any = None,
+                 optimizer: Any = None, lr_scheduler: Any = None,
+                 loaded: DsMpConfig | None = None) -> tuple[DsMpPipelineEngine, Any, Any, Any]:
+    """:func:`ds_mp.initialize`: the config (``loaded``: the run's already validated block, read from
+    nowhere again), the process groups, the weights, the pipeline of this rank's stage, its
+    optimizer and the engine that runs the schedule."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from ds_mp.engine.pipeline_engine import DsMpPipelineEngine
     from ds_mp.tensor_parallel.random import seed_everything
 
     compat.check()
+    cfg, raw = config_for(model, config, args, loaded)  # every rank, before any collective
+    init_distributed()
+    world = torch.distributed.get_world_size()
+    if world != cfg.world_size:  # the rendezvous' world, where the environment said another
+        cfg = validate_model(cfg, world)
+        check_deepspeed_blocks(raw, cfg)
+    topology = Topology(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=torch.distributed.get_rank())
+    # Offset per pipeline stage (Megatron-LM: seed + 100·pp_rank) so stages (and Ouroboros' ring
+    # ranks) draw different dropout masks.
+    seed_everything(cfg.training.seed, topology.tp_rank, pp_rank=topology.pp_rank)
+    src = agreed_weight_source(model, cfg)
+    ds_dict = deepspeed_dict(raw)
+    net, costs = _pipeline(src, cfg, ds_dict, topology)
+    mpu = net.mpu()
+    keys = schedule_spec(cfg.pipeline.schedule).group_keys(net, cfg, topology.pp_rank)  # (Ouroboros: per module)
+    params, optimizer = optimizer_setup(net, ds_dict, optimizer, group_keys=keys)
+    engine = DsMpPipelineEngine(args=args, model=net, optimizer=optimizer, model_parameters=params,
+                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
+                                config=ds_dict, config_class=DeepSpeedConfig(ds_dict, mpu),
+                                ds_mp_config=cfg, topology=topology, hf_config=src.config,
+                                optimizer_hparams=(raw.get("optimizer") or {}).get("params"), layer_costs=costs)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def config_for(model: Any, config: Any, args: Any, loaded: DsMpConfig | None) -> tuple[DsMpConfig, dict]:
+    """The validated block and the whole JSON: ``loaded`` as it is, or :func:`load_config` of
+    ``config`` (``args.deepspeed_config``) with the model named by ``model`` (a directory, Hub id or
+    model object) in place of ``ds_mp.model``, against the environment's world size."""
     if config is None:
         config = getattr(args, "deepspeed_config", None)
         if config is None:
             raise ConfigError("config: pass config=PATH|dict or --deepspeed_config PATH")
     raw = read_json(config)
+    if loaded is not None:
+        return loaded, raw
     if model is not None and not isinstance(model, str):
         try:
             causal_lm_family(model)  # every rank, before any collective
@@ -109,27 +147,26 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
             raise ConfigError(str(e)) from None
     if isinstance(model, str) or (model is not None and hasattr(model, "config")):
         raw = copy.deepcopy(raw)
-        raw.setdefault("ds_mp", {})["model"] = model if isinstance(model, str) else None
-        if not isinstance(model, str):
-            raw["ds_mp"]["model"] = _inline_from_hf(model.config)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+        raw.setdefault("ds_mp", {})["model"] = model if isinstance(model, str) else _inline_from_hf(model.config)
     hf_dict = model.config.to_dict() if model is not None and not isinstance(model, str) else None
-    cfg, raw = load_config(raw, world, hf_dict)  # every rank, before any collective
-    init_distributed()
-    world = torch.distributed.get_world_size()
-    if world != cfg.world_size:
-        cfg, raw = load_config(raw, world, hf_dict)
-    topology = Topology(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=torch.distributed.get_rank())
-    # Offset per pipeline stage (Megatron-LM: seed + 100·pp_rank) so stages (and Ouroboros' ring
-    # ranks) draw different dropout masks.
-    seed_everything(cfg.training.seed, topology.tp_rank, pp_rank=topology.pp_rank)
-    src = agreed_weight_source(model, cfg)
-    spec = schedule_spec(cfg.pipeline.schedule)  # what the schedule asks of the build
-    layout = spec.pipeline_layout(cfg, src.config)
+    return load_config(raw, int(os.environ.get("WORLD_SIZE", "1")), hf_dict)
+
+
+def deepspeed_dict(raw: dict) -> dict:
+    """The JSON DeepSpeed reads: without the ``ds_mp`` block, micro-batch and accumulation defaulted
+    to 1, ``train_batch_size`` dropped (DeepSpeed derives micro × accumulation × DP)."""
     ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
     ds_dict.setdefault("train_micro_batch_size_per_gpu", 1)
     ds_dict.setdefault("gradient_accumulation_steps", 1)
-    ds_dict.pop("train_batch_size", None)  # derived: micro × accumulation × DP
+    ds_dict.pop("train_batch_size", None)
+    return ds_dict
+
+
+def _pipeline(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: Topology) -> tuple[Any, LayerCosts | None]:
+    """This rank's pipeline stage, laid out as the schedule's spec asks, its blocks split by
+    ``pipeline.partition`` (``"cost"``: measured here, collective); returns it and the measured costs."""
+    spec = schedule_spec(cfg.pipeline.schedule)
+    layout = spec.pipeline_layout(cfg, src.config)
     partition, costs = cfg.pipeline.partition, None
     if partition == "cost" and layout is None:  # (a ring layout has its own split)
         costs = measured_costs(src, cfg, ds_dict, topology) if cfg.pp > 1 else None
@@ -142,15 +179,7 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
                          activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
                          dynamic_shape=spec.dynamic_shape(), layout=layout,
                          lora=cfg.lora, seed=cfg.training.seed, virtual_stages=cfg.pipeline.virtual_stages)
-    mpu = net.mpu()
-    keys = spec.group_keys(net, cfg, topology.pp_rank)  # (Ouroboros: one per module, so warm-up leaves one out)
-    params, optimizer = optimizer_setup(net, ds_dict, optimizer, group_keys=keys)
-    engine = DsMpPipelineEngine(args=args, model=net, optimizer=optimizer, model_parameters=params,
-                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                                config=ds_dict, config_class=DeepSpeedConfig(ds_dict, mpu),
-                                ds_mp_config=cfg, topology=topology, hf_config=src.config,
-                                optimizer_hparams=(raw.get("optimizer") or {}).get("params"), layer_costs=costs)
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    return net, costs
 
 
 def measured_costs(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: Topology) -> LayerCosts:

@@ -31,12 +31,13 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.schedules.interleaved import ChunkBackward, ChunkForward, Interleaved1F1B
+from ds_mp.engine_view import RuntimeEngine
 
 
 class InterleavedState:
     """One rank's chunks: forward-function ranges and virtual stage ids; the chunk switch."""
 
-    def __init__(self, engine: Any, virtual: list[int] | None = None, bounds: list[int] | None = None) -> None:
+    def __init__(self, engine: RuntimeEngine, virtual: list[int] | None = None, bounds: list[int] | None = None) -> None:
         """``virtual``: the virtual stage of each local chunk, in the order the module holds them
         (default the interleaved c·K + s; ZB-V's V: s and 2K − 1 − s); ``bounds``: the chunk bounds
         over the family's layer table, one more than the virtual stages (default the module's)."""
@@ -95,7 +96,7 @@ class InterleavedState:
             return PipelineEngine.eval_batch(e, fed, *args, num_micro_batches=num_micro_batches, **kwargs)
 
 
-def attach(engine: Any) -> InterleavedState:
+def attach(engine: RuntimeEngine) -> InterleavedState:
     """The runtime of an interleaved engine (made by its spec, ``config.registry.ScheduleSpec.runtime``)."""
     return InterleavedState(engine)
 

@@ -23,16 +23,17 @@ so only TP is summed.
 """
 from __future__ import annotations
 
-from typing import Any
+
 
 import torch
 import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.optim.lamb import Lamb, LayerMap
+from ds_mp.engine_view import RuntimeEngine
 
 
-def layer_map(engine: Any, base: Lamb) -> LayerMap:
+def layer_map(engine: RuntimeEngine, base: Lamb) -> LayerMap:
     """The layers of ``base`` (the torch optimizer the engine steps) on this rank."""
     topo, wrapped = engine.topology, not isinstance(engine.optimizer, torch.optim.Optimizer)
     pieces: dict[int, list[tuple[int, int, int]]] = {}  # id(optimizer tensor) -> (start, numel, layer)
@@ -62,7 +63,7 @@ def layer_map(engine: Any, base: Lamb) -> LayerMap:
     return LayerMap(layers=len(replicated), pieces=pieces, reduce=reduce, device=engine.device)
 
 
-def attach(engine: Any) -> None:
+def attach(engine: RuntimeEngine) -> None:
     """Give ds_mp's Lamb (if it is the engine's torch optimizer) the engine's layer map."""
     opt = engine.optimizer
     base = opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)

@@ -44,12 +44,13 @@ from ds_mp.schedules.ouroboros.timetable import (ModuleBackward, ModuleForward, 
                                                  SendHidden, UpdateModules, module_owner)
 from ds_mp.tensor_parallel.layers import sparse_lookups
 from ds_mp.tensor_parallel.random import rng_state
+from ds_mp.engine_view import RuntimeEngine
 
 
 class OuroborosState:
     """One ring rank's Ouroboros state (see the module docstring) and its engine hooks."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: RuntimeEngine) -> None:
         cfg = engine.ds_mp_config
         self.engine, self.K, self.delay = engine, engine.num_stages + 1, cfg.ouroboros.delay
         self.tie_scale = 0.5 if self.delay else 1.0  # g_V = tie_scale (dV_o + dV_i)
@@ -367,7 +368,7 @@ class OuroborosState:
         self.layouts.load_state_dict(state.get("layouts", []), dev)
 
 
-def attach(engine: Any) -> OuroborosState:
+def attach(engine: RuntimeEngine) -> OuroborosState:
     """The runtime of an Ouroboros engine (made by its spec, ``config.registry.ScheduleSpec.runtime``)."""
     return OuroborosState(engine)
 

@@ -18,6 +18,7 @@ from ds_mp.models.pipeline import attending_to
 from ds_mp.engine.terapipe_kv import KVContext
 from ds_mp.engine.terapipe_profile import engine_plan
 from ds_mp.schedules.terapipe.schedule import BackwardSlice, ForwardSlice, LoadSlice, Plan
+from ds_mp.engine_view import RuntimeEngine
 
 
 @dataclass
@@ -25,7 +26,7 @@ class TeraPipeState:
     """TeraPipe's runtime: what an engine keeps between instructions (and train_batch calls), and
     the handlers of its instructions (``instructions``)."""
 
-    engine: Any
+    engine: RuntimeEngine
     make_plan: Callable[[], Plan]  # collective on the first batch (auto slicing profiles the stage)
     plan: Plan | None = None
     context: KVContext = field(default_factory=KVContext)
@@ -101,7 +102,7 @@ class TeraPipeState:
                 self.running = NotImplemented
 
 
-def attach(engine: Any) -> TeraPipeState:
+def attach(engine: RuntimeEngine) -> TeraPipeState:
     """The runtime of a TeraPipe engine (made by its spec, ``config.registry.ScheduleSpec.runtime``)."""
     return TeraPipeState(engine=engine, make_plan=lambda: engine_plan(engine))
 

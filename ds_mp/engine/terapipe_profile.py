@@ -39,6 +39,7 @@ from ds_mp.schedules.terapipe.cost_model import (BatchTableCostModel, cost_model
                                                  load_cost_model, profile_stage)
 from ds_mp.schedules.terapipe.planner import explicit_plan, plan_for, profile_sizes
 from ds_mp.schedules.terapipe.schedule import Plan
+from ds_mp.engine_view import RuntimeEngine
 
 PROFILE_NAME = "terapipe_profile.json"
 
@@ -65,7 +66,7 @@ def profile_grid(L: int, granularity: int) -> tuple[list[int], list[int], list[i
     return sorted(table), powers, contexts
 
 
-def engine_plan(engine: Any) -> Plan:
+def engine_plan(engine: RuntimeEngine) -> Plan:
     """The engine's plan: the configured slices, or (collective) the planner's."""
     tcfg = engine.ds_mp_config.terapipe
     if isinstance(tcfg.slices, list):
@@ -96,7 +97,7 @@ def _slice_timer(forward: Callable[[Any], torch.Tensor], blocks: list, make_inpu
     return run
 
 
-def profile_engine_stage(engine: Any, L: int, granularity: int, rows: int | None = None) -> list[tuple[int, int, float]]:
+def profile_engine_stage(engine: RuntimeEngine, L: int, granularity: int, rows: int | None = None) -> list[tuple[int, int, float]]:
     """Time this rank's stage (its layers, its TP shard) on batch-slices of ``rows`` rows (default:
     the micro-batch size); collective over the stage's TP group only (TP ranks run the same grid
     in lockstep)."""
@@ -151,7 +152,7 @@ def _bottleneck(per_rank: list[list[tuple[int, int, float]]]) -> list[tuple[int,
     return [(i, j, t) for (i, j), t in sorted(worst.items())]
 
 
-def profile_transfer(engine: Any, lengths: list[int], repeats: int = 5, rows: int | None = None) -> list[float]:
+def profile_transfer(engine: RuntimeEngine, lengths: list[int], repeats: int = 5, rows: int | None = None) -> list[float]:
     """Collective over the pipeline: per slice length i, the seconds this rank spends on one
     slice's point-to-point traffic (``rows`` rows, default the micro-batch size), summed over the
     links it is on.
@@ -193,7 +194,7 @@ def profile_transfer(engine: Any, lengths: list[int], repeats: int = 5, rows: in
     return out
 
 
-def profile_meta(engine: Any) -> dict:
+def profile_meta(engine: RuntimeEngine) -> dict:
     """What a stage profile depends on: a saved one is reused only when this matches."""
     ctx, p = engine.module.ds_mp_ctx, next(engine.module.parameters())
     cfg = engine.ds_mp_config
@@ -220,7 +221,7 @@ def _cached(path: str, meta: dict, explicit: bool) -> bool:
     return False
 
 
-def measure_cost_model(engine: Any, L: int, granularity: int,
+def measure_cost_model(engine: RuntimeEngine, L: int, granularity: int,
                        sizes: list[int] | None = None) -> tuple[BatchTableCostModel, dict]:
     """Collective: for every batch-slice size b in ``sizes`` (default: the micro-batch size),
     profile every stage (:func:`profile_engine_stage`; per (i, j) the slowest rank), fit the
@@ -246,7 +247,7 @@ def measure_cost_model(engine: Any, L: int, granularity: int,
                                          "samples": samples, "fit_error": round(worst, 4), "batch_sizes": sizes}
 
 
-def auto_plan(engine: Any) -> Plan:
+def auto_plan(engine: RuntimeEngine) -> Plan:
     """Collective: every rank calls it on its first train_batch; all get rank 0's plan."""
     cfg = engine.ds_mp_config
     tcfg, L, K = cfg.terapipe, cfg.data.seq_len, engine.num_stages

@@ -45,13 +45,14 @@ from ds_mp.engine.interleaved import InterleavedState
 from ds_mp.engine.zero_bubble import ZeroBubbleState
 from ds_mp.models.pipeline import v_pipeline_layout
 from ds_mp.schedules.zb_v import VBackwardInput, VBackwardWeight, VForward, VPeer, ZeroBubbleV
+from ds_mp.engine_view import RuntimeEngine
 
 
 class ZeroBubbleVState(InterleavedState):
     """One rank's two V chunks, the split backward in each, and what crosses inside the rank
     (labels from chunk 0 to chunk 2P − 1 on rank 0, activations and gradients at the turn)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: RuntimeEngine) -> None:
         P, r = engine.num_stages, engine.stage_id
         _, _, chunk_parts = v_pipeline_layout(engine.hf_config, P, engine.ds_mp_config.pipeline.partition)
         super().__init__(engine, virtual=[r, 2 * P - 1 - r], bounds=chunk_parts)
@@ -165,7 +166,7 @@ def _as_leaf(outputs: Any) -> Any:
     return outputs.detach().requires_grad_(outputs.is_floating_point())
 
 
-def attach(engine: Any) -> ZeroBubbleVState:
+def attach(engine: RuntimeEngine) -> ZeroBubbleVState:
     """The runtime of a ZB-V engine (made by its spec, ``ds_mp.schedules.zb_v.ZB_V``)."""
     return ZeroBubbleVState(engine)
 

@@ -30,25 +30,26 @@ own fragment (``deepspeed_compat.zero2_full_grad`` / ``zero2_set_full_grad``).
 """
 from __future__ import annotations
 
-from typing import Any
+
 
 import torch
 import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
+from ds_mp.engine_view import RuntimeEngine
 
 
-def partitions_gradients(engine: Any) -> bool:
+def partitions_gradients(engine: RuntimeEngine) -> bool:
     """True when the engine's optimizer is DeepSpeed's ZeRO stage 2 (gradient partitioning)."""
     return engine.zero_optimization_partition_gradients()
 
 
-def close_backward(engine: Any) -> None:
+def close_backward(engine: RuntimeEngine) -> None:
     """After one backward call: reduce its gradients over DP into the step's accumulators."""
     compat.zero2_close_backward(engine.optimizer)
 
 
-def close_step(engine: Any) -> None:
+def close_step(engine: RuntimeEngine) -> None:
     """``ReduceGrads``: make the step's partition gradients final, then sum the tied weights'
     gradients over their tied groups (first and last stage)."""
     compat.zero2_close_step(engine.optimizer)
@@ -59,7 +60,7 @@ def close_step(engine: Any) -> None:
             compat.zero2_set_full_grad(weight, full)
 
 
-def partition_gradients(engine: Any) -> list[torch.Tensor]:
+def partition_gradients(engine: RuntimeEngine) -> list[torch.Tensor]:
     """This DP rank's partition gradients of the step (after :func:`close_step`)."""
     return compat.zero2_partition_grads(engine.optimizer)
 

@@ -51,6 +51,7 @@ from ds_mp import deepspeed_compat as compat
 from ds_mp.deepspeed_compat.torch_private import (construct_reverse_graph, get_grad_fn_or_grad_acc, get_param_groups,
                                                   reverse_closure, stage_backward_weight)
 from ds_mp.schedules.zero_bubble import BackwardInput, BackwardWeight
+from ds_mp.engine_view import RuntimeEngine
 
 
 class ZeroBubbleState:
@@ -58,7 +59,7 @@ class ZeroBubbleState:
     per pipe buffer (``pending``): the parameter groups with their recorded gradients (later
     stages), or the received output gradient (first stage)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: RuntimeEngine) -> None:
         self.engine = engine
         self.pending: dict[int, Any] = {}
         if engine.module.activation_checkpoint_interval > 0:  # DeepSpeed's checkpoints refuse torch.autograd.grad
@@ -102,7 +103,7 @@ class ZeroBubbleState:
             compat.drop_bf16_grads(e)
 
 
-def attach(engine: Any) -> ZeroBubbleState:
+def attach(engine: RuntimeEngine) -> ZeroBubbleState:
     """The runtime of a ZB-H1 engine (made by its spec, ``config.registry.ScheduleSpec.runtime``)."""
     return ZeroBubbleState(engine)
 
@@ -133,7 +134,7 @@ def checkpoint(function: Any, *args: Any) -> Any:
                                              context_fn=lambda: (forward(), Recompute()))
 
 
-def _stage_inputs(engine: Any, buffer_id: int) -> list[torch.Tensor]:
+def _stage_inputs(engine: RuntimeEngine, buffer_id: int) -> list[torch.Tensor]:
     inputs = compat.pipe_buffers(engine)["inputs"][buffer_id]
     inputs = inputs if isinstance(inputs, (tuple, list)) else [inputs]
     return [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -204,7 +205,7 @@ class _InputOnlyBackward(TorchFunctionMode):
     stack before it runs): nothing is replaced, other threads and code after the block see torch's
     ``backward``.  Every other torch function passes through unchanged."""
 
-    def __init__(self, engine: Any, buffer_id: int, weights: list[torch.Tensor]) -> None:
+    def __init__(self, engine: RuntimeEngine, buffer_id: int, weights: list[torch.Tensor]) -> None:
         super().__init__()
         self.engine, self.buffer_id, self.weights = engine, buffer_id, weights
         self.calls: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -245,7 +246,7 @@ def drop_output_hooks(outputs: Any) -> None:
             manager.remove_hooks()
 
 
-def _weights(engine: Any) -> list[torch.Tensor]:
+def _weights(engine: RuntimeEngine) -> list[torch.Tensor]:
     return [p for p in engine.module.parameters() if p.requires_grad]
 
 

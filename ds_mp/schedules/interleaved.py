@@ -26,6 +26,7 @@ from ds_mp.config.schema import ConfigError, DsMpConfig, InlineModel
 from ds_mp.schedules.simulate import Op, interleaved_deps, interleaved_timetable
 from ds_mp.schedules.timetable import TimetableSchedule, Transfer
 from ds_mp.schedules.zero_bubble import stage_weights
+from ds_mp.engine_view import StageView
 
 
 class ChunkForward(ds.BufferOpInstruction):
@@ -70,7 +71,7 @@ class Interleaved1F1B(TimetableSchedule):
         self.chunk_weights = chunk_weights  # per virtual stage c·K + s: relative compute (None: equal)
 
     @classmethod
-    def from_engine(cls, engine: Any) -> "Interleaved1F1B":
+    def from_engine(cls, engine: StageView) -> "Interleaved1F1B":
         return cls(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id,
                    virtual_stages=engine.ds_mp_config.pipeline.virtual_stages,
                    chunk_weights=chunk_weights(engine.module))

@@ -56,6 +56,7 @@ from ds_mp.schedules.simulate import (Deps, Op, OpCost, SimResult, Timetable, in
                                       one_f_one_b_timetable, simulate, zb_h1_timetable, zero_bubble_deps)
 from ds_mp.schedules.timetable import TimetableSchedule, Transfer
 from ds_mp.schedules.zero_bubble import ZeroBubbleSpec
+from ds_mp.engine_view import StageView
 
 DEFERRALS = ("bounded", "paper")
 
@@ -277,7 +278,7 @@ class ZeroBubbleV(TimetableSchedule):
         self.deps = v_deps(stages)
 
     @classmethod
-    def from_engine(cls, engine: Any) -> "ZeroBubbleV":
+    def from_engine(cls, engine: StageView) -> "ZeroBubbleV":
         return cls(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id,
                    deferral=deferral_of(engine.ds_mp_config))
 

@@ -26,6 +26,7 @@ from ds_mp.config.registry import ALL_FAMILIES, ScheduleSpec
 from ds_mp.config.schema import ConfigError, DsMpConfig
 from ds_mp.schedules.simulate import Op, zb_h1_timetable, zero_bubble_deps
 from ds_mp.schedules.timetable import TimetableSchedule
+from ds_mp.engine_view import StageView
 
 
 class BackwardInput(BufferOpInstruction):
@@ -61,7 +62,7 @@ class ZeroBubbleH1(TimetableSchedule):
         self.max_pending_w = max_pending_w  # W passes a stage may defer (``pipeline.zb_max_pending_w``)
 
     @classmethod
-    def from_engine(cls, engine: Any) -> "ZeroBubbleH1":
+    def from_engine(cls, engine: StageView) -> "ZeroBubbleH1":
         return cls(micro_batches=engine.micro_batches, stages=engine.num_stages, stage_id=engine.stage_id,
                    max_pending_w=engine.ds_mp_config.pipeline.zb_max_pending_w)
 

@@ -37,6 +37,7 @@ Metrics (per log interval):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 
 from ds_mp.checkpoint.training import LATEST
-from ds_mp.config import ConfigError, load_config, read_json
+from ds_mp.config import ConfigError, load_config, read_json, resolve_model_source, validate_model
 from ds_mp.training.run import Started, build, restore_sampler
 from ds_mp.training.run_dir import RunDir, RunDirError
 from ds_mp.training.signals import StopFlag, StopRequested, stop_grace_s
@@ -128,9 +129,11 @@ def start_up(args: argparse.Namespace, run_dir: RunDir) -> Started:
     root: list[str] = []  # the checkpoint root, once the config says it
 
     def checks() -> tuple:
-        """Everything that can be checked without communication, on every rank."""
-        raw = _apply_overrides(read_json(args.deepspeed_config), args)
-        cfg, raw = load_config(raw, int(os.environ.get("WORLD_SIZE", "1")))
+        """Everything that can be checked without communication, on every rank: the config parsed and
+        validated once (its model resolved in the one step that may read the Hub), the data, the
+        weights to start from; the config the engine gets is the one that trains those weights."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; initialize re-checks the rendezvous'
+        cfg, raw = load_config(_apply_overrides(read_json(args.deepspeed_config), args), world)
         tcfg = cfg.training
         root.append(os.path.join(tcfg.output_dir, "checkpoints"))
         startup.check_deepspeed_blocks(raw)
@@ -142,6 +145,8 @@ def start_up(args: argparse.Namespace, run_dir: RunDir) -> Started:
             init = resolve_model(tcfg.init_from, "ds_mp.training.init_from")
         if init:
             directory_source(init)  # config, files, keys and shapes: fails before any collective
+        if tcfg.init_from:  # the run trains init_from's weights: its shape is the model's
+            cfg = validate_model(resolve_model_source(dataclasses.replace(cfg, model=init, model_source="")), world)
         _warn_tokenizer(train_ds.info, init)
         check_unlocked(tcfg.output_dir)  # every rank, before any collective; rank 0 decides below
         choose_resume(root[0], args.resume)

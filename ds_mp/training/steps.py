@@ -33,16 +33,16 @@ class Window:
 
 
 def train(run: Run, stop: StopFlag) -> Any:
-    """Steps ``start_step + 1 … training.steps``; returns the progress bar (closed by :func:`finish`)."""
+    """Steps ``start_step + 1 … run.steps``; returns the progress bar (closed by :func:`finish`)."""
     from ds_mp.training.nan_guard import NanGuard
 
     engine, tcfg = run.engine, run.tcfg
     nan_guard = NanGuard(tcfg.on_nan, tcfg.max_consecutive_skips)
-    bar = _progress(run.rank0, run.start_step, tcfg.steps)
+    bar = _progress(run.rank0, run.start_step, run.steps)
     engine.record_trace()
     window = Window()
     stop.running()  # start-up is over: a signal now ends the run after the step, with a save
-    for step in range(run.start_step + 1, tcfg.steps + 1):
+    for step in range(run.start_step + 1, run.steps + 1):
         loss, dt, batch_size, step_lr, counts = _step(run, step, window, bar)
         if nan_guard.after_step(loss, engine.last_step_nonfinite):  # a diagnostic save; `latest` stays
             from ds_mp.training.run_dir import finished_tags
@@ -56,7 +56,7 @@ def train(run: Run, stop: StopFlag) -> Any:
         if run.rank0:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{counts.counted / dt:,.0f}")
-        if step % tcfg.log_interval == 0 or val_loss is not None or step == tcfg.steps:
+        if step % tcfg.log_interval == 0 or val_loss is not None or step == run.steps:
             _log_row(run, step, window, bar, loss, val_loss, dt, batch_size, step_lr, counts)
         _after_step(run, stop, step, bar)
     return bar
@@ -128,11 +128,11 @@ def _after_step(run: Run, stop: StopFlag, step: int, bar: Any) -> None:
     """The interval checkpoint, then the job-wide stop (a signal, or rank 0's log failing): every
     rank ends after this same step, saved unless ``training.save_on_signal`` is off."""
     tcfg, log = run.tcfg, run.log
-    saved = tcfg.checkpoint_interval and step % tcfg.checkpoint_interval == 0 and step != tcfg.steps
+    saved = tcfg.checkpoint_interval and step % tcfg.checkpoint_interval == 0 and step != run.steps
     if saved:
         save(run, step)
     signum, log_failed = stop.agreed(run.engine.device, log is not None and log.error is not None)  # collective
-    if log_failed or (signum and step != tcfg.steps):
+    if log_failed or (signum and step != run.steps):
         bar.close()
         if log_failed:  # rank 0 could not write log.csv (a full disk): it says why, the others stop quietly
             raise log.error if log is not None else StopRequested("", 2)
@@ -148,8 +148,8 @@ def finish(run: Run, bar: Any) -> None:
     import ds_mp
 
     tcfg, engine, started = run.tcfg, run.engine, run.started
-    if run.start_step < tcfg.steps:
-        save(run, tcfg.steps)
+    if run.start_step < run.steps:
+        save(run, run.steps)
     tokenizer_dir = started.train_ds.info.tokenizer_dir
     if tcfg.export_hf and run.cfg.lora.r:  # the PEFT adapter, and the merged model as the HF directory
         ds_mp.save_lora(engine, os.path.join(tcfg.output_dir, "adapter"), base_model=started.init)
@@ -159,7 +159,7 @@ def finish(run: Run, bar: Any) -> None:
     if run.rank0:
         bar.close()
         hf = f"HF model in {os.path.join(tcfg.output_dir, 'hf')}; " if tcfg.export_hf else ""
-        print(f"ds_mp: done: {tcfg.steps} steps; checkpoints in {started.ckpt_root}; {hf}"
+        print(f"ds_mp: done: {run.steps} steps; checkpoints in {started.ckpt_root}; {hf}"
               f"log {os.path.join(tcfg.output_dir, 'log.csv')}")
 
 

@@ -27,7 +27,7 @@ neighbour (sends before receives inside a step), as in ``GPipe``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
 
 from deepspeed.runtime.pipe.schedule import BufferOpInstruction
 
@@ -35,6 +35,7 @@ from ds_mp.schedules.gpipe import FillDrain
 from ds_mp.schedules.simulate import Op, sliced_one_f_one_b_timetable
 from ds_mp.schedules.terapipe.planner import Plan
 from ds_mp.schedules.timetable import TimetableSchedule
+from ds_mp.engine_view import StageView
 
 
 # ------------------------------------------------------------------ instructions
@@ -106,7 +107,7 @@ class TeraPipeSchedule(FillDrain):
         self.units = plan_units(plan, micro_batches)
 
     @classmethod
-    def from_engine(cls, engine: Any) -> "TeraPipeSchedule | TeraPipe1F1B":
+    def from_engine(cls, engine: StageView) -> "TeraPipeSchedule | TeraPipe1F1B":
         """The order ``terapipe.order`` names: "gpipe" (this class) or "1f1b" (:class:`TeraPipe1F1B`)."""
         order = getattr(engine.ds_mp_config.terapipe, "order", "gpipe") if engine.ds_mp_config else "gpipe"
         kind = TeraPipe1F1B if order == "1f1b" else cls

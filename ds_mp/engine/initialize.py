@@ -124,14 +124,14 @@ def build_engine(model=None, config=None, training_data=None, args=None, optimiz
     seed_everything(cfg.training.seed, topology.tp_rank, pp_rank=topology.pp_rank)
     src = agreed_weight_source(model, cfg)
     spec = schedule_spec(cfg.pipeline.schedule)  # what the schedule asks of the build
-    layout = spec.pipeline_layout(cfg, src.config)
     ds_dict = {k: v for k, v in raw.items() if k != "ds_mp"}
     ds_dict.setdefault("train_micro_batch_size_per_gpu", 1)
     ds_dict.setdefault("gradient_accumulation_steps", 1)
     ds_dict.pop("train_batch_size", None)  # derived: micro × accumulation × DP
-    partition, costs = cfg.pipeline.partition, None
-    if partition == "cost" and layout is None:  # (a ring layout has its own split)
-        costs = measured_costs(src, cfg, ds_dict, topology) if cfg.pp > 1 else None
+    partition = cfg.pipeline.partition
+    costs = measured_costs(src, cfg, ds_dict, topology) if partition == "cost" and cfg.pp > 1 else None
+    layout = spec.pipeline_layout(cfg, src.config, costs)  # (zb-v's V balances the costs per rank)
+    if partition == "cost" and layout is None:
         chunks = cfg.pp * cfg.pipeline.virtual_stages  # interleaved: balanced per chunk
         partition = costs.blocks(cfg.shape.n_layer, chunks) if costs else [cfg.shape.n_layer]
     net = build_pipeline(src, topology, partition=partition,

@@ -26,6 +26,11 @@ class LayerCosts:
         first and last stage may hold no block when the embedding or head alone outweighs them."""
         return balanced_blocks(n_layer, stages, self.block, self.embed, self.head, min_end_blocks=0)
 
+    def v_blocks(self, n_layer: int, stages: int) -> list[int]:
+        """Blocks per chunk of ZB-V's 2·``stages`` chunks, balanced for the V placement
+        (:func:`v_balanced_blocks`: rank 0 holds the embedding and the head)."""
+        return v_balanced_blocks(n_layer, stages, self.block, self.embed, self.head)
+
     @property
     def head_blocks(self) -> float:
         """Embedding + head + loss in units of one block: what a stage holding both ends (Ouroboros'
@@ -100,6 +105,39 @@ def v_layout(names: list[str], chunk_parts: list[int], stages: int) -> tuple[lis
     return out, parts
 
 
+def v_balanced_blocks(n_layer: int, stages: int, block: float, first: float, last: float) -> list[int]:
+    """Blocks per chunk (the model's order) of ZB-V's 2P chunks (P = ``stages``) minimising the
+    costliest rank, where rank r holds chunks r and 2P − 1 − r (:func:`v_layout`); every chunk
+    holds ≥ 1 block.
+
+    Rank r holding n_r blocks costs ``n_r·block + (first + last)·[r = 0]`` (the embedding goes with
+    chunk 0, the head with chunk 2P − 1: both on rank 0).  Any n_r ≥ 2 splits into two chunks, so
+    the rank problem stands alone and is solved exactly: ranks 1 … P − 1 cost alike, so for each
+    n_0 the rest is spread as evenly as possible (the extra blocks to the ranks nearest the turn),
+    which is the least max and the least sum of squares among them; over n_0 the least max rank
+    cost, then the least sum of squared rank costs, then fewer blocks on rank 0.  Within a rank:
+    rank 0's chunks (embedding + blocks, blocks + head) with the least max chunk cost (ties: fewer
+    blocks down the V), the other ranks' halves with the odd block on the way back up.
+    Equal inputs give equal outputs on every rank.
+    """
+    P = stages
+    if P < 1 or n_layer < 2 * P:
+        raise ValueError(f"cannot cut {n_layer} blocks into 2·{P} chunks with at least 1 block each")
+
+    def ranks(n0: int) -> list[int]:
+        base, extra = divmod(n_layer - n0, P - 1)
+        return [n0] + [base + (r >= P - extra) for r in range(1, P)]
+
+    def key(n: list[int]) -> tuple[float, float, int]:
+        w = [c * block + (first + last if r == 0 else 0.0) for r, c in enumerate(n)]
+        return max(w), sum(x * x for x in w), n[0]
+
+    n = [n_layer] if P == 1 else min((ranks(n0) for n0 in range(2, n_layer - 2 * (P - 1) + 1)), key=key)
+    down0 = min(range(1, n[0]), key=lambda a: (max(a * block + first, (n[0] - a) * block + last), a))
+    down = [down0] + [c // 2 for c in n[1:]]
+    return down + [c - d for c, d in zip(reversed(n), reversed(down))]
+
+
 def balanced_blocks(n_layer: int, stages: int, block: float, first: float, last: float,
                     min_end_blocks: int = 1) -> list[int]:
     """Contiguous blocks per stage minimising the costliest stage (linear partition, exact).
@@ -146,4 +184,4 @@ def balanced_blocks(n_layer: int, stages: int, block: float, first: float, last:
     return blocks + [left]
 
 
-__all__ = ["LayerCosts", "stage_parts", "interleaved_layout", "v_layout", "balanced_blocks"]
+__all__ = ["LayerCosts", "stage_parts", "interleaved_layout", "v_layout", "v_balanced_blocks", "balanced_blocks"]

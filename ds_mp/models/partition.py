@@ -114,28 +114,28 @@ def v_balanced_blocks(n_layer: int, stages: int, block: float, first: float, las
     chunk 0, the head with chunk 2P − 1: both on rank 0).  Any n_r ≥ 2 splits into two chunks, so
     the rank problem stands alone and is solved exactly: ranks 1 … P − 1 cost alike, so for each
     n_0 the rest is spread as evenly as possible (the extra blocks to the ranks nearest the turn),
-    which is the least max and the least sum of squares among them; over n_0 the least max rank
-    cost, then the least sum of squared rank costs, then fewer blocks on rank 0.  Within a rank:
-    rank 0's chunks (embedding + blocks, blocks + head) with the least max chunk cost (ties: fewer
-    blocks down the V), the other ranks' halves with the odd block on the way back up.
-    Equal inputs give equal outputs on every rank.
+    which is the least max and the least sum of squares among them.  Rank 0's two chunks
+    (embedding + blocks, blocks + head) take the split with the least max chunk cost (ties: fewer
+    blocks down the V), the other ranks' halves the odd block on the way back up.  Over n_0: the
+    least max rank cost, then the least sum of squared rank costs, then the least max chunk cost on
+    rank 0, then fewer blocks on rank 0.  Equal inputs give equal outputs on every rank.
     """
     P = stages
     if P < 1 or n_layer < 2 * P:
         raise ValueError(f"cannot cut {n_layer} blocks into 2·{P} chunks with at least 1 block each")
 
-    def ranks(n0: int) -> list[int]:
-        base, extra = divmod(n_layer - n0, P - 1)
-        return [n0] + [base + (r >= P - extra) for r in range(1, P)]
+    def chunks(n0: int) -> list[int]:
+        base, extra = divmod(n_layer - n0, P - 1) if P > 1 else (0, 0)
+        n = [n0] + [base + (r >= P - extra) for r in range(1, P)]
+        down = [min(range(1, n0), key=lambda a: (max(a * block + first, (n0 - a) * block + last), a))]
+        down += [c // 2 for c in n[1:]]
+        return down + [c - d for c, d in zip(reversed(n), reversed(down))]
 
-    def key(n: list[int]) -> tuple[float, float, int]:
-        w = [c * block + (first + last if r == 0 else 0.0) for r, c in enumerate(n)]
-        return max(w), sum(x * x for x in w), n[0]
+    def key(c: list[int]) -> tuple[float, float, float, int]:
+        w = [(c[r] + c[2 * P - 1 - r]) * block + (first + last if r == 0 else 0.0) for r in range(P)]
+        return max(w), sum(x * x for x in w), max(c[0] * block + first, c[-1] * block + last), c[0] + c[-1]
 
-    n = [n_layer] if P == 1 else min((ranks(n0) for n0 in range(2, n_layer - 2 * (P - 1) + 1)), key=key)
-    down0 = min(range(1, n[0]), key=lambda a: (max(a * block + first, (n[0] - a) * block + last), a))
-    down = [down0] + [c // 2 for c in n[1:]]
-    return down + [c - d for c, d in zip(reversed(n), reversed(down))]
+    return min((chunks(n0) for n0 in ([n_layer] if P == 1 else range(2, n_layer - 2 * (P - 1) + 1))), key=key)
 
 
 def balanced_blocks(n_layer: int, stages: int, block: float, first: float, last: float,

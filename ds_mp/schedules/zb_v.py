@@ -329,7 +329,8 @@ class ZeroBubbleVSpec(ZeroBubbleSpec):
     """ZB-V: the combinations it does not run (yet), each refused with one line naming the key and
     the fix, on every rank before anything is built.  What is tested against HF: PP = 2 and 3, DP,
     TP (with and without sequence parallelism), clipping, LoRA (PEFT), activation checkpointing,
-    ZeRO-1, bf16, GPT-2 and the Llama family; fp16 and ZeRO-2 are refused as for zb-h1
+    ZeRO-1, bf16, GPT-2 and the Llama family, ``"partition": "cost"`` (balanced per rank,
+    :meth:`~ds_mp.models.partition.LayerCosts.v_blocks`); fp16 and ZeRO-2 are refused as for zb-h1
     (:class:`~ds_mp.schedules.zero_bubble.ZeroBubbleSpec`)."""
 
     def check(self, cfg: DsMpConfig, shape: InlineModel) -> None:

@@ -10,16 +10,16 @@ torch SGD and ``torch.nn.utils.clip_grad_norm_`` (:func:`test_tensor_parallel.hf
   within ``BF16_VS_ONE_RANK`` of the same bf16 config trained on one rank.
 
 Pairwise coverage (:data:`CASES`, asserted by :func:`test_cases_cover_every_pair`): layout ×
-schedule needs all 15 pairs of 1f1b/gpipe/TeraPipe, and zb-h1 and interleaved (v = 2) meet
-the three PP = 2 layouts, so there are 21 cases; the precision/wrapper pair of each case
+schedule needs all 15 pairs of 1f1b/gpipe/TeraPipe, and zb-h1, interleaved (v = 2) and zb-v meet
+the three PP = 2 layouts, so there are 24 cases; the precision/wrapper pair of each case
 rotates so every schedule sees both precisions and both wrappers (the first three all four
-pairs) and every layout three of them.  Eight cases train a Llama-family model instead
+pairs) and every layout three of them.  Nine cases train a Llama-family model instead
 of GPT-2 (:data:`MODELS`), chosen so the family meets every layout, schedule, precision and
 wrapper and GPT-2 still does too.  Awkward sizes: vocab 203; GPT-2 n_embd 48, 4 heads, 4
-layers; the Llama family hidden 72, 2 layers (4 for interleaved), 6 heads (head dim 12) with 2 or 3 key/value heads
-(split or replicated at TP = 2), intermediate 128 (``test_llama.tiny_llama``); seq 16 (TeraPipe
-slices 6 + 10, and sequence parallelism where TP > 1).  Activation checkpointing every 1 (TeraPipe),
-2 or 3 pipeline layers in 16 cases (:data:`CHECKPOINT`): every schedule meets intervals 2 and 3 on
+layers; the Llama family hidden 72, 2 layers (4 for interleaved and zb-v: 2 × 2 chunks), 6 heads
+(head dim 12) with 2 or 3 key/value heads (split or replicated at TP = 2), intermediate 128
+(``test_llama.tiny_llama``); seq 16 (TeraPipe slices 6 + 10, and sequence parallelism where TP > 1).  Activation checkpointing every 1 (TeraPipe),
+2 or 3 pipeline layers in 18 cases (:data:`CHECKPOINT`): every schedule meets intervals 2 and 3 on
 GPT-2, whose token lookup then shares a checkpoint segment with the position embedding.
 
 The same spawns also check (cheaply, on the engines already built) that every tensor ds_mp
@@ -60,18 +60,20 @@ CASES: list[tuple[str, str, tuple[str, str]]] = [
     ("tp2pp2", "1f1b", C), ("tp2pp2", "gpipe", D), ("tp2pp2", "terapipe", A),
     ("tp2dp2", "1f1b", D), ("tp2dp2", "gpipe", A), ("tp2dp2", "terapipe", B),
     ("pp2dp2", "1f1b", A), ("pp2dp2", "gpipe", C), ("pp2dp2", "terapipe", D),
-    # zb-h1 and interleaved (v = 2) schedule a pipeline: only the PP = 2 layouts (at PP = 1 there is
-    # none; interleaved refuses it), each schedule with both precisions, both wrappers, both families.
+    # zb-h1, interleaved (v = 2) and zb-v schedule a pipeline: only the PP = 2 layouts (at PP = 1 there
+    # is none; interleaved and zb-v refuse it), each schedule with both precisions, both wrappers, both
+    # families.
     ("pp2", "zb-h1", A), ("tp2pp2", "zb-h1", D), ("pp2dp2", "zb-h1", C),
     ("pp2", "interleaved", D), ("tp2pp2", "interleaved", A), ("pp2dp2", "interleaved", B),
+    ("pp2", "zb-v", C), ("tp2pp2", "zb-v", B), ("pp2dp2", "zb-v", A),
 ]
-PIPELINE_ONLY = ("zb-h1", "interleaved")  # schedules without a pairing at PP = 1
+PIPELINE_ONLY = ("zb-h1", "interleaved", "zb-v")  # schedules without a pairing at PP = 1
 # (layout, schedule) -> the Llama-family model a case trains (every other case: GPT-2).  Qwen2: 2 KV
 # heads (split at TP=2), q/k/v biases, untied head; Llama: 3 KV heads (replicated at TP=2, gradients
 # summed), tied head; Mistral: 2 KV heads, tied head.
 MODELS = {("tp2", "1f1b"): "qwen2", ("pp2", "terapipe"): "mistral", ("tp2pp2", "terapipe"): "qwen2",
           ("tp2pp2", "1f1b"): "llama", ("tp2dp2", "gpipe"): "llama", ("pp2dp2", "1f1b"): "mistral",
-          ("tp2pp2", "zb-h1"): "qwen2", ("pp2dp2", "interleaved"): "llama"}
+          ("tp2pp2", "zb-h1"): "qwen2", ("pp2dp2", "interleaved"): "llama", ("tp2pp2", "zb-v"): "llama"}
 FAMILY_MODELS = {"qwen2": (2, False), "llama": (3, True), "mistral": (2, True)}  # (KV heads, tied)
 # (layout, schedule) -> pipeline.activation_checkpoint_interval (every other case: 1 for TeraPipe, else
 # off).  At 2 and 3 a GPT-2 stage's first segment holds the token lookup with other layers: it must run
@@ -79,7 +81,8 @@ FAMILY_MODELS = {"qwen2": (2, False), "llama": (3, True), "mistral": (2, True)} 
 CHECKPOINT = {("tp2", "terapipe"): 2, ("pp2", "1f1b"): 2, ("pp2", "gpipe"): 3, ("tp2pp2", "1f1b"): 3,
               ("tp2pp2", "gpipe"): 2, ("tp2dp2", "1f1b"): 3, ("pp2dp2", "terapipe"): 3, ("pp2", "zb-h1"): 2,
               ("tp2pp2", "zb-h1"): 3, ("pp2dp2", "zb-h1"): 3, ("pp2", "interleaved"): 2,
-              ("tp2pp2", "interleaved"): 3, ("pp2dp2", "interleaved"): 2}
+              ("tp2pp2", "interleaved"): 3, ("pp2dp2", "interleaved"): 2, ("pp2", "zb-v"): 2,
+              ("pp2dp2", "zb-v"): 3}
 FACTORS = {"family": ("gpt2", "llama"), "precision": ("fp32", "bf16"), "wrapper": ("none", "zero1"),
            "layout": tuple(LAYOUTS), "schedule": ("1f1b", "gpipe", "terapipe", *PIPELINE_ONLY)}
 
@@ -103,7 +106,7 @@ def case_name(case: tuple) -> str:
 
 def model_for(case: tuple):
     """The case's HF model (fresh, seeded: the same weights on every rank and in the reference)."""
-    name, layers = case_values(case)["model"], 4 if case[1] == "interleaved" else 2  # interleaved: 2 × 2 chunks
+    name, layers = case_values(case)["model"], 4 if case[1] in ("interleaved", "zb-v") else 2  # 2 × 2 chunks
     return tiny_gpt2() if name == "gpt2" else tiny_llama(name, *FAMILY_MODELS[name], n_layer=layers, inner=128,
                                                          hidden=72, vocab=VOCAB)
 
@@ -272,7 +275,7 @@ def test_cases_cover_every_pair() -> None:
             want -= {(lay, s) for lay in LAYOUTS for s in PIPELINE_ONLY if LAYOUTS[lay][1] == 1}
         have = {(r[f1], r[f2]) for r in rows}
         assert want <= have, f"{f1} × {f2}: missing {sorted(want - have)}"
-    assert len({case_name(c) for c in CASES}) == len(CASES) == 21
+    assert len({case_name(c) for c in CASES}) == len(CASES) == 24
     for every in (2, 3):  # the intervals where GPT-2's token lookup shares a checkpoint segment
         met = {r["schedule"] for r in rows if r["model"] == "gpt2" and r["activation checkpoint"] == f"every {every}"}
         assert met == set(FACTORS["schedule"]), f"GPT-2 at activation checkpoint interval {every}: only {met}"

@@ -50,6 +50,41 @@ def test_balanced_blocks_is_optimal() -> None:
         balanced_blocks(2, 3, 1.0, 0.0, 0.0, 1)
 
 
+def _v_key(chunks: list[int], block: float, first: float, last: float) -> tuple:
+    """ZB-V's objective for 2P chunk block counts (rank r holds chunks r and 2P − 1 − r, rank 0 the
+    embedding ``first`` and the head ``last``): the costliest rank, the sum of squared rank costs,
+    then the costlier of rank 0's two chunks."""
+    P = len(chunks) // 2
+    w = [(chunks[r] + chunks[2 * P - 1 - r]) * block + (first + last if r == 0 else 0) for r in range(P)]
+    return max(w), sum(x * x for x in w), max(chunks[0] * block + first, chunks[-1] * block + last)
+
+
+def test_v_balanced_blocks_is_optimal() -> None:
+    """Against every composition of L blocks into 2P chunks of ≥ 1: integer costs give the brute
+    force's best key exactly (ties are real ties), random real costs its least max rank cost."""
+    from ds_mp.models.partition import LayerCosts, v_balanced_blocks
+
+    rng = random.Random(1)
+    for _ in range(200):
+        P = rng.randint(1, 3)
+        L = rng.randint(2 * P, 2 * P + 5)
+        every = [[b - a for a, b in zip((0, *cuts), (*cuts, L))]
+                 for cuts in itertools.combinations(range(1, L), 2 * P - 1)]
+        for b, f, last in ((rng.randint(1, 4), rng.randint(0, 9), rng.randint(0, 9)),
+                           (rng.random(), 5 * rng.random(), 5 * rng.random())):
+            got = v_balanced_blocks(L, P, b, f, last)
+            assert len(got) == 2 * P and sum(got) == L and min(got) >= 1, (got, L, P)
+            best = min(_v_key(c, b, f, last) for c in every)
+            if isinstance(b, int):
+                assert _v_key(got, b, f, last) == best, (L, P, b, f, last, got)
+            else:
+                assert _v_key(got, b, f, last)[0] == pytest.approx(best[0], abs=1e-12), (L, P, b, f, last, got)
+    assert LayerCosts(embed=0.1, block=1.0, head=0.1).v_blocks(6, 2) == [1, 1, 2, 2]  # rank 0: 3 blocks + ends
+    assert LayerCosts(embed=0.0, block=1.0, head=2.0).v_blocks(8, 2) == [2, 2, 3, 1]  # the head's chunk: fewer
+    with pytest.raises(ValueError, match="cannot cut 3 blocks into 2·2 chunks"):
+        v_balanced_blocks(3, 2, 1.0, 0.0, 0.0)
+
+
 def test_cost_partition_moves_blocks_off_the_heavy_end() -> None:
     """A heavy head takes blocks off the last stage (down to none), a heavy embedding off the
     first; "parameters" keeps its old answers; "cost" without costs says what it needs."""

@@ -1,6 +1,6 @@
 """``ds_mp.hf.Trainer`` against the outside oracle: the same script on one process with the plain
 ``transformers.Trainer`` (no ds_mp, no DeepSpeed; fp32, dropout 0) logs the same losses, grad norms
-and LRs, gives the same eval loss and saves the same weights, at TP = 2, PP = 2 (every schedule),
+and LRs, gives the same eval loss and saves the same weights, at TP = 2, PP = 2 (every schedule, zb-v too),
 TP2 × PP2 and DP = 2 with accumulation, on data with uneven lengths, padding and masked prompts.
 
 The oracle model gets ``loss_type = "ForCausalLM"``: transformers 5.24 leaves ``GPT2LMHeadModel``'s
@@ -172,6 +172,7 @@ LAYOUTS = [  # (id, world, tp, pp, schedule, dp-scaled accumulation of the oracl
     pytest.param(2, 1, 2, "zb-h1", id="pp2-zb-h1", marks=pytest.mark.slow),
     pytest.param(2, 1, 2, "interleaved", id="pp2-interleaved", marks=pytest.mark.slow),
     pytest.param(2, 1, 2, "terapipe", id="pp2-terapipe", marks=pytest.mark.slow),
+    pytest.param(2, 1, 2, "zb-v", id="pp2-zb-v", marks=pytest.mark.slow),  # the V: loss and embedding on rank 0
     pytest.param(4, 2, 2, "1f1b", id="tp2xpp2", marks=pytest.mark.slow),
     pytest.param(2, 1, 1, "1f1b", id="dp2"),
 ]

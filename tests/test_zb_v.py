@@ -11,7 +11,8 @@
   stated tolerance; ``immediate_grad_update`` equal to the deferred update) with clipping against
   HF; the Llama family (tied Qwen2, untied Llama and Mistral) against HF; LoRA against PEFT;
   PP=2 × DP=2 with each replica on its own rows, TP=2 × PP=2 with and without sequence
-  parallelism, PP=3 (slow); save at zb-v -> resume as 1F1B at TP=2 and back, against the
+  parallelism, PP=3 (slow); ``"partition": "cost"`` (a cached profile with light ends: the V's
+  per-rank balance, not uniform's split) against HF; save at zb-v -> resume as 1F1B at TP=2 and back, against the
   uninterrupted run; the export loads in HF and generates;
 * the storage census (bounded within 1F1B's held memory, slow) and the traced step against the
   timetable and the simulator;
@@ -188,6 +189,11 @@ def _widen_rank(rank: int, root: str) -> dict:
     for kind, tied in FAMILIES:
         cfg = ds_config(pp=2, micro=2, gas=3, lr=QWEN_LR, clip=CLIP, seq=QWEN_SEQ, schedule="zb-v")
         out[kind] = _train(rank, tiny_llama(kind, 2, tied, n_layer=4), steps_for(micro_batches=3), cfg)
+    cfg = ds_config(pp=2, micro=2, gas=4, lr=LR, clip=0.5, schedule="zb-v", seq=SEQ, pipeline={"partition": "cost"},
+                    training={"output_dir": f"{root}/cost"})  # the profile the test wrote there
+    engine, *_ = ds_mp.initialize(model=tiny_gpt2(n_layer=6), config=cfg)
+    losses = [float(engine.train_batch(iter(step))) for step in _clip_case("cost")["steps"]]
+    out["cost"] = (losses, gather_weights(engine)[0], list(engine.module.parts))
     cfg = ds_config(pp=2, gas=2, lr=LORA_LR, seq=LORA_SEQ, schedule="zb-v", lora=lora_block())
     engine, *_ = ds_mp.initialize(model=peft_model(), config=cfg)
     out["lora"] = [float(engine.train_batch(iter(mbs))) for mbs in steps_data()]
@@ -203,6 +209,7 @@ def test_zb_v_widened_against_oracles(tmp_path) -> None:
     from test_llama import CLIP, LR as QWEN_LR, _assert_trains_as_hf, steps_for, tiny_llama
     from test_lora import LR as LORA_LR, peft_model, steps_data
 
+    write_light_ends_profile(str(tmp_path / "cost"))
     results = run_ranks(_widen_rank, 2, str(tmp_path), timeout=900)
     want, want_norms, want_w = hf_train(tiny_gpt2(), _clip_case("x")["steps"], LR, 0.5)
     for name in ("ckpt", "zero1", "bf16"):
@@ -236,9 +243,31 @@ def test_zb_v_widened_against_oracles(tmp_path) -> None:
     peft, _ = hf_reference(peft_model(), steps_data(), lr=LORA_LR)
     for res in results:
         assert res["lora"] == pytest.approx(peft, abs=2e-5), (res["lora"], peft)
+    want, _, want_w = hf_train(tiny_gpt2(n_layer=6), _clip_case("cost")["steps"], LR, 0.5)
+    _assert_every_rank_equals([{"cost": r["cost"][:2]} for r in results], "cost", want, want_w)
+    # embed 0.1, block 1, head 0.1: blocks per chunk [1, 1, 2, 2] (rank 0: wte wpe h.0 | h.4 h.5 ln_f head)
+    assert all(r["cost"][2] == [0, 7, 10] for r in results), [r["cost"][2] for r in results]
     r = results[0]["resume"]
     for name in ("zb-v->1f1b", "1f1b->zb-v"):
         assert r[name] == pytest.approx(r["uninterrupted"], rel=1e-5), (name, r[name], r["uninterrupted"])
+
+
+def write_light_ends_profile(out_dir: str) -> None:
+    """A cached "cost" profile for ``tiny_gpt2(n_layer=6)`` at 2 × 16 tokens, fp32, TP = 1 whose
+    embedding and head weigh a tenth of a block: uniform would cut [1, 2, 2, 1], the V's per-rank
+    balance [1, 1, 2, 2]."""
+    import json
+    import os
+
+    import torch
+
+    from ds_mp.models.cost_profile import PROFILE_NAME, profile_key
+
+    key = profile_key(tiny_gpt2(n_layer=6).config, rows=2, seq=SEQ, dtype=torch.float32, device=torch.device("cpu"),
+                      tp=1, sequence_parallel=False, vocab_pad_multiple=128)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, PROFILE_NAME), "w") as f:
+        json.dump({key: {"embed": 1e-4, "block": 1e-3, "head": 1e-4}}, f)
 
 
 WORLD4 = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "tp2_sp": {"tp": 2, "tensor_parallel": {"sequence_parallel": True}}}
@@ -334,7 +363,6 @@ def test_zb_v_holds_no_more_than_1f1b() -> None:
     ({"model": {"n_layer": 3}}, {}, "zb-v cuts the 3 blocks into 2·stages = 4 chunks"),
     ({"pipeline": {"partition": [2, 2]}}, {}, "ds_mp.pipeline.partition: \\[2, 2\\] with zb-v"),
     ({"pipeline": {"zb_max_pending_w": 1}}, {}, "ds_mp.pipeline.zb_max_pending_w: 1; zb-v defers"),
-    ({"pipeline": {"partition": "cost"}}, {}, "ds_mp.pipeline.partition: 'cost' with zb-v"),
     ({}, {"fp16": {"enabled": True}}, "fp16.enabled: the zb-v schedule is tested in fp32 and bf16 only"),
     ({}, {"zero_optimization": {"stage": 2}}, "zero_optimization.stage: the zb-v schedule computes weight gradients in a deferred pass")])
 def test_refused_combinations(ds_mp: dict, extra: dict, match: str) -> None:

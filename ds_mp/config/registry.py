@@ -162,10 +162,14 @@ class ScheduleSpec:
         """The timetable (``PipeSchedule`` subclass), imported on first use."""
         return load(self.timetable)
 
-    def pipeline_layout(self, cfg: DsMpConfig, hf_config: Any) -> Optional[tuple[list[str], list[int]]]:
-        """The pipeline's layer order and stage bounds [None: the family's, partitioned]."""
+    def pipeline_layout(self, cfg: DsMpConfig, hf_config: Any,
+                        costs: Any = None) -> Optional[tuple[list[str], list[int]]]:
+        """The pipeline's layer order and stage bounds [None: the family's, partitioned];
+        ``costs``, the measured layer costs under ``"partition": "cost"``, is passed on only then."""
         cls = self.timetable_class()
-        return cls.pipeline_layout(cfg, hf_config) if hasattr(cls, "pipeline_layout") else None
+        if not hasattr(cls, "pipeline_layout"):
+            return None
+        return cls.pipeline_layout(cfg, hf_config) if costs is None else cls.pipeline_layout(cfg, hf_config, costs)
 
     def dynamic_shape(self) -> bool:
         """Activation shapes change between sends (announce each one) [False]."""

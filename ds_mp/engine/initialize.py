@@ -166,10 +166,10 @@ def _pipeline(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: Topol
     """This rank's pipeline stage, laid out as the schedule's spec asks, its blocks split by
     ``pipeline.partition`` (``"cost"``: measured here, collective); returns it and the measured costs."""
     spec = schedule_spec(cfg.pipeline.schedule)
-    layout = spec.pipeline_layout(cfg, src.config)
-    partition, costs = cfg.pipeline.partition, None
+    partition = cfg.pipeline.partition
+    costs = measured_costs(src, cfg, ds_dict, topology) if partition == "cost" and cfg.pp > 1 else None
+    layout = spec.pipeline_layout(cfg, src.config, costs)  # (zb-v's V balances the costs per rank)
     if partition == "cost" and layout is None:  # (a ring layout has its own split)
-        costs = measured_costs(src, cfg, ds_dict, topology) if cfg.pp > 1 else None
         chunks = cfg.pp * cfg.pipeline.virtual_stages  # interleaved: balanced per chunk
         partition = costs.blocks(cfg.shape.n_layer, chunks) if costs else [cfg.shape.n_layer]
     net = build_pipeline(src, topology, partition=partition,

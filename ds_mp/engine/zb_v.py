@@ -54,7 +54,8 @@ class ZeroBubbleVState(InterleavedState):
 
     def __init__(self, engine: RuntimeEngine) -> None:
         P, r = engine.num_stages, engine.stage_id
-        _, _, chunk_parts = v_pipeline_layout(engine.hf_config, P, engine.ds_mp_config.pipeline.partition)
+        _, _, chunk_parts = v_pipeline_layout(engine.hf_config, P, engine.ds_mp_config.pipeline.partition,
+                                              engine.layer_costs)
         super().__init__(engine, virtual=[r, 2 * P - 1 - r], bounds=chunk_parts)
         self.P = P
         self.split = ZeroBubbleState(engine)

@@ -26,6 +26,11 @@ class LayerCosts:
         first and last stage may hold no block when the embedding or head alone outweighs them."""
         return balanced_blocks(n_layer, stages, self.block, self.embed, self.head, min_end_blocks=0)
 
+    def v_blocks(self, n_layer: int, stages: int) -> list[int]:
+        """Blocks per chunk of ZB-V's 2·``stages`` chunks, balanced for the V placement
+        (:func:`v_balanced_blocks`: rank 0 holds the embedding and the head)."""
+        return v_balanced_blocks(n_layer, stages, self.block, self.embed, self.head)
+
     @property
     def head_blocks(self) -> float:
         """Embedding + head + loss in units of one block: what a stage holding both ends (Ouroboros'
@@ -100,6 +105,39 @@ def v_layout(names: list[str], chunk_parts: list[int], stages: int) -> tuple[lis
     return out, parts
 
 
+def v_balanced_blocks(n_layer: int, stages: int, block: float, first: float, last: float) -> list[int]:
+    """Blocks per chunk (the model's order) of ZB-V's 2P chunks (P = ``stages``) minimising the
+    costliest rank, where rank r holds chunks r and 2P − 1 − r (:func:`v_layout`); every chunk
+    holds ≥ 1 block.
+
+    Rank r holding n_r blocks costs ``n_r·block + (first + last)·[r = 0]`` (the embedding goes with
+    chunk 0, the head with chunk 2P − 1: both on rank 0).  Any n_r ≥ 2 splits into two chunks, so
+    the rank problem stands alone and is solved exactly: ranks 1 … P − 1 cost alike, so for each
+    n_0 the rest is spread as evenly as possible (the extra blocks to the ranks nearest the turn),
+    which is the least max and the least sum of squares among them.  Rank 0's two chunks
+    (embedding + blocks, blocks + head) take the split with the least max chunk cost (ties: fewer
+    blocks down the V), the other ranks' halves the odd block on the way back up.  Over n_0: the
+    least max rank cost, then the least sum of squared rank costs, then the least max chunk cost on
+    rank 0, then fewer blocks on rank 0.  Equal inputs give equal outputs on every rank.
+    """
+    P = stages
+    if P < 1 or n_layer < 2 * P:
+        raise ValueError(f"cannot cut {n_layer} blocks into 2·{P} chunks with at least 1 block each")
+
+    def chunks(n0: int) -> list[int]:
+        base, extra = divmod(n_layer - n0, P - 1) if P > 1 else (0, 0)
+        n = [n0] + [base + (r >= P - extra) for r in range(1, P)]
+        down = [min(range(1, n0), key=lambda a: (max(a * block + first, (n0 - a) * block + last), a))]
+        down += [c // 2 for c in n[1:]]
+        return down + [c - d for c, d in zip(reversed(n), reversed(down))]
+
+    def key(c: list[int]) -> tuple[float, float, float, int]:
+        w = [(c[r] + c[2 * P - 1 - r]) * block + (first + last if r == 0 else 0.0) for r in range(P)]
+        return max(w), sum(x * x for x in w), max(c[0] * block + first, c[-1] * block + last), c[0] + c[-1]
+
+    return min((chunks(n0) for n0 in ([n_layer] if P == 1 else range(2, n_layer - 2 * (P - 1) + 1))), key=key)
+
+
 def balanced_blocks(n_layer: int, stages: int, block: float, first: float, last: float,
                     min_end_blocks: int = 1) -> list[int]:
     """Contiguous blocks per stage minimising the costliest stage (linear partition, exact).
@@ -146,4 +184,4 @@ def balanced_blocks(n_layer: int, stages: int, block: float, first: float, last:
     return blocks + [left]
 
 
-__all__ = ["LayerCosts", "stage_parts", "interleaved_layout", "v_layout", "balanced_blocks"]
+__all__ = ["LayerCosts", "stage_parts", "interleaved_layout", "v_layout", "v_balanced_blocks", "balanced_blocks"]

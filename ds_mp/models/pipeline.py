@@ -24,7 +24,7 @@ from deepspeed import checkpointing
 from ds_mp.deepspeed_compat.pipeline_module import PipelineModuleAdapter, is_tied_param
 from ds_mp.models.ctx import Ctx
 from ds_mp.models.family import family_of
-from ds_mp.models.partition import interleaved_layout, stage_parts, v_layout
+from ds_mp.models.partition import LayerCosts, interleaved_layout, stage_parts, v_layout
 from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel import vocab_parallel_cross_entropy
 from ds_mp.topology import Topology
@@ -135,14 +135,18 @@ def is_tied_copy(module_name: str, pp_rank: int) -> bool:
     return is_tied_param(module_name) and pp_rank != 0
 
 
-def v_pipeline_layout(hf_config: Any, stages: int, partition: str) -> tuple[list[str], list[int], list[int]]:
+def v_pipeline_layout(hf_config: Any, stages: int, partition: str,
+                      costs: LayerCosts | None = None) -> tuple[list[str], list[int], list[int]]:
     """ZB-V's layer placement for ``stages`` = P ranks: the family's layer table cut into 2P chunks
-    by ``partition`` ("uniform" or "parameters", as the other schedules cut stages), rank r holding
+    by ``partition`` ("uniform" or "parameters", as the other schedules cut stages; "cost": the
+    measured ``costs`` balanced per rank, :meth:`~ds_mp.models.partition.LayerCosts.v_blocks`), rank r holding
     chunks r and 2P − 1 − r (:func:`~ds_mp.models.partition.v_layout`).  Returns ``(names, parts,
     chunk_parts)``: the pipeline's layer order, its stage bounds, and the chunk bounds over the
     family's table (the same on every rank)."""
     family = family_of(hf_config)
     table = family.pipeline_layers(hf_config)
+    if partition == "cost" and costs is not None:  # (without costs stage_parts says what it needs)
+        partition = costs.v_blocks(hf_config.num_hidden_layers, stages)
     chunk_parts = stage_parts(hf_config.num_hidden_layers, 2 * stages, partition, hf_config.hidden_size,
                               hf_config.vocab_size, lead=family.lead_layers, tail=family.tail_layers,
                               block_params=family.block_parameters(hf_config))

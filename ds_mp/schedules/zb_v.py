@@ -283,12 +283,14 @@ class ZeroBubbleV(TimetableSchedule):
                    deferral=deferral_of(engine.ds_mp_config))
 
     @staticmethod
-    def pipeline_layout(cfg: Any, hf_config: Any) -> tuple[list[str], list[int]]:
+    def pipeline_layout(cfg: Any, hf_config: Any, costs: Any = None) -> tuple[list[str], list[int]]:
         """The V placement (rank r holds chunks r and 2P − 1 − r); the combinations it cannot
-        place were refused by :class:`ZeroBubbleVSpec` when the config was loaded."""
+        place were refused by :class:`ZeroBubbleVSpec` when the config was loaded.  ``"partition":
+        "cost"`` balances the measured ``costs`` (a ``LayerCosts``) per rank
+        (:func:`~ds_mp.models.partition.v_balanced_blocks`)."""
         from ds_mp.models.pipeline import v_pipeline_layout
 
-        names, parts, _ = v_pipeline_layout(hf_config, cfg.pp, cfg.pipeline.partition)
+        names, parts, _ = v_pipeline_layout(hf_config, cfg.pp, cfg.pipeline.partition, costs)
         return names, parts
 
     def table(self) -> list[list[Op]]:
@@ -328,7 +330,8 @@ class ZeroBubbleVSpec(ZeroBubbleSpec):
     """ZB-V: the combinations it does not run (yet), each refused with one line naming the key and
     the fix, on every rank before anything is built.  What is tested against HF: PP = 2 and 3, DP,
     TP (with and without sequence parallelism), clipping, LoRA (PEFT), activation checkpointing,
-    ZeRO-1, bf16, GPT-2 and the Llama family; fp16 and ZeRO-2 are refused as for zb-h1
+    ZeRO-1, bf16, GPT-2 and the Llama family, ``"partition": "cost"`` (balanced per rank,
+    :meth:`~ds_mp.models.partition.LayerCosts.v_blocks`); fp16 and ZeRO-2 are refused as for zb-h1
     (:class:`~ds_mp.schedules.zero_bubble.ZeroBubbleSpec`)."""
 
     def check(self, cfg: DsMpConfig, shape: InlineModel) -> None:
@@ -342,9 +345,9 @@ class ZeroBubbleVSpec(ZeroBubbleSpec):
         if shape.n_layer < 2 * P:
             raise ConfigError(f"ds_mp.pipeline.stages: zb-v cuts the {shape.n_layer} blocks into 2·stages = {2 * P} "
                               f"chunks; use a model with at least {2 * P} blocks or another schedule")
-        if pp.partition not in ("uniform", "parameters"):
+        if pp.partition not in ("uniform", "parameters", "cost"):
             raise ConfigError(f"ds_mp.pipeline.partition: {pp.partition!r} with zb-v, which cuts its 2·stages "
-                              "chunks 'uniform' or by 'parameters'; use one of those")
+                              "chunks 'uniform', by 'parameters' or by measured 'cost'; use one of those")
 
 
 ZB_V = ZeroBubbleVSpec(timetable=ZeroBubbleV, runtime="ds_mp.engine.zb_v:attach", families=ALL_FAMILIES,

@@ -305,6 +305,7 @@ def run(quick: bool, out_dir: str) -> dict:
                                                 "× torch's best", target=GOAL)))
     return {"workload": " and ".join(Shape(**asdict(s)).describe() for s in shapes.values())
                         + f"; PP=2, M={M} micro-batches of {ROWS} rows",
+            "result_name": "peers" if "gpt2" in shapes else "peers_" + "_".join(shapes),  # GPT-2's run keeps peers.json
             "repeats": repeats, "steps_per_repeat": steps, "runs": runs, "ratios": ratios, "summary": summary,
             "plots": plots,
             "tables": [table("Speed: tokens/s and the ratio of median step times over torch's best schedule of the "

@@ -125,7 +125,8 @@ def run_one(name: str, quick: bool, out_dir: str, repeat: int = 1) -> dict:
         result["tables"] = [*result["tables"], rep["table"]]
     result.update(name=name, description=mod.DESCRIPTION, command=command_line(), machine=info,
                   quick=quick, wall_s=time.perf_counter() - t0, load_avg_1m_end=load_avg())
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+    # a benchmark that ran a subset names its own file (peers with one model: peers_qwen2.json)
+    with open(os.path.join(out_dir, f"{result.pop('result_name', name)}.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
 
 class DeepSpeedIncompatible(RuntimeError):
@@ -138,7 +141,7 @@ def check(owners: dict[str, Any] | None = None) -> None:
                                "its managers in (ZB-H1 removes them after B)"), "OutputBackwardHookManager")
 
 
-def check_engine(engine: Any) -> None:
+def check_engine(engine: PipelineEngine) -> None:
     """Raise :class:`DeepSpeedIncompatible` naming the first missing instance attribute."""
     for a in ENGINE_ATTRIBUTES:
         target = engine if a.owner == "engine" else engine.module
@@ -147,13 +150,13 @@ def check_engine(engine: Any) -> None:
 
 
 # --- the accessors ds_mp uses ---------------------------------------------------------------
-def uses_bf16_optimizer(engine: Any) -> bool:
+def uses_bf16_optimizer(engine: PipelineEngine) -> bool:
     """DeepSpeed's ``BF16_Optimizer`` (bf16 with ZeRO 0) keeps fp32 master weights and gradients;
     gradients set on the bf16 parameters reach them only through ``update_hp_grads``."""
     return bool(getattr(engine, "using_bf16_optimizer", False))
 
 
-def unapplied_loss_scale(engine: Any) -> float | None:
+def unapplied_loss_scale(engine: PipelineEngine) -> float | None:
     """The fp16 loss scale that ``DeepSpeedEngine.backward`` leaves out, or None.
 
     DeepSpeed 0.19's ``backward`` scales the loss only for a ``ZeROOptimizer`` (or torch
@@ -173,13 +176,13 @@ def unapplied_loss_scale(engine: Any) -> float | None:
     return float(opt.loss_scale_config.cur_scale)
 
 
-def set_global_grad_norm(engine: Any, norm: float) -> None:
+def set_global_grad_norm(engine: PipelineEngine, norm: float) -> None:
     """What DeepSpeed's public ``get_global_grad_norm()`` returns (its fp32 path leaves it None
     when ds_mp computes the norm)."""
     engine._global_grad_norm = norm
 
 
-def copy_bf16_grads_to_master(engine: Any) -> None:
+def copy_bf16_grads_to_master(engine: PipelineEngine) -> None:
     """BF16_Optimizer: add the bf16 ``.grad`` of every parameter into its fp32 master gradient.
 
     With ``"bf16": {"immediate_grad_update": true}`` DeepSpeed's ``update_hp_grads()`` returns at
@@ -210,16 +213,16 @@ def output_hook_managers(tensor: Any) -> list:
 HOOK_MANAGERS_ATTR = "_backward_hook_managers"
 
 
-def reserve_pipe_buffers(engine: Any, n: int) -> None:
+def reserve_pipe_buffers(engine: PipelineEngine, n: int) -> None:
     engine._reserve_pipe_buffers(n)
 
 
-def reset_forward_outputs(engine: Any) -> None:
+def reset_forward_outputs(engine: PipelineEngine) -> None:
     """The list ``_exec_forward_pass`` appends each forward's output to, emptied per schedule."""
     engine.fwd_outputs = []
 
 
-def computing_loss(engine: Any) -> bool:
+def computing_loss(engine: PipelineEngine) -> bool:
     """True inside train_batch / eval_batch(compute_loss=True): the last stage computes a loss."""
     return bool(engine._compute_loss)
 
@@ -246,7 +249,7 @@ def checkpointable_flags(module: Any, funcs: list) -> list[bool]:
 
 
 @contextlib.contextmanager
-def inference_schedule(engine: Any, build: Any) -> Iterator[None]:
+def inference_schedule(engine: PipelineEngine, build: Any) -> Iterator[None]:
     """Within the body ``eval_batch`` builds its schedule as ``build(micro_batches)``."""
     engine._inference_schedule = build
     try:
@@ -263,7 +266,7 @@ def layer_spec_arguments(module: Any) -> list:
 
 
 @contextlib.contextmanager
-def instruction_handlers(engine: Any, wrap: Any) -> Iterator[None]:
+def instruction_handlers(engine: PipelineEngine, wrap: Any) -> Iterator[None]:
     """Within the body ``engine`` dispatches every pipeline instruction to ``wrap(handler)``: the
     class's ``_INSTRUCTION_MAP`` shadowed on the instance, removed again on exit."""
     engine._INSTRUCTION_MAP = {k: wrap(v) for k, v in type(engine)._INSTRUCTION_MAP.items()}
@@ -273,22 +276,22 @@ def instruction_handlers(engine: Any, wrap: Any) -> Iterator[None]:
         del engine._INSTRUCTION_MAP
 
 
-def next_batch(engine: Any) -> Any:
+def next_batch(engine: PipelineEngine) -> Any:
     return engine._next_batch()
 
 
-def pipe_buffers(engine: Any) -> dict:
+def pipe_buffers(engine: PipelineEngine) -> dict:
     return engine.pipe_buffers
 
 
-def forget_partitioned_shapes(engine: Any) -> None:
+def forget_partitioned_shapes(engine: PipelineEngine) -> None:
     """With TP > 1 DeepSpeed sends activations/gradients partitioned over TP and caches each
     partition's shape once; uneven token slices change shape, so forget the caches."""
     engine.pipe_partition_input_meta_cache = engine.pipe_partition_output_meta_cache = None
     engine.pipe_partition_grad_meta_cache = engine.grad_partition_grad_layer_meta_cache = None
 
 
-def send_whole_activations(engine: Any) -> None:
+def send_whole_activations(engine: PipelineEngine) -> None:
     """Turn off DeepSpeed's TP-partitioned p2p (it assumes activations equal on all TP ranks;
     sequence-parallel shards differ)."""
     engine.is_pipe_partitioned = engine.is_grad_partitioned = False

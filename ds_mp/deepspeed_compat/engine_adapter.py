@@ -87,16 +87,10 @@ for _private, _public in HANDLERS.items():  # the overrides, and DeepSpeed's beh
 
 
 def check_overrides(adapter: type = PipelineEngineAdapter) -> list[str]:
-    """The private names ``adapter`` overrides (derived from the class, not listed by hand); raise
-    :class:`~ds_mp.deepspeed_compat.pipeline.DeepSpeedIncompatible` naming the first one DeepSpeed's
-    ``PipelineEngine`` no longer defines."""
-    from ds_mp.deepspeed_compat.pipeline import Assumption, _fail
+    """The private names ``adapter`` overrides, each still defined by DeepSpeed's ``PipelineEngine``."""
+    from ds_mp.deepspeed_compat.pipeline import overridden_private_names
 
-    names = [n for n in vars(adapter) if n.startswith("_") and not n.startswith("__")]
-    for name in names:
-        if not hasattr(PipelineEngine, name):
-            raise _fail(Assumption("engine", name, f"{adapter.__name__} overrides it"), "PipelineEngine")
-    return names
+    return overridden_private_names(adapter, PipelineEngine, "engine")
 
 
 __all__ = ["HANDLERS", "PipelineEngineAdapter", "check_overrides"]

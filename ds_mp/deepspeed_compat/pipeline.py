@@ -126,6 +126,17 @@ def _fail(a: Assumption, where: str) -> DeepSpeedIncompatible:
                                  f"({a.behaviour}); install deepspeed>=0.19,<0.20")
 
 
+def overridden_private_names(adapter: type, base: type, owner: str) -> list[str]:
+    """The private names ``adapter`` (a subclass of DeepSpeed's ``base``) overrides, read off the
+    class, not listed by hand; raise :class:`DeepSpeedIncompatible` naming the first one ``base``
+    no longer defines (an override of a renamed hook would be silent dead code)."""
+    names = [n for n in vars(adapter) if n.startswith("_") and not n.startswith("__")]
+    for name in names:
+        if not hasattr(base, name):
+            raise _fail(Assumption(owner, name, f"{adapter.__name__} overrides it"), base.__name__)
+    return names
+
+
 def check(owners: dict[str, Any] | None = None) -> None:
     """Raise :class:`DeepSpeedIncompatible` naming the first missing class-level assumption."""
     owners = owners or _owners()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 
-from ds_mp.deepspeed_compat.pipeline import Assumption, _fail, tied_weights
+from ds_mp.deepspeed_compat.pipeline import overridden_private_names, tied_weights
 
 #: DeepSpeed's ``PipelineModule`` registers the tied layers in this submodule (``nn.ModuleDict``).
 TIED_PREFIX = "tied_modules."
@@ -94,14 +94,8 @@ def is_tied_param(name: str) -> bool:
 
 
 def check_overrides(adapter: type = PipelineModuleAdapter) -> list[str]:
-    """The private names ``adapter`` overrides (derived from the class, not listed by hand); raise
-    :class:`~ds_mp.deepspeed_compat.pipeline.DeepSpeedIncompatible` naming the first one DeepSpeed's
-    ``PipelineModule`` no longer defines."""
-    names = [n for n in vars(adapter) if n.startswith("_") and not n.startswith("__")]
-    for name in names:
-        if not hasattr(PipelineModule, name):
-            raise _fail(Assumption("module", name, f"{adapter.__name__} overrides it"), "PipelineModule")
-    return names
+    """The private names ``adapter`` overrides, each still defined by DeepSpeed's ``PipelineModule``."""
+    return overridden_private_names(adapter, PipelineModule, "module")
 
 
 __all__ = ["TIED_PREFIX", "PipelineModuleAdapter", "check_overrides", "is_tied_param"]

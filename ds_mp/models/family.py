@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
+from types import ModuleType
 from typing import Any
 
 from ds_mp.config.families import FAMILIES, model_types_of
@@ -46,6 +47,9 @@ class Family:
     # layer classes DeepSpeed may activation-checkpoint (None: any layer with parameters); a layer fed
     # token ids must not be (a reentrant checkpoint of an input without grad returns no graph)
     checkpointable: tuple[str, ...] | None = None
+    #: the family's ``hf_adapter`` module (names only): its ``canonical_name``, ``layer_prefix``,
+    #: ``hf_name``, ``plan_key`` and ``ignored`` are the methods of the same names below
+    hf_adapter: ModuleType
 
     # --- the registry's entries ---------------------------------------------------------
     @property
@@ -98,11 +102,11 @@ class Family:
 
     def canonical_name(self, name: str) -> str:
         """The full HF parameter name of ``name`` (GPT-2 also accepts names without ``transformer.``)."""
-        return name
+        return self.hf_adapter.canonical_name(name)
 
     def layer_prefix(self, hf_name: str) -> str:
         """The :meth:`pipeline_layers` entry holding the HF parameter ``hf_name``."""
-        raise NotImplementedError
+        return self.hf_adapter.layer_prefix(hf_name)
 
     def layer_index(self, hf_name: str, layers: list[str]) -> int:
         """Index in ``layers`` (a :meth:`pipeline_layers` order or a reordering of it) of the layer
@@ -112,7 +116,7 @@ class Family:
     def hf_name(self, prefix: str, name: str) -> str:
         """HF name of the parameter ``name`` of the layer built for the table row ``prefix``
         (``("h.3", "attn_proj.weight")`` -> ``transformer.h.3.attn.c_proj.weight``)."""
-        raise NotImplementedError
+        return self.hf_adapter.hf_name(prefix, name)
 
     def param_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]:
         """Every trained parameter (HF name, HF order) and its full shape."""
@@ -124,7 +128,7 @@ class Family:
 
     def ignored(self, key: str) -> bool:
         """True for stored tensors every implementation recomputes (GPT-2's causal-mask buffers)."""
-        return False
+        return self.hf_adapter.ignored(key)
 
     # --- the TP and LoRA plans ---------------------------------------------------------
     def tp_kind(self, hf_name: str) -> str:
@@ -137,7 +141,7 @@ class Family:
 
     def plan_key(self, hf_name: str) -> str:
         """``hf_name`` without its block prefix (``attn.c_attn.weight``), as the plans key it."""
-        return re.sub(rf"^{re.escape(self.block_prefix)}\d+\.", "", hf_name)
+        return self.hf_adapter.plan_key(hf_name)
 
     def head_dim(self, cfg: Any) -> int:
         """Width of one attention head (a key/value cache entry's last dimension)."""

@@ -23,6 +23,7 @@ class GPT2Family(Family):
     """GPT-2's tables (``plan.py``), layers (``layers.py``) and names (``hf_adapter.py``)."""
 
     name = "gpt2"
+    hf_adapter = hf_adapter  # HF names: canonical_name, layer_prefix, hf_name, plan_key, ignored
     tp_plan, lora_plan, lora_modules = GPT2_TP_PLAN, GPT2_LORA_PLAN, LINEARS
     lead_layers, tail_layers, block_prefix, fan_in_fan_out = 2, 2, "transformer.h.", True
     # Not the token lookup (fed token ids; a tied layer's forward is a partial, never in the list), so a
@@ -61,14 +62,8 @@ class GPT2Family(Family):
     def pipeline_layers(self, cfg: Any) -> list[str]:
         return pipeline_layers(cfg.n_layer)
 
-    def canonical_name(self, name: str) -> str:
-        return hf_adapter.canonical_name(name)
 
-    def layer_prefix(self, hf_name: str) -> str:
-        return hf_adapter.layer_prefix(hf_name)
 
-    def hf_name(self, prefix: str, name: str) -> str:
-        return hf_adapter.hf_name(prefix, name)
 
     def param_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]:
         return param_shapes(cfg)
@@ -76,11 +71,7 @@ class GPT2Family(Family):
     def head_and_embedding(self) -> tuple[str, str]:
         return "lm_head.weight", "transformer.wte.weight"
 
-    def ignored(self, key: str) -> bool:
-        return hf_adapter.ignored(key)
 
-    def plan_key(self, hf_name: str) -> str:
-        return hf_adapter.plan_key(hf_name)
 
     def linear_in_out(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
         return weight_shape[0], weight_shape[1]  # Conv1D: (in, out)

@@ -24,6 +24,7 @@ class LlamaFamily(Family):
     """The Llama family's tables (module docstring); Qwen2 and Mistral are the same table."""
 
     name = "llama"
+    hf_adapter = hf_adapter  # HF names: canonical_name, layer_prefix, hf_name, plan_key, ignored
     tp_plan, lora_plan = LLAMA_TP_PLAN, LLAMA_LORA_PLAN
     lora_modules = (*COLUMN[:3], ROW[0], *COLUMN[3:], ROW[1])  # HF order within a block
     lead_layers, tail_layers, block_prefix = 1, 2, "model.layers."
@@ -59,11 +60,7 @@ class LlamaFamily(Family):
     def pipeline_layers(self, cfg: Any) -> list[str]:
         return pipeline_layers(cfg)
 
-    def layer_prefix(self, hf_name: str) -> str:
-        return hf_adapter.layer_prefix(hf_name)
 
-    def hf_name(self, prefix: str, name: str) -> str:
-        return hf_adapter.hf_name(prefix, name)
 
     def param_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]:
         return param_shapes(cfg)
@@ -74,11 +71,7 @@ class LlamaFamily(Family):
     def head_and_embedding(self) -> tuple[str, str]:
         return "lm_head.weight", "model.embed_tokens.weight"
 
-    def ignored(self, key: str) -> bool:
-        return hf_adapter.ignored(key)
 
-    def plan_key(self, hf_name: str) -> str:
-        return hf_adapter.plan_key(hf_name)
 
     def heads(self, hf_name: str, cfg: Any) -> int:
         return cfg.num_key_value_heads if self.tp_kind(hf_name) == "kv" else cfg.num_attention_heads

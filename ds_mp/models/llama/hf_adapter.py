@@ -5,6 +5,11 @@ from __future__ import annotations
 import re
 
 
+def canonical_name(name: str) -> str:
+    """The full HF name (Llama-family checkpoints store them whole)."""
+    return name
+
+
 def layer_prefix(hf_name: str) -> str:
     """The pipeline layer row (``layers.3``, ``embed_tokens``, ``norm``, ``lm_head``) holding ``hf_name``."""
     if hf_name == "lm_head.weight":
@@ -33,4 +38,4 @@ def ignored(key: str) -> bool:
     return key.endswith("rotary_emb.inv_freq")  # older checkpoints store the (recomputed) buffer
 
 
-__all__ = ["layer_prefix", "hf_name", "plan_key", "ignored"]
+__all__ = ["canonical_name", "layer_prefix", "hf_name", "plan_key", "ignored"]

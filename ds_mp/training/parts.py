@@ -57,17 +57,17 @@ class Progress:
 
 
 class DataSource:
-    """The dataset path the checkpoint's run trained on; a resume reads its data from the config and
-    keeps the saved path in :attr:`saved` (nothing compares them)."""
+    """The dataset path the checkpoint's run trained on, written for a reader of the checkpoint; a
+    resume reads its data from the config, so restoring it changes nothing."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.saved = path, None
+        self.path = path
 
     def state_dict(self) -> str:
         return self.path
 
     def load_state_dict(self, state: Optional[str]) -> None:
-        self.saved = state
+        """Nothing to restore: the run's data is the config's (the saved path is informational)."""
 
 
 class Layout:

@@ -8,7 +8,6 @@ import ast
 import glob
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 
 from dist_utils import run_ranks
 from helpers import tiny_gpt2
-from launcher_utils import REPO, clean_env
+from launcher_utils import REPO
 from test_hf_trainer import collate, ds_json, rows, training_args
 from test_shm_workspace import leftovers
 
@@ -185,23 +184,40 @@ def test_layout_and_batch_refusals_come_before_the_trainer_is_built(tmp_path: An
         assert "train_batch_size" not in deepspeed_dict(arguments, tiny_gpt2().config)
 
 
-REFUSED = "from ds_mp.hf import Trainer\nTrainer(model=None, args=None)\n"
+def _refused_under_torchrun(rank: str, stderr_path: str) -> None:
+    """A torchrun rank (TORCHELASTIC_RUN_ID) whose script's trainer is refused, the ConfigError
+    uncaught: Python hands it to ``sys.excepthook``, as here."""
+    os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    os.environ.update(TORCHELASTIC_RUN_ID="t", RANK=rank)
+    from ds_mp.hf import Trainer
+
+    try:
+        Trainer(model=None, args=None)
+    except BaseException as e:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        sys.excepthook(type(e), e, e.__traceback__)
 
 
-def test_a_refusal_under_a_launcher_is_one_line_from_rank_0() -> None:
+def test_a_refusal_under_a_launcher_is_one_line_from_rank_0(monkeypatch: Any, tmp_path: Any) -> None:
     """Under torchrun / accelerate launch (TORCHELASTIC_RUN_ID) a ConfigError from the trainer's
-    constructor ends the rank with exit code 2 and no traceback, its line printed by rank 0 only."""
-    procs = {}
-    for name, extra in (("rank0", {"TORCHELASTIC_RUN_ID": "t", "RANK": "0"}),
-                        ("rank1", {"TORCHELASTIC_RUN_ID": "t", "RANK": "1"}), ("plain", {})):
-        env = {**clean_env(), "PYTHONPATH": REPO, **extra}
-        procs[name] = subprocess.Popen([sys.executable, "-c", REFUSED], env=env, cwd=REPO, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out = {name: (p.wait(timeout=300), p.stderr.read()) for name, p in procs.items()}
+    constructor ends the rank with exit code 2 and no traceback, its line printed by rank 0 only;
+    outside a launcher Python's own hook stays."""
+    from dist_utils import _spawn_context
+
+    from ds_mp.hf import compat
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    hook = sys.excepthook
+    compat.one_line_refusals()
+    assert sys.excepthook is hook  # not under a launcher: nothing changes
+    procs = {r: _spawn_context().Process(target=_refused_under_torchrun, args=(r, str(tmp_path / r))) for r in "01"}
+    for p in procs.values():
+        p.start()
+    for p in procs.values():
+        p.join(120)
+    err = {r: (tmp_path / r).read_text() for r in procs}
     line = "ds_mp: error: model: ds_mp.hf needs model="
-    assert out["rank0"][0] == 2 and out["rank0"][1].count(line) == 1 and "Traceback" not in out["rank0"][1]
-    assert out["rank1"][0] == 2 and "ds_mp: error" not in out["rank1"][1] and "Traceback" not in out["rank1"][1]
-    assert out["plain"][0] == 1 and "Traceback" in out["plain"][1]  # not under a launcher: Python's own
+    assert procs["0"].exitcode == 2 and err["0"].count(line) == 1 and "Traceback" not in err["0"], err["0"]
+    assert procs["1"].exitcode == 2 and "ds_mp: error" not in err["1"] and "Traceback" not in err["1"], err["1"]
 
 
 def test_adapter_config_has_the_keys_peft_writes(tmp_path: Any) -> None:

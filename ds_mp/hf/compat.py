@@ -124,18 +124,23 @@ def _owners(trainer_cls: type | None = None) -> dict[str, type]:
 
 
 @functools.lru_cache(maxsize=None)
-def _assigned_in_source(cls: type, name: str) -> bool:
-    """``self.<name> = …`` appears in the source of ``cls`` (instance state set in a method)."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return False
-    return re.search(rf"self\.{re.escape(name)}\s*(:[^=\n]+)?=(?!=)", source) is not None
+def _init_source(cls: type) -> str:
+    """The source of ``cls``'s own ``__init__`` and ``__post_init__`` (a dataclass's), "" where it has
+    neither or their source is not at hand."""
+    out = []
+    for name in ("__init__", "__post_init__"):
+        try:
+            out.append(inspect.getsource(vars(cls)[name]) if name in vars(cls) else "")
+        except (OSError, TypeError):
+            pass
+    return "\n".join(out)
 
 
 def defines(cls: type, name: str) -> bool:
-    """``cls`` (or a class it derives from) has ``name`` as a class attribute or sets it on ``self``."""
-    return hasattr(cls, name) or any(_assigned_in_source(k, name) for k in cls.__mro__ if k is not object)
+    """``cls`` (or a class it derives from) has ``name`` as a class attribute or sets ``self.<name>``
+    in its ``__init__`` / ``__post_init__`` (instance state)."""
+    pattern = re.compile(rf"self\.{re.escape(name)}\s*(:[^=\n]+)?=(?!=)")
+    return hasattr(cls, name) or any(pattern.search(_init_source(k)) for k in cls.__mro__ if k is not object)
 
 
 def overridden_private_names(trainer_cls: type) -> list[str]:
@@ -201,15 +206,15 @@ def under_launcher() -> bool:
 
 
 def one_line_refusals() -> None:
-    """Under a launcher, an uncaught :class:`ConfigError` ends the rank with exit code 2 and its one
-    line, printed by global rank 0 only (``ds_mp: error: …``, as ds_mp's own launcher path prints
+    """Under a launcher, an uncaught :class:`ConfigError` (or :class:`HfIncompatible`) ends the rank
+    with exit code 2 and its one line, printed by global rank 0 only (``ds_mp: error: …``, as ds_mp's own launcher path prints
     it), instead of a traceback per rank.  Other exceptions keep the previous ``sys.excepthook``."""
     if not under_launcher() or getattr(sys.excepthook, "ds_mp_refusals", False):
         return
     previous = sys.excepthook
 
     def hook(kind: type, value: BaseException, tb: Any) -> None:
-        if not issubclass(kind, ConfigError):
+        if not issubclass(kind, (ConfigError, HfIncompatible)):
             return previous(kind, value, tb)
         if os.environ.get("RANK", "0") == "0":
             print(f"ds_mp: error: {value}", file=sys.stderr)

@@ -45,7 +45,7 @@ def test_a_missing_name_fails_in_one_line_naming_it_and_the_versions(monkeypatch
 
     monkeypatch.delattr(transformers.Trainer, "_get_dataloader")
     with pytest.raises(compat.HfIncompatible) as err:
-        Trainer(model=None, args=None)  # the check is the constructor's first step
+        Trainer(model=None, args=None)  # checked before any constructor runs
     msg = str(err.value)
     assert "\n" not in msg
     assert f"transformers {transformers.__version__}" in msg and "trl 1.16" in msg and "accelerate 1.15" in msg
@@ -189,18 +189,19 @@ def _refused_under_torchrun(rank: str, stderr_path: str) -> None:
     uncaught: Python hands it to ``sys.excepthook``, as here."""
     os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     os.environ.update(TORCHELASTIC_RUN_ID="t", RANK=rank)
-    from ds_mp.hf import Trainer
+    from ds_mp.hf import SFTTrainer
 
-    try:
-        Trainer(model=None, args=None)
+    try:  # refused by the SFTTrainer's own constructor, before the mixin's
+        SFTTrainer(model=None, args=None, quantization_config=object())
     except BaseException as e:  # noqa: BLE001 - what the interpreter does with an uncaught exception
         sys.excepthook(type(e), e, e.__traceback__)
 
 
 def test_a_refusal_under_a_launcher_is_one_line_from_rank_0(monkeypatch: Any, tmp_path: Any) -> None:
-    """Under torchrun / accelerate launch (TORCHELASTIC_RUN_ID) a ConfigError from the trainer's
-    constructor ends the rank with exit code 2 and no traceback, its line printed by rank 0 only;
-    outside a launcher Python's own hook stays."""
+    """Under torchrun / accelerate launch (TORCHELASTIC_RUN_ID) a ConfigError from a trainer's
+    constructor (the SFTTrainer's own refusals, before the mixin's, included) ends the rank with exit
+    code 2 and no traceback, its one line printed by rank 0 only; outside a launcher Python's own hook
+    stays."""
     from dist_utils import _spawn_context
 
     from ds_mp.hf import compat
@@ -215,8 +216,8 @@ def test_a_refusal_under_a_launcher_is_one_line_from_rank_0(monkeypatch: Any, tm
     for p in procs.values():
         p.join(120)
     err = {r: (tmp_path / r).read_text() for r in procs}
-    line = "ds_mp: error: model: ds_mp.hf needs model="
-    assert procs["0"].exitcode == 2 and err["0"].count(line) == 1 and "Traceback" not in err["0"], err["0"]
+    said = [line for line in err["0"].splitlines() if line.startswith("ds_mp: error: ")]
+    assert procs["0"].exitcode == 2 and len(said) == 1 and "Traceback" not in err["0"], err["0"]
     assert procs["1"].exitcode == 2 and "ds_mp: error" not in err["1"] and "Traceback" not in err["1"], err["1"]
 
 

@@ -11,7 +11,7 @@ DeepSpeed:
 * the private methods ds_mp.hf's classes override are read off the classes
   (:func:`overridden_private_names`), never listed by hand, and each must be in the table;
 * :func:`check` verifies the table against the installed packages when a trainer is built
-  (:func:`before_trainer`), failing with one line that names the missing name and the installed
+  (:func:`before_trainer`, before any constructor runs), failing with one line that names the missing name and the installed
   transformers / TRL / Accelerate versions;
 * :func:`process_state_from_torch` is the only write into a third-party singleton (Accelerate's
   ``PartialState`` / ``AcceleratorState`` shared state).
@@ -226,7 +226,8 @@ def one_line_refusals() -> None:
 
 
 def before_trainer(trainer_cls: type) -> None:
-    """What building a ds_mp.hf trainer does first, on every rank, before any refusal: refusals
+    """What building a ds_mp.hf trainer does first (``PipelineTrainerMixin.__new__``: before any
+    constructor, a subclass's own refusals included), on every rank: refusals
     become one line under a launcher; DeepSpeed's /dev/shm all-reduce workspaces (created when the
     TrainingArguments were built before ``import ds_mp.hf``) are released (collective where they
     exist); the installed transformers / TRL / Accelerate are checked against :data:`ASSUMPTIONS`."""

@@ -54,8 +54,13 @@ class PipelineTrainerMixin:
     (TP × PP × DP and this rank's place) and the hook :meth:`step_micro_batches`.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Before any constructor runs (a subclass's own refusals included): :func:`compat.before_trainer`
+        (one-line refusals under a launcher, /dev/shm released, the private names checked)."""
+        compat.before_trainer(cls)
+        return super().__new__(cls)
+
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
-        compat.before_trainer(type(self))  # one-line refusals, /dev/shm released, private names checked
         model, source = _model_and_source(model)
         optimizers = kwargs.get("optimizers", rest[8] if len(rest) > 8 else (None, None))
         if optimizers is not None and any(o is not None for o in optimizers):

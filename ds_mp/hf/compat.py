@@ -25,7 +25,9 @@ import functools
 import inspect
 import os
 import re
+import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,8 @@ from ds_mp.config import ConfigError
 
 #: The versions ds_mp.hf is tested with (``pyproject.toml``), said in a failure.
 SUPPORTED = "transformers>=5.23,<6, trl>=1.16,<1.17, accelerate>=1.15,<1.16"
+#: Seconds a rank other than 0 waits before printing its refusal (:func:`one_line_refusals`).
+REFUSAL_GRACE_S = 10.0
 #: The prefix of ds_mp.hf's own private names (helpers, not overrides).
 OWN_PREFIX = "_ds_mp_"
 
@@ -207,8 +211,12 @@ def under_launcher() -> bool:
 
 def one_line_refusals() -> None:
     """Under a launcher, an uncaught :class:`ConfigError` (or :class:`HfIncompatible`) ends the rank
-    with exit code 2 and its one line, printed by global rank 0 only (``ds_mp: error: …``, as ds_mp's own launcher path prints
-    it), instead of a traceback per rank.  Other exceptions keep the previous ``sys.excepthook``."""
+    with exit code 2 and its one line (``ds_mp: error: …``, as ds_mp's own launcher path prints it)
+    instead of a traceback per rank.  Global rank 0 prints at once.  Another rank waits
+    :data:`REFUSAL_GRACE_S` first, dying silently on the launcher's SIGTERM: every rank refuses the same arguments, so rank 0
+    has printed and the launcher ends the job in the meantime (one line per job; a rank that exited
+    first would otherwise get rank 0 killed before it printed); a refusal of that rank alone is
+    printed after the wait (``rank N: …``).  Other exceptions keep the previous ``sys.excepthook``."""
     if not under_launcher() or getattr(sys.excepthook, "ds_mp_refusals", False):
         return
     previous = sys.excepthook
@@ -216,8 +224,13 @@ def one_line_refusals() -> None:
     def hook(kind: type, value: BaseException, tb: Any) -> None:
         if not issubclass(kind, (ConfigError, HfIncompatible)):
             return previous(kind, value, tb)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"ds_mp: error: {value}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        if rank != "0":
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher ending the job: no word from here
+            sys.stdout.flush()
+            time.sleep(REFUSAL_GRACE_S)
+        said = str(value).removeprefix("ds_mp: ")
+        print(f"ds_mp: error: {said}" if rank == "0" else f"ds_mp: error: rank {rank}: {said}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2)  # no exit-time teardown of half-built process groups (their destructors abort)

@@ -17,7 +17,7 @@ DeepSpeed:
   ``PartialState`` / ``AcceleratorState`` shared state).
 
 ds_mp.hf's own private helpers are spelled ``_ds_mp_*`` (never an override).
-Measured against transformers 5.23-5.25, trl 1.16, accelerate 1.15 (``pyproject.toml``).
+Measured against transformers 5.25.0, trl 1.16.0, accelerate 1.15.0 (``pyproject.toml`` gives the ranges).
 """
 from __future__ import annotations
 

@@ -204,14 +204,25 @@ def test_package_is_pyflakes_clean() -> None:
     assert warnings == 0, out.getvalue()
 
 
-THIRD_PARTY = ("torch", "deepspeed", "transformers", "peft")
+THIRD_PARTY = ("torch", "deepspeed", "transformers", "peft", "accelerate", "trl")
+#: Methods that change the container they are called on (a dict, list or set of someone else's state).
+MUTATING_METHODS = {"update", "setdefault", "pop", "popitem", "clear", "append", "extend", "insert", "remove", "add",
+                    "discard", "__setitem__", "__delitem__"}
+#: Where a third-party module, class or singleton may be written, and why: the adapters.
+THIRD_PARTY_WRITES_ALLOWED = {
+    "ds_mp.deepspeed_compat": "DeepSpeed's internals, each write an accessor checked against DeepSpeed",
+    "ds_mp.hf.compat": "Accelerate's process singletons (process_state_from_torch), checked against Accelerate",
+}
 
 
 def third_party_writes(source: str) -> list[str]:
-    """Assignments (``x.attr = …``, ``x.attr += …``, ``del x.attr``, ``setattr``/``delattr``) to an
-    attribute of a module or class imported from a third-party package (:data:`THIRD_PARTY`):
-    a process-wide patch of someone else's function or state.  Names are those the file binds by
-    an import statement anywhere (``import torch``, ``from deepspeed.runtime.pipe import p2p``)."""
+    """Writes into a module, class or shared object imported from a third-party package
+    (:data:`THIRD_PARTY`): a process-wide patch of someone else's function or state.  A write is an
+    assignment (``x.attr = …``, ``x[k] = …``, ``x.attr += …``, ``del x.attr``, ``setattr``/``delattr``)
+    or a mutating call (``x.attr.update(…)``, ``.setdefault``, ... :data:`MUTATING_METHODS`) whose
+    target is reached from such a name, directly or through a local name bound to it (``shared =
+    PartialState._shared_state``, ``for shared in (A._state, B._state)``).  Names are those the file
+    binds by an import statement anywhere (``import torch``, ``from deepspeed.runtime.pipe import p2p``)."""
     tree = ast.parse(source)
     imported: set[str] = set()
     for node in ast.walk(tree):
@@ -226,6 +237,25 @@ def third_party_writes(source: str) -> list[str]:
             expr = expr.value
         return expr.id if isinstance(expr, ast.Name) else None
 
+    def reaches(expr: ast.expr) -> bool:
+        """``expr`` (or, for a tuple/list, one of its elements) is reached from a third-party name."""
+        if isinstance(expr, (ast.Tuple, ast.List)):
+            return any(reaches(e) for e in expr.elts)
+        return isinstance(expr, (ast.Attribute, ast.Subscript, ast.Name)) and root(expr) in imported
+
+    changed = True  # local names bound to third-party state, to a fixed point
+    while changed:
+        changed = False
+        for node in ast.walk(tree):
+            pairs = [(t, node.value) for t in node.targets] if isinstance(node, ast.Assign) else \
+                [(node.target, node.iter)] if isinstance(node, (ast.For, ast.comprehension)) else []
+            for target, value in pairs:
+                names = [e for e in (target.elts if isinstance(target, ast.Tuple) else [target]) if isinstance(e, ast.Name)]
+                for n in names:
+                    if n.id not in imported and reaches(value):
+                        imported.add(n.id)
+                        changed = True
+
     bad = []
     for node in ast.walk(tree):
         targets: list[ast.expr] = []
@@ -236,9 +266,12 @@ def third_party_writes(source: str) -> list[str]:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
                 and node.args:
             targets = [ast.Attribute(value=node.args[0], attr="?")]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATING_METHODS \
+                and reaches(node.func.value):
+            bad.append(f"line {node.lineno}: {ast.unparse(node.func)}(…)")
         for t in targets:
             for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                if isinstance(leaf, ast.Attribute) and root(leaf) in imported:
+                if isinstance(leaf, (ast.Attribute, ast.Subscript)) and root(leaf) in imported:
                     bad.append(f"line {node.lineno}: {ast.unparse(leaf)}")
     return bad
 
@@ -248,16 +281,27 @@ def test_detector_sees_process_wide_patches() -> None:
            "def f(post):\n    torch.Tensor.backward = post\n    p2p.send = post\n"
            "    setattr(torch.Tensor, 'backward', post)\n    deepspeed.ops.x = 1\n")
     assert len(third_party_writes(old)) == 4
-    fine = "import torch\ndef f(t, engine):\n    t.grad = None\n    engine.x = torch.ones(1)\n"
+    singletons = ("from accelerate.state import AcceleratorState, PartialState\nimport deepspeed.ops\n"
+                  "def f(fix):\n    deepspeed.ops.__compatible_ops__['shm'] = False\n"
+                  "    PartialState._shared_state.update(fix)\n"
+                  "    for shared in (PartialState._shared_state, AcceleratorState._shared_state):\n"
+                  "        shared.update(fix)\n    s = AcceleratorState._shared_state\n    s['x'] = 1\n"
+                  "    s.setdefault('y', 2)\n")
+    assert len(third_party_writes(singletons)) == 5, third_party_writes(singletons)
+    fine = ("import torch\ndef f(t, engine, d):\n    t.grad = None\n    engine.x = torch.ones(1)\n"
+            "    y = torch.zeros(2)\n    y[0] = 1\n    d.update(a=torch.ones(1))\n")
     assert third_party_writes(fine) == []
 
 
 def test_nothing_patches_a_third_party_module_or_class() -> None:
-    """No module of the package assigns to an attribute of torch, DeepSpeed, transformers or PEFT
-    modules or classes (ZB-H1's input-only backward is a scoped ``TorchFunctionMode``; posted
-    sends are ds_mp's own ``isend``s, ``engine/p2p.py``)."""
+    """No module of the package writes into torch, DeepSpeed, transformers, PEFT, Accelerate or TRL
+    modules, classes or singletons (ZB-H1's input-only backward is a scoped ``TorchFunctionMode``;
+    posted sends are ds_mp's own ``isend``s, ``engine/p2p.py``), except the adapters
+    (:data:`THIRD_PARTY_WRITES_ALLOWED`)."""
     bad = []
     for module, path in modules().items():
+        if any(module == m or module.startswith(m + ".") for m in THIRD_PARTY_WRITES_ALLOWED):
+            continue
         bad += [f"{module} {hit}" for hit in third_party_writes(open(path).read())]
     assert not bad, "process-wide patches of third-party code:\n" + "\n".join(bad)
 

@@ -25,7 +25,7 @@ from ds_mp.checkpoint.hf import full_state_dict, write_hf_dir, write_on_rank0
 from ds_mp.checkpoint.sharded import CheckpointError
 from ds_mp.engine_view import EngineView
 
-__all__ = ["save_lora", "merge_lora", "peft_adapter_tensors", "adapter_config"]
+__all__ = ["save_lora", "merge_lora", "peft_adapter_tensors", "adapter_config", "peft_version", "PEFT_TESTED"]
 
 
 def _factors(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -54,13 +54,29 @@ def peft_adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
+#: The PEFT release whose adapter format ds_mp writes, named in ``peft_version`` where PEFT is not installed.
+PEFT_TESTED = "0.21.2"
+
+
+def peft_version() -> str:
+    """``peft_version`` as PEFT writes it (its ``PeftConfig.peft_version``: the installed release); the
+    tested release where PEFT is not installed.  PEFT reads it to tell which release wrote an adapter."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("peft")
+    except PackageNotFoundError:
+        return PEFT_TESTED
+
+
 def adapter_config(lora: Any, base_model: str | None, fan_in_fan_out: bool = True) -> dict:
     """PEFT's ``adapter_config.json`` for ``ds_mp.lora`` (a ``LoraConfig``); ``fan_in_fan_out``: the base
     weights are GPT-2's Conv1D (in, out), not ``nn.Linear``'s (out, in)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": list(lora.target_modules), "fan_in_fan_out": fan_in_fan_out, "bias": "none",
-            "inference_mode": True, "init_lora_weights": True, "modules_to_save": None}
+            "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+            "peft_version": peft_version()}
 
 
 def save_lora(engine: EngineView, out_dir: str, merge: bool = False, tokenizer_dir: str | None = None,

@@ -73,10 +73,17 @@ class HeldOutBatches:
 def held_out_loss(engine: EngineView, batches: HeldOutBatches) -> float:
     """The per-target-token loss over ``batches`` (module docstring); collective like
     ``engine.eval_batch``, every rank returns the same value."""
-    it = iter(batches)
+    return pass_weighted_loss(engine, iter(batches), batches.passes, batches.per_pass)
+
+
+def pass_weighted_loss(engine: EngineView, micro_batches: Iterator[Any], passes: int, per_pass: int) -> float:
+    """Σ_p L_p · N_p / Σ_p N_p over ``passes`` ``eval_batch`` calls of ``per_pass`` micro-batches each
+    from ``micro_batches`` (this rank's, in order; a pass's L_p is its per-target-token loss over
+    every replica, N_p its target count): the per-target-token loss of everything read, NaN without
+    a target.  Collective like ``engine.eval_batch``."""
     total = count = 0.0
-    for _ in range(batches.passes):
-        loss = float(engine.eval_batch(it, num_micro_batches=batches.per_pass))
+    for _ in range(passes):
+        loss = float(engine.eval_batch(micro_batches, num_micro_batches=per_pass))
         n = int(engine.step_info.count)
         total, count = total + loss * n, count + n
     return total / count if count else math.nan

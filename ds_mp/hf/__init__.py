@@ -18,7 +18,9 @@ from ds_mp.deepspeed_compat import skip_shm_comm_unless_asked
 from ds_mp.hf.mixin import PipelineTrainerMixin
 
 # Accelerate starts DeepSpeed's comm when the user's TrainingArguments are built, before any Trainer
-# exists: keep DeepSpeed from JIT-building its shm all-reduce op and leaving 69 MB per rank in /dev/shm.
+# exists.  Imported first (as documented), ds_mp.hf keeps DeepSpeed from JIT-building its shm all-reduce
+# op at all: no 69 MB workspace per rank even for a moment (Docker's default /dev/shm is 64 MB).  In any
+# import order, building the trainer releases a workspace that exists (compat.before_trainer).
 skip_shm_comm_unless_asked()
 
 

@@ -14,13 +14,15 @@ maps what the Trainer would otherwise do itself:
     gradient_checkpointing       -> ds_mp.pipeline.activation_checkpoint_interval = 1
     (TRL) max_length             -> ds_mp.data.seq_len, else the model's positions
 
-``train_batch_size`` is derived by ds_mp (micro × accumulation × DP, not × world).  The LR schedule
+``train_batch_size`` is derived by ds_mp (micro × accumulation × DP, not × world); an explicit one in
+the JSON must equal that (:func:`check_train_batch_size`).  The LR schedule
 (``lr_scheduler_type``, warm-up) is the Trainer's own scheduler, driven by the engine
 (:mod:`ds_mp.hf.schedule`).  Everything the engine cannot honour is refused (:func:`refusals`).
 """
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 from ds_mp.config import ConfigError
@@ -81,7 +83,8 @@ def deepspeed_dict(args: Any, hf_config: Any) -> dict:
     msg = refusals(args, raw)
     if msg:
         raise ConfigError(msg)
-    raw.pop("train_batch_size", None)  # transformers fills world × micro × GA; ds_mp derives micro × GA × DP
+    check_train_batch_size(args, raw)
+    raw.pop("train_batch_size", None)  # transformers filled "auto" with world × micro × GA; ds_mp derives it
     for key, value, name in (("train_micro_batch_size_per_gpu", args.per_device_train_batch_size,
                               "per_device_train_batch_size"),
                              ("gradient_accumulation_steps", args.gradient_accumulation_steps,
@@ -107,6 +110,41 @@ def deepspeed_dict(args: Any, hf_config: Any) -> dict:
         positions = getattr(hf_config, "n_positions", None) or getattr(hf_config, "max_position_embeddings", None)
         data["seq_len"] = int(getattr(args, "max_length", None) or positions)
     raw.setdefault("steps_per_print", 10**9)  # the Trainer logs; DeepSpeed's own step prints stay quiet
+    return raw
+
+
+def check_train_batch_size(args: Any, raw: dict) -> None:
+    """An explicit ``train_batch_size`` in the user's DeepSpeed JSON (``args.deepspeed``, before
+    transformers filled its ``"auto"``) must be micro × accumulation × DP, DP = world / (TP × PP) of
+    the ``"ds_mp"`` block and world the launcher's ``WORLD_SIZE``: ds_mp's global batch (plain DeepSpeed
+    refuses a wrong one as well)."""
+    from ds_mp.config import read_json
+
+    given = read_json(args.deepspeed).get("train_batch_size", "auto") if args.deepspeed else "auto"
+    if given in ("auto", None):
+        return
+    block = raw.get("ds_mp") or {}
+    model_ranks = int((block.get("tensor_parallel") or {}).get("size", 1)) * int(
+        (block.get("pipeline") or {}).get("stages", 1))
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's, as check_layout's load_config reads it
+    want = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(world // model_ranks, 1)
+    if given != want:
+        raise ConfigError(f"train_batch_size={given!r} in the DeepSpeed JSON but per_device_train_batch_size "
+                          f"({args.per_device_train_batch_size}) × gradient_accumulation_steps "
+                          f"({args.gradient_accumulation_steps}) × DP ({max(world // model_ranks, 1)} = world "
+                          f"{world} / (TP × PP)) = {want}; set \"train_batch_size\": \"auto\" (or {want})")
+
+
+def check_layout(args: Any, source: Any, hf_config: Any) -> dict:
+    """Everything about the arguments and the layout that can be checked before the Trainer is built
+    (no collective, no dataset work: TRL tokenizes and packs in its constructor): :func:`deepspeed_dict`'s
+    refusals and ds_mp's own ``load_config`` of the result against the model (``source``: a directory,
+    Hub id or model object) and the launcher's world size (heads by TP, layers by PP, the schedule's
+    own checks, world divisible by TP × PP).  Returns the DeepSpeed JSON; raises :class:`ConfigError`."""
+    from ds_mp.engine.initialize import config_for
+
+    raw = deepspeed_dict(args, hf_config)
+    config_for(source, raw, None, None)
     return raw
 
 
@@ -136,4 +174,4 @@ def _parse_optim_args(text: str | None) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in text.replace(" ", "").split(",") if kv)
 
 
-__all__ = ["OPTIMIZERS", "deepspeed_dict", "optimizer_block", "refusals"]
+__all__ = ["OPTIMIZERS", "check_layout", "check_train_batch_size", "deepspeed_dict", "optimizer_block", "refusals"]

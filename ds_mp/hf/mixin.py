@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from ds_mp.config import ConfigError
-from ds_mp.hf.args import deepspeed_dict
+from ds_mp.hf import compat
+from ds_mp.hf.args import check_layout, deepspeed_dict
 from ds_mp.hf.rows import empty_rows, fixed_rows, step_rows
 from ds_mp.hf.schedule import BoundLater, trainer_schedule
 
@@ -53,6 +54,12 @@ class PipelineTrainerMixin:
     (TP × PP × DP and this rank's place) and the hook :meth:`step_micro_batches`.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Before any constructor runs (a subclass's own refusals included): :func:`compat.before_trainer`
+        (one-line refusals under a launcher, /dev/shm released, the private names checked)."""
+        compat.before_trainer(cls)
+        return super().__new__(cls)
+
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
         model, source = _model_and_source(model)
         optimizers = kwargs.get("optimizers", rest[8] if len(rest) > 8 else (None, None))
@@ -62,7 +69,7 @@ class PipelineTrainerMixin:
         if kwargs.get("compute_metrics") is not None or (len(rest) > 6 and rest[6] is not None):
             raise ConfigError("compute_metrics: ds_mp.hf evaluates the per-token loss only; remove compute_metrics")
         if getattr(args, "hf_deepspeed_config", None) is not None:
-            deepspeed_dict(args, model.config)  # refuse before any collective (accelerate launch: after its own)
+            check_layout(args, source, model.config)  # refuse before any collective or dataset work
         super().__init__(model, args, *rest, **kwargs)
         raw = deepspeed_dict(self.args, model.config)
         import ds_mp
@@ -70,7 +77,7 @@ class PipelineTrainerMixin:
         engine, _, _, _ = ds_mp.initialize(model=source, config=raw, lr_scheduler=BoundLater)
         self.ds_mp_engine = engine
         self.ds_mp_topology = engine.topology
-        if _process_state_from_torch(self.args):  # logging, progress bar, saving: once per job
+        if compat.process_state_from_torch(self.args):  # logging, progress bar, saving: once per job
             self.state.is_world_process_zero = self.is_world_process_zero()
             self.state.is_local_process_zero = self.is_local_process_zero()
         self._ds_mp_lr: float | None = None
@@ -143,6 +150,16 @@ class PipelineTrainerMixin:
             return self._ds_mp_lr  # the LR of the last step (the engine stepped the scheduler already)
         return float(self.ds_mp_engine.get_lr()[0])
 
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; a ``resume_from_checkpoint`` path that holds no checkpoint is refused
+        in the Trainer's own words (it would read its ``trainer_state.json`` and raise FileNotFoundError)."""
+        from transformers.trainer import TRAINER_STATE_NAME
+
+        path = resume_from_checkpoint
+        if isinstance(path, (str, os.PathLike)) and not os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
+            raise ConfigError(f"Can't find a valid checkpoint at {path}")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> tuple:
         """The engine takes the place of Accelerate's DeepSpeed engine: its scheduler is bound to the
         Trainer's schedule for ``max_steps``; a resume loads ds_mp's checkpoint (any layout)."""
@@ -189,8 +206,10 @@ class PipelineTrainerMixin:
         ``per_device_eval_batch_size`` rows; eval step i (in order) goes to DP rank i mod DP and is cut
         into micro-batches of ``per_device_train_batch_size`` rows (the pipeline's fixed shape),
         each collated on its own; each pass evaluates GA micro-batches per replica; passes are
-        weighted by their global target counts.  ``on_prediction_step`` fires once per eval step."""
+        weighted by their global target counts (``data/validation.py``'s held-out loss).  ``on_prediction_step`` fires once per eval step."""
         from torch.utils.data import DataLoader
+
+        from ds_mp.data.validation import pass_weighted_loss
 
         engine, topo = self.ds_mp_engine, self.ds_mp_topology
         collator = self.data_collator
@@ -220,14 +239,8 @@ class PipelineTrainerMixin:
             raise ValueError("evaluate: the eval set is empty; pass an eval_dataset with rows")
         n = engine.micro_batches
         passes = -(-max(micro) // n)  # the replica that reads the most micro-batches sets the passes
-        summed, count = 0.0, 0
-        for p in range(passes):
-            chunk = mine[p * n:(p + 1) * n]
-            chunk += [empty_rows(template) for _ in range(n - len(chunk))]
-            loss = float(engine.eval_batch(iter(chunk), num_micro_batches=n))
-            summed += loss * engine.step_info.count
-            count += engine.step_info.count
-        return summed / max(count, 1), len(sizes[topo.dp_rank::topo.dp])
+        mine += [empty_rows(template) for _ in range(passes * n - len(mine))]
+        return pass_weighted_loss(engine, iter(mine), passes, n), len(sizes[topo.dp_rank::topo.dp])
 
     def predict(self, *a: Any, **kw: Any) -> Any:
         raise NotImplementedError("predict: ds_mp.hf evaluates the loss only (evaluate()); export with save_model() "
@@ -257,13 +270,10 @@ class PipelineTrainerMixin:
         """ds_mp's layout-free checkpoint (weights, optimizer moments, LR schedule, counters, every
         rank's RNG streams) in ``<output_dir>/ds_mp``; the Trainer writes its state and RNG beside it."""
         import ds_mp
-        from ds_mp.tensor_parallel.random import rng_state
+        from ds_mp.training.parts import rng_parts, save_states
 
-        rngs: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(rngs, rng_state())
-        topo = self.ds_mp_topology
         ds_mp.save_checkpoint(self.ds_mp_engine, output_dir, CHECKPOINT_TAG,
-                              client_state={"rng": rngs, "layout": [topo.tp, topo.pp, topo.dp]})
+                              client_state=save_states(rng_parts(self.ds_mp_topology)))
 
     def _save_scaler(self, output_dir: str) -> None:
         """The fp16 loss scale is in ds_mp's checkpoint."""
@@ -273,38 +283,16 @@ class PipelineTrainerMixin:
         self._ds_mp_resume(self.state.best_model_checkpoint)
 
     def _ds_mp_resume(self, checkpoint: str) -> None:
+        """ds_mp's checkpoint in ``checkpoint`` (weights, optimizer, schedule, counters at any layout;
+        the RNG streams at the same layout: ``training/parts.py``)."""
         import ds_mp
-        from ds_mp.tensor_parallel.random import set_rng_state
+        from ds_mp.training.parts import load_states, rng_parts
 
         if not os.path.isdir(os.path.join(checkpoint, CHECKPOINT_TAG)):
             raise ConfigError(f"resume_from_checkpoint: {checkpoint!r} has no {CHECKPOINT_TAG}/ (a ds_mp.hf "
                               "checkpoint); pass a checkpoint-N directory written by ds_mp.hf")
         state = ds_mp.load_checkpoint(self.ds_mp_engine, checkpoint, CHECKPOINT_TAG)
-        topo = self.ds_mp_topology
-        if state.get("layout") == [topo.tp, topo.pp, topo.dp] and state.get("rng"):
-            set_rng_state(state["rng"][torch.distributed.get_rank()])
-
-
-def _process_state_from_torch(args: Any) -> bool:
-    """Make Accelerate's process state (hence ``args.process_index`` / ``local_process_index`` /
-    ``world_size``, ``should_log``, ``should_save``, the Trainer's world-process-zero and the data
-    loader's shard) that of ``torch.distributed``.  Accelerate's DeepSpeed state on CPU (no
-    ``use_cpu``: no backend) reports one process of index 0 on every rank, so every rank printed the
-    logs and the progress bar, rotated the checkpoints and read every row (no DP split).  Returns
-    whether anything was corrected."""
-    from accelerate.state import AcceleratorState, PartialState
-
-    state = getattr(args, "distributed_state", None)
-    if state is None or not torch.distributed.is_initialized():
-        return False
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if (state.process_index, state.num_processes) == (rank, world):
-        return False
-    fix = {"process_index": rank, "num_processes": world, "local_process_index": int(os.environ.get("LOCAL_RANK", rank))}
-    for shared in (PartialState._shared_state, AcceleratorState._shared_state):  # every instance reads these
-        if shared:
-            shared.update(fix)
-    return True
+        load_states(rng_parts(self.ds_mp_topology), state)
 
 
 def _model_and_source(model: Any) -> tuple[Any, Any]:

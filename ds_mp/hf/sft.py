@@ -96,7 +96,7 @@ class SFTTrainer(PipelineTrainerMixin, trl.SFTTrainer):
                               "activation_offloading=False (gradient_checkpointing is ds_mp's activation checkpointing)")
         self._ds_mp_lora = peft_config is not None
         if peft_config is not None:
-            model = self._peft_model(model, args, peft_config)
+            model = self._ds_mp_peft_model(model, args, peft_config)
         super().__init__(model, args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, compute_metrics=compute_metrics,
                          callbacks=callbacks, optimizers=optimizers,
@@ -106,7 +106,7 @@ class SFTTrainer(PipelineTrainerMixin, trl.SFTTrainer):
                                                engine.ds_mp_config.data.seq_len, self._tokenizer.pad_token_id or 0)
 
     @staticmethod
-    def _peft_model(model: Any, args: Any, peft_config: Any) -> Any:
+    def _ds_mp_peft_model(model: Any, args: Any, peft_config: Any) -> Any:
         """The PEFT model TRL would build (seeded by ``args.seed`` as TRL seeds it), with ``ds_mp.lora``
         set in the DeepSpeed JSON so that the engine trains those factors."""
         from peft import get_peft_model

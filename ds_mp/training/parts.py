@@ -158,6 +158,13 @@ class NoisePart:
             self.probe.estimator.load_state_dict(state)
 
 
+def rng_parts(topo: Any) -> dict[str, Stateful]:
+    """``layout`` then ``rng``: the parts a checkpoint needs for exact dropout on resume, for a run
+    whose other state is kept elsewhere (``ds_mp.hf``: the Trainer's ``trainer_state.json``)."""
+    layout_part = Layout(topo)
+    return {"layout": layout_part, "rng": RngStreams(layout_part)}
+
+
 def save_states(parts: dict[str, Stateful]) -> dict:
     """Every part's state under its key (collective where a part's ``state_dict`` is: the RNG)."""
     return {key: part.state_dict() for key, part in parts.items()}
@@ -194,4 +201,4 @@ def layout(topo: Any) -> list[int]:
 
 
 __all__ = ["Stateful", "Progress", "DataSource", "Layout", "RngStreams", "SamplerPosition", "RampPart", "NoisePart",
-           "save_states", "load_states", "restore_sampler", "layout"]
+           "rng_parts", "save_states", "load_states", "restore_sampler", "layout"]

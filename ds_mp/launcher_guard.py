@@ -108,6 +108,12 @@ def startup_exit(cause: str, code: int) -> None:
     os._exit(code)
 
 
+def startup_handler(signum: int, frame: object) -> None:
+    """The start-up guard's signal handler (a run's :class:`~ds_mp.training.signals.StopFlag` replaces
+    it and, when done, restores the default instead: after start-up its line would not be true)."""
+    startup_exit(signal.Signals(signum).name, 128 + signum)
+
+
 class Guard:
     """The start-up watch (see the module doc); :meth:`disarm` hands over to the run's own."""
 
@@ -120,7 +126,7 @@ class Guard:
     def start(self) -> "Guard":
         if threading.current_thread() is threading.main_thread():
             for s in HANDLED:
-                signal.signal(s, lambda signum, _: startup_exit(f"{signal.Signals(signum).name}", 128 + signum))
+                signal.signal(s, startup_handler)
             self.wakeup_r, w = os.pipe()
             os.set_blocking(self.wakeup_r, False)
             os.set_blocking(w, False)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ds_mp.config import ConfigError
+from ds_mp.hf import stop
 from ds_mp.hf.args import deepspeed_dict
 from ds_mp.hf.rows import empty_rows, fixed_rows, step_rows
 from ds_mp.hf.schedule import BoundLater, trainer_schedule
@@ -74,6 +75,19 @@ class PipelineTrainerMixin:
             self.state.is_world_process_zero = self.is_world_process_zero()
             self.state.is_local_process_zero = self.is_local_process_zero()
         self._ds_mp_lr: float | None = None
+
+    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Any = None,
+              **kwargs: Any) -> Any:
+        """The Trainer's ``train``; a signal saves a checkpoint and stops every rank, resume picks
+        only complete checkpoints (:mod:`ds_mp.hf.stop`)."""
+        return stop.train(self, super().train, resume_from_checkpoint, trial, ignore_keys_for_eval=ignore_keys_for_eval,
+                          **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        stop.save_checkpoint(self, super()._save_checkpoint, model, trial)  # complete under its name, or absent
+
+    def _get_output_dir(self, trial: Any) -> str:
+        return stop.staging_root(self) or super()._get_output_dir(trial)
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         """Nothing to move: the Trainer's model may be on the meta device; ds_mp's engine placed its shards."""

@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME as STATE
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ds_mp.checkpoint.latest import read_latest
 from ds_mp.config import ConfigError
@@ -39,8 +41,7 @@ from ds_mp.training.signals import StopFlag, stop_grace_s
 
 STAGING = ".ds_mp-partial"  # under the Trainer's output directory; not a name get_last_checkpoint matches
 TAG = "ds_mp"  # ds_mp's layout-free checkpoint inside checkpoint-N (mixin.CHECKPOINT_TAG)
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR + "-N"
-STATE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as transformers.trainer_utils._re_checkpoint
 
 
 def incomplete(path: str) -> str | None:
@@ -112,10 +113,10 @@ class StopCallback(TrainerCallback):
 
 
 class Stopper:
-    """One ``train()`` call's stop: the flag, its callback, the staging directory of a save."""
+    """One ``train()`` call's stop: the flag and its callback."""
 
     def __init__(self, trainer: Any) -> None:
-        self.trainer, self.staging = trainer, None
+        self.trainer = trainer
         self.flag = StopFlag(stop_grace_s(), last_saved=lambda: self.last_line())
         self.callback = StopCallback(self.flag, trainer.ds_mp_engine.device)
 
@@ -178,7 +179,7 @@ def save_checkpoint(trainer: Any, base_save: Callable[[Any, Any], None], model: 
 
     args, state = trainer.args, trainer.state
     run_dir = trainer._get_output_dir(trial)
-    name = f"checkpoint-{state.global_step}"
+    name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
     staging, final = os.path.join(run_dir, STAGING), os.path.join(run_dir, name)
     if args.should_save:
         shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
@@ -215,7 +216,7 @@ def _fix_best(trainer: Any, staged: str, run_dir: str) -> None:
     if args.save_strategy not in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) or \
             not state.best_global_step:
         return
-    best = os.path.join(run_dir, f"checkpoint-{state.best_global_step}")
+    best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
     if state.best_model_checkpoint == best or (state.best_global_step != state.global_step and not os.path.isdir(best)):
         return
     state.best_model_checkpoint = best

@@ -37,9 +37,12 @@ def initialize(model=None, config=None, training_data=None, args=None, optimizer
     returns the mean loss of the global batch.
     """
     from ds_mp.engine.initialize import build_engine
+    from ds_mp.launcher_guard import engine_built
 
-    return build_engine(model=model, config=config, training_data=training_data, args=args,
-                        optimizer=optimizer, lr_scheduler=lr_scheduler, loaded=loaded)
+    built = build_engine(model=model, config=config, training_data=training_data, args=args,
+                         optimizer=optimizer, lr_scheduler=lr_scheduler, loaded=loaded)
+    engine_built()  # a signal the launcher guard still handles now ends a script's loop, not its start-up
+    return built
 
 
 def save_hf(engine, out_dir: str, tokenizer_dir: str | None = None) -> None:

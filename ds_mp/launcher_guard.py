@@ -13,9 +13,10 @@ DeepSpeed's ``launch.py`` starts each rank as ``python script.py --local_rank=N`
    re-parented to init: the runner died) exits at once with one line;
 4. until the run takes the signals over (:class:`~ds_mp.training.signals.StopFlag`), SIGTERM/SIGINT
    and the launcher's end exit the rank at once with one line and ``128 + signal``: a rank importing
-   torch or waiting in the rendezvous has nothing to save.  A thread watches both (the signals
-   through ``signal.set_wakeup_fd``, so a main thread blocked in C, e.g. in the rendezvous, does not
-   delay it).
+   torch or waiting in the rendezvous has nothing to save (a script's own loop after
+   ``ds_mp.initialize``, which no StopFlag takes over, is told apart: :func:`guard_exit`).  A thread
+   watches both (the signals through ``signal.set_wakeup_fd``, so a main thread blocked in C, e.g. in
+   the rendezvous, does not delay it).
 
 A process that was not started by ``launch.py`` (a test, ``torchrun``, a notebook) is left alone,
 and so is a process a rank starts (``DS_MP_RANK_PID`` in its environment).
@@ -108,11 +109,31 @@ def startup_exit(cause: str, code: int) -> None:
     os._exit(code)
 
 
+def guard_exit(cause: str, code: int) -> None:
+    """The guard ends this rank: during start-up with :func:`startup_exit`'s line; after
+    ``ds_mp.initialize`` built an engine (:func:`engine_built`: a script's own loop, which the guard
+    still watches) with one saying that this loop does not save on a signal."""
+    guard = armed()
+    if guard is None or not guard.engine_built:
+        startup_exit(cause, code)
+    print(f"ds_mp: rank {os.environ.get('RANK', '?')} stopped by {cause}: this script's training loop does not stop "
+          "on a signal (launch/train.py and ds_mp.hf's trainer.train() save, then stop every rank); nothing was "
+          "saved on the signal", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def startup_handler(signum: int, frame: object) -> None:
+    """The guard's signal handler (a run's :class:`~ds_mp.training.signals.StopFlag` replaces it and,
+    when done, restores the default instead: after the run its line would not be true)."""
+    guard_exit(signal.Signals(signum).name, 128 + signum)
+
+
 class Guard:
     """The start-up watch (see the module doc); :meth:`disarm` hands over to the run's own."""
 
     def __init__(self, chain: Chain, poll_s: float = 0.2) -> None:
         self.chain, self.poll_s = chain, poll_s
+        self.engine_built = False  # set by engine_built(): start-up is over for a script's own loop
         self._done = threading.Event()
         self.wakeup_r: int | None = None
         self._thread: threading.Thread | None = None
@@ -120,7 +141,7 @@ class Guard:
     def start(self) -> "Guard":
         if threading.current_thread() is threading.main_thread():
             for s in HANDLED:
-                signal.signal(s, lambda signum, _: startup_exit(f"{signal.Signals(signum).name}", 128 + signum))
+                signal.signal(s, startup_handler)
             self.wakeup_r, w = os.pipe()
             os.set_blocking(self.wakeup_r, False)
             os.set_blocking(w, False)
@@ -154,10 +175,10 @@ class Guard:
             if self._done.is_set():
                 return
             if got:
-                startup_exit(signal.Signals(got[0]).name, 128 + got[0])
+                guard_exit(signal.Signals(got[0]).name, 128 + got[0])
             why = gone(self.chain)
             if why:
-                startup_exit(why, 128 + signal.SIGTERM)
+                guard_exit(why, 128 + signal.SIGTERM)
 
 
 _GUARD: list[Guard] = []  # the one guard of this process (armed at most once)
@@ -180,6 +201,12 @@ def arm() -> Guard | None:
         startup_exit(why, 128 + signal.SIGTERM)
     _GUARD.append(Guard(chain).start())
     return _GUARD[0]
+
+
+def engine_built() -> None:
+    """Called by ``ds_mp.initialize``: from now on the guard's line no longer says "start-up"."""
+    if _GUARD:
+        _GUARD[0].engine_built = True
 
 
 def armed() -> Guard | None:

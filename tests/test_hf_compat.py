@@ -26,7 +26,7 @@ HF = os.path.join(REPO, "ds_mp", "hf")
 #: What PipelineTrainerMixin overrides today (the compat table must cover these and the check find them).
 MIXIN_OVERRIDES = {"_move_model_to_device", "_get_dataloader", "_prepare_for_training", "_clip_grad_norm",
                    "_get_grad_norm", "_get_learning_rate", "_save_optimizer_and_scheduler", "_save_scaler",
-                   "_load_best_model"}
+                   "_load_best_model", "_save_checkpoint", "_get_output_dir"}
 
 
 def test_installed_packages_have_every_private_name() -> None:

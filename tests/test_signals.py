@@ -121,14 +121,34 @@ def test_signal_to_launch_py_or_one_rank_stops_every_process(tmp_path, data, tar
 
 def test_a_stop_that_cannot_finish_ends_the_rank_after_the_grace(tmp_path):
     """The backstop: a rank whose stop cannot finish (here: a main thread that never returns to the
-    loop) exits 128 + signal with one line once ``grace_s`` has passed since the request."""
+    loop) exits 128 + signal with one line once ``grace_s`` has passed since the request, ending with
+    what ``last_saved`` says (the Trainer path: the last complete checkpoint)."""
     code = ("import os, signal, time\n"
             "from ds_mp.training.signals import StopFlag\n"
-            "StopFlag(grace_s=1.0, poll_s=0.1).install().running()\n"
+            "StopFlag(grace_s=1.0, poll_s=0.1, last_saved=lambda: '; the last complete checkpoint is X').install()"
+            ".running()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(60)\n")
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert time.time() - t0 < 50
-    assert "stop requested by SIGTERM" in proc.stderr and "exiting without a save" in proc.stderr, proc.stderr
+    assert "stop requested by SIGTERM" in proc.stderr and "exiting without a save; the last complete checkpoint is X" \
+        in proc.stderr, proc.stderr
+
+
+def test_a_scripts_own_loop_is_not_told_it_was_in_start_up() -> None:
+    """Under ``launch.py`` the guard of ``import ds_mp`` still handles the signals of a script that
+    trains with its own loop after ``ds_mp.initialize`` (no StopFlag there): its line says that loop
+    does not save on a signal, not "stopped during start-up: nothing was trained" (false there)."""
+    code = ("import os, signal, time\n"
+            "from ds_mp import launcher_guard\n"
+            "launcher_guard._GUARD.append(launcher_guard.Guard(launcher_guard.Chain()).start())  # as arm() under launch.py\n"
+            "launcher_guard.engine_built()  # what ds_mp.initialize calls\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, RANK="1"))
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "ds_mp: rank 1 stopped by SIGTERM: this script's training loop does not stop on a signal" in proc.stderr
+    assert "start-up" not in proc.stderr, proc.stderr

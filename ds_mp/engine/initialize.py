@@ -1,6 +1,7 @@
 """Wiring behind :func:`ds_mp.initialize`: distributed init, config, model, engine."""
 from __future__ import annotations
 
+import atexit
 import copy
 import os
 from typing import TYPE_CHECKING, Any
@@ -43,12 +44,17 @@ def init_distributed(timeout_s: float | None = None) -> None:
             os.environ.setdefault(key, default)  # a plain `python script.py` is a 1-rank job
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=secs), verbose=False)
     compat.release_shm_workspace()  # a comm someone else started with the op: leave nothing in /dev/shm
+    atexit.unregister(shutdown_distributed)  # once per process, however often this runs
+    atexit.register(shutdown_distributed, False)  # every entry point: launch/*.py, the Python API, ds_mp.hf
 
 
 def shutdown_distributed(clean: bool) -> None:
     """Tear the process groups down before the interpreter exits (a gloo group left to the
     exit-time destructors has aborted a finished rank: "terminate called without an active
-    exception").  ``clean``: every rank finished the same collectives, so a barrier is safe."""
+    exception", SIGABRT, exit 1).  :func:`init_distributed` registers it to run at exit
+    (``clean`` False) for every script; it does nothing when the group is already gone (the
+    script or launch/*.py destroyed it).  ``clean``: every rank finished the same collectives, so
+    a barrier is safe (at exit that is not known: a peer may have failed)."""
     if torch.distributed.is_initialized():
         if clean:
             torch.distributed.barrier()

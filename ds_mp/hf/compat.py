@@ -71,6 +71,10 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("Trainer", "_save_scaler", "_save_checkpoint writes the AMP grad scaler through it; ds_mp's checkpoint "
                "holds the fp16 loss scale"),
     Assumption("Trainer", "_load_best_model", "load_best_model_at_end loads the best checkpoint through it"),
+    Assumption("Trainer", "_save_checkpoint", "train() saves checkpoint-N through it (model, optimizer, scheduler, "
+               "trainer_state.json, RNG, rotation); ds_mp.hf.stop stages it and renames it only when complete"),
+    Assumption("Trainer", "_get_output_dir", "_save_checkpoint writes checkpoint-N under the directory it returns; "
+               "ds_mp.hf.stop returns the staging directory during a save"),
     # --- the Trainer's private state and helpers ds_mp.hf reads or calls ---
     Assumption("Trainer", "_memory_tracker", "set in __init__: evaluate() starts and stops it (memory metrics)"),
     Assumption("Trainer", "_remove_unused_columns", "evaluate(): drops a datasets.Dataset's columns the model's "

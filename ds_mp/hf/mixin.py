@@ -32,6 +32,7 @@ import torch
 
 from ds_mp.config import ConfigError
 from ds_mp.hf import compat
+from ds_mp.hf import stop
 from ds_mp.hf.args import check_layout, deepspeed_dict
 from ds_mp.hf.rows import empty_rows, fixed_rows, step_rows
 from ds_mp.hf.schedule import BoundLater, trainer_schedule
@@ -81,6 +82,23 @@ class PipelineTrainerMixin:
             self.state.is_world_process_zero = self.is_world_process_zero()
             self.state.is_local_process_zero = self.is_local_process_zero()
         self._ds_mp_lr: float | None = None
+
+    def train(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Any = None,
+              **kwargs: Any) -> Any:
+        """The Trainer's ``train``; a signal saves a checkpoint and stops every rank, resume picks
+        only complete checkpoints (:mod:`ds_mp.hf.stop`); a ``resume_from_checkpoint`` path that holds no
+        checkpoint is refused in the Trainer's own words (it would raise a raw FileNotFoundError)."""
+        path = resume_from_checkpoint
+        if isinstance(path, (str, os.PathLike)) and not os.path.isdir(path):
+            raise ConfigError(f"Can't find a valid checkpoint at {path}")
+        return stop.train(self, super().train, resume_from_checkpoint, trial, ignore_keys_for_eval=ignore_keys_for_eval,
+                          **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        stop.save_checkpoint(self, super()._save_checkpoint, model, trial)  # complete under its name, or absent
+
+    def _get_output_dir(self, trial: Any) -> str:
+        return stop.staging_root(self) or super()._get_output_dir(trial)
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         """Nothing to move: the Trainer's model may be on the meta device; ds_mp's engine placed its shards."""
@@ -149,16 +167,6 @@ class PipelineTrainerMixin:
         if self._ds_mp_lr is not None:
             return self._ds_mp_lr  # the LR of the last step (the engine stepped the scheduler already)
         return float(self.ds_mp_engine.get_lr()[0])
-
-    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's ``train``; a ``resume_from_checkpoint`` path that holds no checkpoint is refused
-        in the Trainer's own words (it would read its ``trainer_state.json`` and raise FileNotFoundError)."""
-        from transformers.trainer import TRAINER_STATE_NAME
-
-        path = resume_from_checkpoint
-        if isinstance(path, (str, os.PathLike)) and not os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
-            raise ConfigError(f"Can't find a valid checkpoint at {path}")
-        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> tuple:
         """The engine takes the place of Accelerate's DeepSpeed engine: its scheduler is bound to the

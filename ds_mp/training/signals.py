@@ -34,7 +34,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -63,12 +63,13 @@ def launcher_chain() -> tuple[int | None, int | None]:
 class StopFlag:
     """This rank's stop request: set by SIGTERM/SIGINT or by its launchers' end (see the module doc).
 
-    ``grace_s``: the backstop; the process exits without saving that long after the request.
+    ``grace_s``: the backstop; the process exits without saving that long after the request, its line
+    ending with ``last_saved()`` (e.g. which checkpoint is the last complete one).
     Until :meth:`running` (start-up: imports, rendezvous, checks, engine, resume) a signal or the
     launcher's end exits the rank at once with one line (nothing to save yet)."""
 
-    def __init__(self, grace_s: float, poll_s: float = 0.5) -> None:
-        self.grace_s, self.poll_s = grace_s, poll_s
+    def __init__(self, grace_s: float, poll_s: float = 0.5, last_saved: Callable[[], str] | None = None) -> None:
+        self.grace_s, self.poll_s, self.last_saved = grace_s, poll_s, last_saved
         self.signum, self.reason, self.since = 0, "", 0.0
         self._previous: dict[int, Any] = {}
         self._done = threading.Event()
@@ -95,7 +96,11 @@ class StopFlag:
         return self
 
     def uninstall(self) -> None:
+        """Restore the handlers found at :meth:`install`; the start-up guard's becomes the default
+        (start-up is over: its "nothing was trained" would not be true)."""
         for s, handler in self._previous.items():
+            if handler is launcher_guard.startup_handler:
+                handler = signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL
             signal.signal(s, handler)
         self._previous.clear()
         self._done.set()
@@ -121,8 +126,9 @@ class StopFlag:
             if why and not self._done.is_set():
                 self.request(signal.SIGTERM, f"SIGTERM ({why})")
             if self.signum and time.monotonic() - self.since > self.grace_s:
+                last = self.last_saved() if self.last_saved is not None else ""
                 print(f"ds_mp: stop requested by {self.reason} {self.grace_s:.0f} s ago and the step or save did "
-                      "not finish (a peer gone?): exiting without a save", file=sys.stderr, flush=True)
+                      f"not finish (a peer gone?): exiting without a save{last}", file=sys.stderr, flush=True)
                 os._exit(128 + self.signum)
 
     def agreed(self, device: Any, failed: bool = False) -> tuple[int, bool]:

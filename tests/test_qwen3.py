@@ -1,0 +1,121 @@
+"""Qwen3 (``Qwen3ForCausalLM``: q/k norms over ``head_dim`` before the rotation, ``head_dim`` 20 ≠
+96 / 6) equals the unmodified HF model trained on one process (fp32, SGD with clipping): TP = 2 (KV
+heads split), TP = 3 (2 KV heads replicated over 3 ranks), PP = 2 under 1f1b, zb-h1 and interleaved,
+TP2 × PP2, tied and untied heads; every TP copy of a q/k norm stays bit-identical and equal to HF's
+trained norm (their gradient is summed over TP: each rank sees its own heads); ``save_hf`` loads
+in ``from_pretrained`` with the trained model's logits; LoRA equals PEFT; the Trainer path equals
+the plain ``transformers.Trainer``.  Packed documents: tests/test_packed_attention.py's rows.
+
+One spawn per world size runs its layouts (``run_family``); tests/test_gemma3.py runs the same on Gemma 3.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from helpers import ds_config, tiny_qwen3
+from test_llama import CLIP, LR, SEQ, TOL, VOCAB, steps_for
+from test_tensor_parallel import gather_weights, hf_train, max_diff
+
+# (name, tp, pp, schedule, model kwargs, ds_mp extras) per world size
+LAYOUTS: dict[int, list[tuple]] = {
+    2: [("tp2", 2, 1, "1f1b", {}, {}),
+        ("pp2_1f1b", 1, 2, "1f1b", {"n_layer": 4}, {"pipeline": {"partition": [1, 3]}}),
+        ("pp2_zbh1", 1, 2, "zb-h1", {"n_layer": 4}, {}),
+        ("pp2_interleaved", 1, 2, "interleaved", {"n_layer": 4}, {"pipeline": {"virtual_stages": 2}})],
+    3: [("tp3_kv_replicated", 3, 1, "1f1b", {"tied": True}, {})],
+    4: [("tp2xpp2", 2, 2, "1f1b", {"n_layer": 4}, {})],
+}
+
+
+def _norm_copies(engine: Any) -> dict[str, torch.Tensor]:
+    """This rank's own copy of every q/k norm weight, by HF name."""
+    from ds_mp.models.pipeline import hf_param_name
+
+    pipe = engine.module
+    return {hf_param_name(n, pipe): p.detach().clone() for n, p in pipe.named_parameters()
+            if n.endswith(("q_norm.weight", "k_norm.weight"))}
+
+
+def _family_rank(rank: int, make: Callable, world: int, out: str) -> dict:
+    import ds_mp
+
+    res = {}
+    for name, tp, pp, schedule, kw, extra in LAYOUTS[world]:
+        gas = 4 if schedule != "1f1b" else 2
+        cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=LR, clip=CLIP, seq=SEQ, schedule=schedule, **extra)
+        engine, *_ = ds_mp.initialize(model=make(**kw), config=cfg)
+        losses = [float(engine.train_batch(iter(mbs))) for mbs in steps_for(micro_batches=gas)]
+        res[name] = (losses, gather_weights(engine)[0], _norm_copies(engine))
+        if name.startswith("tp2") and pp == 1:
+            ds_mp.save_hf(engine, f"{out}/{name}")
+    return res
+
+
+def run_family(make: Callable, world: int, out: str) -> None:
+    """Every layout of ``LAYOUTS[world]`` trains ``make(**kw)`` as HF does on one process; q/k norm
+    copies identical over TP and equal to HF's; the TP2 export loads with the trained logits."""
+    from transformers import AutoModelForCausalLM
+
+    results = run_ranks(_family_rank, world, make, world, out, timeout=600)
+    for name, tp, pp, schedule, kw, _ in LAYOUTS[world]:
+        gas = 4 if schedule != "1f1b" else 2
+        model = make(**kw)
+        want_losses, _, want = hf_train(model, steps_for(micro_batches=gas), lr=LR, clip=CLIP)
+        got: dict = {}
+        for losses, weights, _ in (r[name] for r in results):
+            got.update(weights)
+            assert max(abs(a - b) for a, b in zip(losses, want_losses)) < TOL, (name, losses, want_losses)
+        assert set(got) == set(want) and max_diff(got, want) < TOL, name
+        copies: dict[str, list[torch.Tensor]] = {}
+        for _, _, norms in (r[name] for r in results):
+            for n, t in norms.items():
+                copies.setdefault(n, []).append(t)
+        assert copies and all(len(c) == tp for c in copies.values()), name  # every TP rank holds a copy
+        for n, c in copies.items():
+            assert all(torch.equal(c[0], t) for t in c[1:]), f"{name}: TP copies of {n} differ"
+            assert float((c[0] - want[n]).abs().max()) < TOL and not torch.equal(want[n], model.state_dict()[n])
+        if name.startswith("tp2") and pp == 1:
+            trained = copy.deepcopy(model)
+            trained.load_state_dict(want, strict=False)
+            ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+            loaded = AutoModelForCausalLM.from_pretrained(f"{out}/{name}").eval()
+            assert type(loaded) is type(model)
+            with torch.no_grad():
+                assert float((loaded(input_ids=ids).logits - trained.eval()(input_ids=ids).logits).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_layouts_equal_hf(world: int, tmp_path: Any) -> None:
+    run_family(tiny_qwen3, world, str(tmp_path))
+
+
+def test_tables_cover_hf_models() -> None:
+    """``param_shapes`` is exactly HF's state dict (q/k norms included, a tied head omitted); every name
+    has a TP kind (the norms replicated) and a layer."""
+    from ds_mp.models.family import family_of
+
+    for tied in (True, False):
+        model = tiny_qwen3(tied=tied, n_layer=3)
+        fam, cfg = family_of(model.config), model.config
+        sd = {n: tuple(t.shape) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
+        assert fam.name == "llama" and fam.param_shapes(cfg) == sd
+        layers = fam.pipeline_layers(cfg)
+        for name in sd:
+            assert 0 <= fam.layer_index(name, layers) < len(layers)
+            assert fam.tp_kind(name) == "replicated" or "norm" not in name
+
+
+def test_unbuilt_options_are_refused_in_one_line() -> None:
+    from ds_mp.config import ConfigError, load_config
+
+    raw = tiny_qwen3(use_sliding_window=True, sliding_window=4, max_window_layers=1).config.to_dict()
+    with pytest.raises(ConfigError, match=r"^ds_mp.model: qwen3 option use_sliding_window=True .*set it false"):
+        load_config(ds_config(), 1, raw)
+    with pytest.raises(ConfigError, match=r"rope_type 'dynamic' is not supported"):
+        load_config(ds_config(), 1, {**tiny_qwen3().config.to_dict(),
+                                     "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}})

@@ -38,6 +38,8 @@ FAMILIES: dict[str, FamilyEntry] = {
     "qwen2": FamilyEntry("llama", "Qwen2ForCausalLM", _LLAMA_LORA),
     "mistral": FamilyEntry("llama", "MistralForCausalLM", _LLAMA_LORA),
     "qwen3": FamilyEntry("llama", "Qwen3ForCausalLM", _LLAMA_LORA),
+    "gemma3_text": FamilyEntry("gemma3", "Gemma3ForCausalLM", _LLAMA_LORA),
+    "gemma3": FamilyEntry("gemma3", "Gemma3ForConditionalGeneration", _LLAMA_LORA),  # its text model
 }
 
 

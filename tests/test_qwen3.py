@@ -1,7 +1,8 @@
 """Qwen3 (``Qwen3ForCausalLM``: q/k norms over ``head_dim`` before the rotation, ``head_dim`` 20 ≠
 96 / 6) equals the unmodified HF model trained on one process (fp32, SGD with clipping): TP = 2 (KV
 heads split), TP = 3 (2 KV heads replicated over 3 ranks), PP = 2 under 1f1b, zb-h1 and interleaved,
-TP2 × PP2, tied and untied heads; every TP copy of a q/k norm stays bit-identical and equal to HF's
+TeraPipe (token slices 6 + 10), TP2 × PP2 with sequence parallelism, ZeRO-1, activation
+checkpointing, tied and untied heads; every TP copy of a q/k norm stays bit-identical and equal to HF's
 trained norm (their gradient is summed over TP: each rank sees its own heads); ``save_hf`` loads
 in ``from_pretrained`` with the trained model's logits; LoRA equals PEFT; the Trainer path equals
 the plain ``transformers.Trainer``.  Packed documents: tests/test_packed_attention.py's rows.
@@ -23,12 +24,14 @@ from test_tensor_parallel import gather_weights, hf_train, max_diff
 
 # (name, tp, pp, schedule, model kwargs, ds_mp extras) per world size
 LAYOUTS: dict[int, list[tuple]] = {
-    2: [("tp2", 2, 1, "1f1b", {}, {}),
-        ("pp2_1f1b", 1, 2, "1f1b", {"n_layer": 4}, {"pipeline": {"partition": [1, 3]}}),
+    2: [("tp2_zero1", 2, 1, "1f1b", {}, {"zero": 1}),
+        ("pp2_1f1b_ckpt", 1, 2, "1f1b", {"n_layer": 4},
+         {"pipeline": {"partition": [1, 3], "activation_checkpoint_interval": 1}}),
         ("pp2_zbh1", 1, 2, "zb-h1", {"n_layer": 4}, {}),
-        ("pp2_interleaved", 1, 2, "interleaved", {"n_layer": 4}, {"pipeline": {"virtual_stages": 2}})],
+        ("pp2_interleaved", 1, 2, "interleaved", {"n_layer": 4}, {"pipeline": {"virtual_stages": 2}}),
+        ("pp2_terapipe", 1, 2, "terapipe", {}, {"terapipe": {"slices": [6, 10]}})],
     3: [("tp3_kv_replicated", 3, 1, "1f1b", {"tied": True}, {})],
-    4: [("tp2xpp2", 2, 2, "1f1b", {"n_layer": 4}, {})],
+    4: [("tp2xpp2_sp", 2, 2, "1f1b", {"n_layer": 4}, {"tensor_parallel": {"sequence_parallel": True}})],
 }
 
 

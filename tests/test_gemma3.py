@@ -17,7 +17,7 @@ import torch
 
 from helpers import ds_config, tiny_gemma3
 from test_llama import SEQ, VOCAB
-from test_qwen3 import run_family
+from test_qwen3 import lora_equals_peft, run_family, trainer_equals_plain_trainer
 
 
 def _untied(**kw: Any) -> Any:
@@ -74,3 +74,11 @@ def test_unbuilt_options_are_refused_in_one_line() -> None:
         raw = {**tiny_gemma3().config.to_dict(), key: 50.0 if key.startswith("attn") else True}
         with pytest.raises(ConfigError, match=rf"^ds_mp.model: gemma3 option {words}"):
             load_config(ds_config(), 1, raw)
+
+
+def test_lora_equals_peft(tmp_path: Any) -> None:
+    lora_equals_peft(tiny_gemma3, str(tmp_path))
+
+
+def test_trainer_equals_plain_trainer(tmp_path: Any) -> None:
+    trainer_equals_plain_trainer(tiny_gemma3, str(tmp_path))

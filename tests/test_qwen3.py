@@ -122,3 +122,79 @@ def test_unbuilt_options_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"rope_type 'dynamic' is not supported"):
         load_config(ds_config(), 1, {**tiny_qwen3().config.to_dict(),
                                      "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}})
+
+
+# --- LoRA against PEFT, and the Trainer path against the plain transformers.Trainer --------------
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "down_proj"]  # column, key/value (split at TP2) and row bases
+
+
+def peft_of(make: Callable) -> Any:
+    """PEFT's LoRA (r 4, alpha 8) on ``make()``, its B factors randomised (PEFT's B = 0 would leave A's
+    first gradient zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    from helpers import randomise_lora_b
+
+    cfg = LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    return randomise_lora_b(get_peft_model(make(), cfg), 7)
+
+
+def _lora_rank(rank: int, make: Callable, out: str) -> dict:
+    from test_lora import train_and_export_lora
+
+    lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": LORA_TARGETS}
+    return train_and_export_lora(peft_of(make), ds_config(tp=2, lr=0.05, seq=SEQ, lora=lora), steps_for(), out)
+
+
+def lora_equals_peft(make: Callable, out: str) -> None:
+    """At TP = 2: PEFT's losses, a frozen base, and the exported adapter (``PeftModel.from_pretrained``)
+    and merged model (``from_pretrained``) giving the PEFT reference's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers import hf_reference
+
+    want, trained = hf_reference(peft_of(make), steps_for(), lr=0.05)
+    results = run_ranks(_lora_rank, 2, make, out, timeout=600)
+    assert all(r["frozen_grads"] == [] and r["frozen_in_opt"] == [] for r in results)
+    assert results[0]["losses"] == pytest.approx(want, abs=2e-5)
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = trained.eval()(input_ids=ids).logits
+        assert (make()(input_ids=ids).logits - ref).abs().max() > 1e-3  # the adapter matters
+        loaded = PeftModel.from_pretrained(make(), f"{out}/adapter").eval()
+        merged = AutoModelForCausalLM.from_pretrained(f"{out}/merged").eval()
+        assert (loaded(input_ids=ids).logits - ref).abs().max() < 1e-4
+        assert (merged(input_ids=ids).logits - ref).abs().max() < 1e-4
+
+
+def trainer_equals_plain_trainer(make: Callable, out: str) -> None:
+    """``ds_mp.hf.Trainer`` at TP = 2 on a checkpoint directory: tests/test_hf_trainer.py's run (5 AdamW
+    steps, warm-up, clipping, padded rows with masked prompts, eval, save) equals the plain Trainer's:
+    losses, grad norms, LRs and eval loss as there; the saved weights to 1e-5 except where Adam
+    (eps 1e-6) divides rounding noise: an embedding row read only where no loss depends on it (a
+    row's last token, padding) has an exactly zero true gradient, and each implementation's ~1e-12 of
+    noise moves it by up to ~lr · 1e-3 per step (measured 2.2e-5 on one Qwen3 element; every other
+    weight within 2e-6), so the weights get 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    from test_hf_trainer import _ds_mp_rank, assert_same_run, ds_json, plain_run
+
+    model_dir = f"{out}/model"
+    make(vocab=203).save_pretrained(model_dir)  # test_hf_trainer's rows draw ids below 203
+    got = run_ranks(_ds_mp_rank, 2, model_dir, f"{out}/ds_mp", ds_json(tp=2), 5, timeout=600)[0]
+    ref = plain_run(model_dir, f"{out}/plain", 2)
+    assert_same_run({**got, "dir": ref["dir"]}, ref)  # logs and eval loss (the weights: below)
+    a = AutoModelForCausalLM.from_pretrained(got["dir"]).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(ref["dir"]).state_dict()
+    assert a.keys() == b.keys() and type(AutoModelForCausalLM.from_pretrained(got["dir"])) is type(make())
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4, msg=k)
+
+
+def test_lora_equals_peft(tmp_path: Any) -> None:
+    lora_equals_peft(tiny_qwen3, str(tmp_path))
+
+
+def test_trainer_equals_plain_trainer(tmp_path: Any) -> None:
+    trainer_equals_plain_trainer(tiny_qwen3, str(tmp_path))

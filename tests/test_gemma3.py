@@ -17,7 +17,7 @@ import torch
 
 from helpers import ds_config, tiny_gemma3
 from test_llama import SEQ, VOCAB
-from test_qwen3 import lora_equals_peft, run_family, trainer_equals_plain_trainer
+from test_qwen3 import lora_equals_peft, resume_then_generate, round_trip, run_family, trainer_equals_plain_trainer
 
 
 def _untied(**kw: Any) -> Any:
@@ -82,3 +82,11 @@ def test_lora_equals_peft(tmp_path: Any) -> None:
 
 def test_trainer_equals_plain_trainer(tmp_path: Any) -> None:
     trainer_equals_plain_trainer(tiny_gemma3, str(tmp_path))
+
+
+def test_hf_sharded_round_trip_bit_exact(tmp_path: Any) -> None:
+    round_trip(tiny_gemma3, str(tmp_path))
+
+
+def test_resume_at_another_layout_then_generate(tmp_path: Any) -> None:
+    resume_then_generate(tiny_gemma3, str(tmp_path))

@@ -17,7 +17,8 @@ import torch
 
 from helpers import ds_config, tiny_gemma3
 from test_llama import SEQ, VOCAB
-from test_qwen3 import lora_equals_peft, resume_then_generate, round_trip, run_family, trainer_equals_plain_trainer
+from test_qwen3 import (lora_equals_peft, resume_then_generate, ring_equals_reference, round_trip, run_family,
+                        trainer_equals_plain_trainer)
 
 
 def _untied(**kw: Any) -> Any:
@@ -64,6 +65,8 @@ def test_multimodal_checkpoint_trains_its_text_model(tmp_path: Any) -> None:
     with torch.no_grad():
         want = float(text.eval()(input_ids=ids, labels=ids).loss)
     assert abs(float(engine.eval_batch(iter([(ids, ids)]))) - want) < 1e-5
+    with pytest.raises(ds_mp.ConfigError, match=r"^model: a Gemma3ForConditionalGeneration is not a causal LM"):
+        ds_mp.initialize(model=mm, config=ds_config(micro=2, gas=1, seq=SEQ))  # the object: refused, one line
 
 
 def test_unbuilt_options_are_refused_in_one_line() -> None:
@@ -90,3 +93,7 @@ def test_hf_sharded_round_trip_bit_exact(tmp_path: Any) -> None:
 
 def test_resume_at_another_layout_then_generate(tmp_path: Any) -> None:
     resume_then_generate(tiny_gemma3, str(tmp_path))
+
+
+def test_ouroboros_ring_equals_reference() -> None:
+    ring_equals_reference(tiny_gemma3)

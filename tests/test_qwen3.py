@@ -249,3 +249,29 @@ def test_hf_sharded_round_trip_bit_exact(tmp_path: Any) -> None:
 
 def test_resume_at_another_layout_then_generate(tmp_path: Any) -> None:
     resume_then_generate(tiny_qwen3, str(tmp_path))
+
+
+# --- Ouroboros: the ring against the single-process reference cut from HF's model -----------------
+def _ring_rank(rank: int, make: Callable) -> dict:
+    from test_ouroboros_llama import data, llama_cfg, train
+
+    return {"delayed": train(rank, make(n_layer=3), llama_cfg(3), data()),
+            "no_delay": train(rank, make(n_layer=3), llama_cfg(3, delay=False, split=[1, 1, 1]), data())}
+
+
+def ring_equals_reference(make: Callable) -> None:
+    """K = 3 modules on 2 ranks (SGD): with delay, every loss and weight of the reference over HF's own
+    modules (tests/ouroboros_hf_modules.py's cut of the family); without, HF's backprop."""
+    from test_ouroboros import assert_same
+    from test_ouroboros_llama import data, reference, sgd
+
+    ring = run_ranks(_ring_rank, 2, make, timeout=600)
+    losses, weights = reference(make(n_layer=3), 3, sgd, data())
+    want_losses, _, want = hf_train(make(n_layer=3), [[b] for b in data()], lr=0.1)
+    for r in ring:
+        assert_same(r["delayed"], losses, weights)
+        assert_same(r["no_delay"], want_losses, want)
+
+
+def test_ouroboros_ring_equals_reference() -> None:
+    ring_equals_reference(tiny_qwen3)

@@ -82,7 +82,8 @@ class Family:
         if missing:
             raise ConfigError(f"ds_mp.model: {where} lacks {', '.join(missing)}; it is not a {raw['model_type']} "
                               "config.json (give a directory written by save_pretrained)")
-        return InlineModel(*(hf[k] for k in self.shape_keys), dropout=self.shape_dropout(hf))
+        return InlineModel(*(hf[k] for k in self.shape_keys), dropout=self.shape_dropout(hf),
+                           model_type=raw["model_type"])
 
     def shape_dropout(self, hf: dict) -> float:
         """The dropout an inline shape of this config would carry (``InlineModel.dropout``)."""

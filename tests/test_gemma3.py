@@ -8,6 +8,7 @@ from 0, logits soft-capped, a tied vocabulary padded for TP and pad id 0 (a froz
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 
 from helpers import ds_config, tiny_gemma3
 from test_llama import SEQ, VOCAB
-from test_qwen3 import (lora_equals_peft, resume_then_generate, ring_equals_reference, round_trip, run_family,
+from test_qwen3 import (inline_shape_draws_hf_init, lora_equals_peft, resume_then_generate, ring_equals_reference, round_trip, run_family,
                         trainer_equals_plain_trainer)
 
 
@@ -97,3 +98,23 @@ def test_resume_at_another_layout_then_generate(tmp_path: Any) -> None:
 
 def test_ouroboros_ring_equals_reference() -> None:
     ring_equals_reference(tiny_gemma3)
+
+
+def test_inline_shape_draws_hf_init() -> None:
+    inline_shape_draws_hf_init("gemma3_text", "Gemma3ForCausalLM")
+
+
+def test_bf16_embedding_scale_is_rounded_as_hf_rounds_it() -> None:
+    """Under bf16 the embedding is scaled by sqrt(96) rounded to bf16 (9.8125, not 9.798), as HF's
+    ``Gemma3TextScaledWordEmbedding`` does: ds_mp's embedding layer output equals HF's bit for bit."""
+    import ds_mp
+    from ds_mp.models.gemma3.layers import Embedding
+
+    model = tiny_gemma3()
+    engine, *_ = ds_mp.initialize(model=copy.deepcopy(model), config=ds_config(micro=2, gas=1, seq=SEQ, bf16=True))
+    layer = next(m for m in engine.module.modules() if isinstance(m, Embedding))
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = layer(ids)
+        want = model.to(torch.bfloat16).model.embed_tokens(ids)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -1,6 +1,7 @@
 """Qwen3 (``Qwen3ForCausalLM``: q/k norms over ``head_dim`` before the rotation, ``head_dim`` 20 ≠
 96 / 6) equals the unmodified HF model trained on one process (fp32, SGD with clipping): TP = 2 (KV
-heads split), TP = 3 (2 KV heads replicated over 3 ranks), PP = 2 under 1f1b, zb-h1 and interleaved,
+heads split), TP = 3 (2 KV heads replicated over 3 ranks), PP = 2 under 1f1b, gpipe (ZeRO-2), zb-h1,
+zb-v and interleaved,
 TeraPipe (token slices 6 + 10), TP2 × PP2 with sequence parallelism, ZeRO-1, activation
 checkpointing, tied and untied heads; every TP copy of a q/k norm stays bit-identical and equal to HF's
 trained norm (their gradient is summed over TP: each rank sees its own heads); ``save_hf`` loads
@@ -29,7 +30,9 @@ LAYOUTS: dict[int, list[tuple]] = {
          {"pipeline": {"partition": [1, 3], "activation_checkpoint_interval": 1}}),
         ("pp2_zbh1", 1, 2, "zb-h1", {"n_layer": 4}, {}),
         ("pp2_interleaved", 1, 2, "interleaved", {"n_layer": 4}, {"pipeline": {"virtual_stages": 2}}),
-        ("pp2_terapipe", 1, 2, "terapipe", {}, {"terapipe": {"slices": [6, 10]}})],
+        ("pp2_terapipe", 1, 2, "terapipe", {}, {"terapipe": {"slices": [6, 10]}}),
+        ("pp2_gpipe_zero2", 1, 2, "gpipe", {}, {"zero": 2}),
+        ("pp2_zbv", 1, 2, "zb-v", {"n_layer": 4}, {})],
     3: [("tp3_kv_replicated", 3, 1, "1f1b", {"tied": True}, {})],
     4: [("tp2xpp2_sp", 2, 2, "1f1b", {"n_layer": 4}, {"tensor_parallel": {"sequence_parallel": True}})],
 }
@@ -49,7 +52,7 @@ def _family_rank(rank: int, make: Callable, world: int, out: str) -> dict:
 
     res = {}
     for name, tp, pp, schedule, kw, extra in LAYOUTS[world]:
-        gas = 4 if schedule != "1f1b" else 2
+        gas = 4 if schedule not in ("1f1b", "gpipe") else 2
         cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=LR, clip=CLIP, seq=SEQ, schedule=schedule, **extra)
         engine, *_ = ds_mp.initialize(model=make(**kw), config=cfg)
         losses = [float(engine.train_batch(iter(mbs))) for mbs in steps_for(micro_batches=gas)]
@@ -66,7 +69,7 @@ def run_family(make: Callable, world: int, out: str) -> None:
 
     results = run_ranks(_family_rank, world, make, world, out, timeout=600)
     for name, tp, pp, schedule, kw, _ in LAYOUTS[world]:
-        gas = 4 if schedule != "1f1b" else 2
+        gas = 4 if schedule not in ("1f1b", "gpipe") else 2
         model = make(**kw)
         want_losses, _, want = hf_train(model, steps_for(micro_batches=gas), lr=LR, clip=CLIP)
         got: dict = {}
@@ -275,3 +278,33 @@ def ring_equals_reference(make: Callable) -> None:
 
 def test_ouroboros_ring_equals_reference() -> None:
     ring_equals_reference(tiny_qwen3)
+
+
+# --- an inline shape: fresh weights by the family's init, layout-free ----------------------------
+def inline_shape_draws_hf_init(model_type: str, cls_name: str) -> None:
+    """``"model": {"model_type": ..., ...}`` without a checkpoint: the drawn weights have exactly HF's
+    names and shapes, HF's init for norms (Qwen3: 1; Gemma's (1 + w): 0) and the first eval loss of
+    HF's model loaded with them."""
+    import transformers
+
+    import ds_mp
+    from ds_mp.checkpoint.hf import full_state_dict
+
+    shape = {"model_type": model_type, "n_layer": 2, "n_embd": 96, "n_head": 6, "n_kv_head": 2,
+             "intermediate_size": 192, "vocab_size": VOCAB, "n_positions": 64}
+    engine, *_ = ds_mp.initialize(config=ds_config(micro=2, gas=1, seq=SEQ, model=shape))
+    got = full_state_dict(engine)
+    hf = getattr(transformers, cls_name)(engine.hf_config).eval()
+    assert {n: tuple(t.shape) for n, t in got.items()} == {n: tuple(t.shape) for n, t in hf.state_dict().items()
+                                                            if n in got}
+    norm = 0.0 if model_type.startswith("gemma") else 1.0
+    assert all(float(t.min()) == float(t.max()) == norm for n, t in got.items() if n.endswith("norm.weight"))
+    hf.load_state_dict(got, strict=False)
+    mbs = steps_for(n_steps=1, micro_batches=1)[0]
+    with torch.no_grad():
+        want = float(hf(input_ids=mbs[0][0], labels=mbs[0][1]).loss)
+    assert abs(float(engine.eval_batch(iter(mbs))) - want) < 1e-5
+
+
+def test_inline_shape_draws_hf_init() -> None:
+    inline_shape_draws_hf_init("qwen3", "Qwen3ForCausalLM")

@@ -19,7 +19,7 @@ import torch
 from helpers import ds_config, tiny_gemma3
 from test_llama import SEQ, VOCAB
 from test_qwen3 import (inline_shape_draws_hf_init, lora_equals_peft, resume_then_generate, ring_equals_reference, round_trip, run_family,
-                        trainer_equals_plain_trainer)
+                        sft_equals_plain_trl, trainer_equals_plain_trainer)
 
 
 def _untied(**kw: Any) -> Any:
@@ -118,3 +118,7 @@ def test_bf16_embedding_scale_is_rounded_as_hf_rounds_it() -> None:
         got = layer(ids)
         want = model.to(torch.bfloat16).model.embed_tokens(ids)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_sft_trainer_equals_plain_trl(tmp_path: Any) -> None:
+    sft_equals_plain_trl(tiny_gemma3, str(tmp_path))

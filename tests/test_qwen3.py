@@ -308,3 +308,25 @@ def inline_shape_draws_hf_init(model_type: str, cls_name: str) -> None:
 
 def test_inline_shape_draws_hf_init() -> None:
     inline_shape_draws_hf_init("qwen3", "Qwen3ForCausalLM")
+
+
+# --- TRL: packed chats with a chat template through ds_mp.hf.SFTTrainer vs plain trl.SFTTrainer ---
+def sft_equals_plain_trl(make: Callable, out: str) -> None:
+    """launch/trl_sft.py on a ``save_pretrained`` directory of ``make`` (with the script's ChatML tokenizer):
+    packing (padding-free, position_ids), assistant-only loss, SGD, clipping; ds_mp at TP = 2 logs the
+    losses and eval loss of plain TRL on one process and saves its weights (tests/test_hf_sft.py's check)."""
+    from test_hf_sft import ARGS, _run, compare, ds_json, saved, trl_sft_script
+
+    tokenizer = trl_sft_script().tiny_tokenizer()
+    model_dir = f"{out}/model"
+    make(vocab=len(tokenizer), n_layer=2).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    argv = ARGS + ["--model_name_or_path", model_dir]
+    ref = run_ranks(_run, 1, argv + ["--output_dir", f"{out}/plain"], True, timeout=600)[0]
+    cfg = ds_json(f"{out}/ds.json", 2, 1)
+    res = run_ranks(_run, 2, argv + ["--output_dir", f"{out}/ds_mp", "--deepspeed", cfg], False, timeout=900)[0]
+    compare((ref, saved(f"{out}/plain")), res, saved(f"{out}/ds_mp"), "TP2")
+
+
+def test_sft_trainer_equals_plain_trl(tmp_path: Any) -> None:
+    sft_equals_plain_trl(tiny_qwen3, str(tmp_path))

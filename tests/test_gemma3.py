@@ -1,7 +1,8 @@
 """Gemma 3 (``Gemma3ForCausalLM``; and a multimodal ``gemma3`` checkpoint's text model) equals the
-unmodified HF model trained on one process (fp32, SGD with clipping), through tests/test_qwen3.py's
-layouts (``run_family``): TP = 2, TP = 3 with 2 KV heads replicated, PP = 2 under 1f1b (a stage
-boundary between a sliding and a full-attention layer), zb-h1 and interleaved, TP2 × PP2.  The tiny
+unmodified HF model trained on one process (fp32, SGD with clipping), through tests/family_checks.py's
+checks (the layouts of ``run_family``: TP = 2, TP = 3 with 2 KV heads replicated, PP = 2 under every
+schedule — 1f1b with a stage boundary between a sliding and a full-attention layer — TP2 × PP2 with
+SP, bf16; LoRA, the Trainer and TRL paths, checkpoints, Ouroboros, an inline shape).  The tiny
 model (tests/helpers.py ``tiny_gemma3``) has a 5-key window under 16-token rows, sliding and full layers
 with their own RoPE bases, ``head_dim`` 20 with ``query_pre_attn_scalar`` 24, (1 + w) norms moved
 from 0, logits soft-capped, a tied vocabulary padded for TP and pad id 0 (a frozen row).
@@ -18,8 +19,8 @@ import torch
 
 from helpers import ds_config, tiny_gemma3
 from test_llama import SEQ, VOCAB
-from test_qwen3 import (inline_shape_draws_hf_init, lora_equals_peft, resume_then_generate, ring_equals_reference, round_trip, run_family,
-                        sft_equals_plain_trl, trainer_equals_plain_trainer)
+from family_checks import (inline_shape_draws_hf_init, lora_equals_peft, resume_then_generate, ring_equals_reference,
+                           round_trip, run_family, sft_equals_plain_trl, trainer_equals_plain_trainer)
 
 
 def _untied(**kw: Any) -> Any:

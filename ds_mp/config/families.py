@@ -43,6 +43,10 @@ FAMILIES: dict[str, FamilyEntry] = {
 }
 
 
+#: what the registry trains, for people (errors name it beside the model_type values)
+TRAINED = "GPT-2, Llama, Qwen2, Mistral, Qwen3 and Gemma 3"
+
+
 def model_types_of(family: str) -> tuple[str, ...]:
     """The ``model_type`` values the family named ``family`` trains, in registry order."""
     return tuple(t for t, e in FAMILIES.items() if e.family == family)
@@ -52,9 +56,9 @@ def family_for(model_type: str) -> Any:
     """The ``Family`` registered for the HF ``model_type`` (its package imported on first use);
     ``ValueError`` naming the model types ds_mp knows for any other."""
     if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not a model family ds_mp knows; it trains model_type "
-                         f"{', '.join(FAMILIES)}")
+        raise ValueError(f"model_type {model_type!r} is not a model family ds_mp knows; it trains {TRAINED} "
+                         f"(model_type {', '.join(FAMILIES)})")
     return importlib.import_module(FAMILIES[model_type].package).FAMILY
 
 
-__all__ = ["FAMILIES", "FamilyEntry", "family_for", "model_types_of"]
+__all__ = ["FAMILIES", "FamilyEntry", "TRAINED", "family_for", "model_types_of"]

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 
-from ds_mp.config.families import FAMILIES, family_for
+from ds_mp.config.families import FAMILIES, TRAINED, family_for
 from ds_mp.config.schema import ConfigError, DsMpConfig, InlineModel
 
 __all__ = ["resolve_model_source", "shape_of", "OBJECT"]
@@ -54,6 +54,6 @@ def shape_of(hf: dict, where: str) -> InlineModel:
     """The model shape of an HF config dict (``config.json``, or a model object's
     ``config.to_dict()``), as its family reads it (``Family.shape``); ``where`` names it in the errors."""
     if hf.get("model_type") not in FAMILIES:
-        raise ConfigError(f"ds_mp.model: {where} is a {hf.get('model_type')!r} model; ds_mp trains model_type "
-                          f"{', '.join(FAMILIES)}")
+        raise ConfigError(f"ds_mp.model: {where} is a {hf.get('model_type')!r} model; ds_mp trains {TRAINED} "
+                          f"(model_type {', '.join(FAMILIES)})")
     return family_for(hf["model_type"]).shape(hf, where)

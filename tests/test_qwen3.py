@@ -51,6 +51,9 @@ def test_unbuilt_options_are_refused_in_one_line() -> None:
     raw = tiny_qwen3(use_sliding_window=True, sliding_window=4, max_window_layers=1).config.to_dict()
     with pytest.raises(ConfigError, match=r"^ds_mp.model: qwen3 option use_sliding_window=True .*set it false"):
         load_config(ds_config(), 1, raw)
+    inline = {"model_type": "qwen3", "n_layer": 2, "n_embd": 100, "n_head": 6, "vocab_size": 50, "n_positions": 32}
+    with pytest.raises(ConfigError, match=r"^ds_mp.model.n_embd: 100 is not divisible by n_head=6"):
+        load_config(ds_config(model=inline), 1)  # an inline shape's head_dim is n_embd / n_head
     with pytest.raises(ConfigError, match=r"rope_type 'dynamic' is not supported"):
         load_config(ds_config(), 1, {**tiny_qwen3().config.to_dict(),
                                      "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}})

@@ -50,6 +50,10 @@ class LlamaFamily(Family):
                 "bos_token_id": 0, "eos_token_id": 0}
 
     def check_inline(self, shape: Any) -> None:
+        """An inline shape's heads are ``n_embd / n_head`` wide (its ``head_dim``), grouped by ``n_kv_head``."""
+        if shape.n_embd % shape.n_head:
+            raise ConfigError(f"ds_mp.model.n_embd: {shape.n_embd} is not divisible by "
+                              f"n_head={shape.n_head}; pick n_embd a multiple of n_head")
         if shape.n_kv_head < 0 or shape.n_head % (shape.n_kv_head or shape.n_head):
             raise ConfigError(f"ds_mp.model.n_kv_head: {shape.n_kv_head} does not divide n_head={shape.n_head}")
 

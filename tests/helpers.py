@@ -122,8 +122,9 @@ def tiny_qwen3(kv: int = 2, tied: bool = False, n_layer: int = 2, seed: int = 0,
 def tiny_gemma3(kv: int = 2, tied: bool = True, n_layer: int = 2, seed: int = 0, vocab: int = 1003,
                 inner: int = 192, window: int = 5, layer_types: list | None = None, **config: Any):
     """A tiny HF ``Gemma3ForCausalLM``: hidden 96, 6 heads of head_dim 20, query_pre_attn_scalar 24,
-    ``layer_types`` (default: sliding then full attention, ``window`` keys) with RoPE bases 10k / 1M,
-    final logits soft-capped at 3, pad id 0 (its row frozen, as HF's padding_idx); norms perturbed."""
+    ``layer_types`` (default: sliding then full attention, ``window`` keys) with RoPE bases 10k and 1M,
+    the full layers' scaled linearly by 8 (as the released 4B+ models), final logits soft-capped at 3,
+    pad id 0 (its row frozen, as HF's padding_idx); norms perturbed."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
@@ -131,7 +132,10 @@ def tiny_gemma3(kv: int = 2, tied: bool = True, n_layer: int = 2, seed: int = 0,
     cfg = Gemma3TextConfig(hidden_size=96, intermediate_size=inner, num_hidden_layers=n_layer, num_attention_heads=6,
                            num_key_value_heads=kv, head_dim=20, query_pre_attn_scalar=24, vocab_size=vocab,
                            max_position_embeddings=64, sliding_window=window, layer_types=types,
-                           final_logit_softcapping=3.0, tie_word_embeddings=tied, rms_norm_eps=1e-5, **config)
+                           final_logit_softcapping=3.0, tie_word_embeddings=tied, rms_norm_eps=1e-5,
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                               "rope_theta": 1e6}}, **config)
     return _perturb_norms(Gemma3ForCausalLM(cfg).eval())
 
 

@@ -31,7 +31,8 @@ LAYOUTS: dict[int, list[tuple]] = {
         ("pp2_zbv", 1, 2, "zb-v", {"n_layer": 4}, {}),
         ("tp2_bf16", 2, 1, "1f1b", {}, {"bf16": True})],  # losses within BF16_TOL of HF's fp32 ones
     3: [("tp3_kv_replicated", 3, 1, "1f1b", {"tied": True}, {})],
-    4: [("tp2xpp2_sp", 2, 2, "1f1b", {"n_layer": 4}, {"tensor_parallel": {"sequence_parallel": True}})],
+    4: [("tp2xpp2_sp", 2, 2, "1f1b", {"n_layer": 4}, {"tensor_parallel": {"sequence_parallel": True}}),
+        ("tp2xpp2_zbh1", 2, 2, "zb-h1", {"n_layer": 4}, {})],  # the q/k norms' TP sum in the deferred W pass
 }
 
 

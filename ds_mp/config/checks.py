@@ -13,9 +13,9 @@ import warnings
 from typing import Callable
 
 from ds_mp.config.batching import check_batch_ramp, check_noise_scale
+from ds_mp.config.families import family_for
 from ds_mp.config.registry import SCHEDULES, names_where, schedule_spec
 from ds_mp.config.resolve import resolve_model_source, shape_of
-from ds_mp.config.families import family_for
 from ds_mp.config.schema import MODEL_TYPES, ConfigError, DsMpConfig, InlineModel, parse_config, positive
 
 

@@ -104,3 +104,44 @@ def randomise_lora_b(model: Any, seed: int, scale: float = 0.05) -> Any:
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
     return model
+
+
+def tiny_qwen3(kv: int = 2, tied: bool = False, n_layer: int = 2, seed: int = 0, vocab: int = 1003,
+               inner: int = 192, **config: Any):
+    """A tiny HF ``Qwen3ForCausalLM``: hidden 96, 6 heads of head_dim 20 (not 96 / 6), q/k norms and
+    every RMSNorm moved away from 1 (so a wrong cut or an unsummed gradient shows)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(hidden_size=96, intermediate_size=inner, num_hidden_layers=n_layer, num_attention_heads=6,
+                      num_key_value_heads=kv, head_dim=20, vocab_size=vocab, max_position_embeddings=64,
+                      tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-5, **config)
+    return _perturb_norms(Qwen3ForCausalLM(cfg).eval())
+
+
+def tiny_gemma3(kv: int = 2, tied: bool = True, n_layer: int = 2, seed: int = 0, vocab: int = 1003,
+                inner: int = 192, window: int = 5, layer_types: list | None = None, **config: Any):
+    """A tiny HF ``Gemma3ForCausalLM``: hidden 96, 6 heads of head_dim 20, query_pre_attn_scalar 24,
+    ``layer_types`` (default: sliding then full attention, ``window`` keys) with RoPE bases 10k and 1M,
+    the full layers' scaled linearly by 8 (as the released 4B+ models), final logits soft-capped at 3,
+    pad id 0 (its row frozen, as HF's padding_idx); norms perturbed."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    types = layer_types or ["sliding_attention", "full_attention"] * (n_layer // 2) + ["sliding_attention"] * (n_layer % 2)
+    cfg = Gemma3TextConfig(hidden_size=96, intermediate_size=inner, num_hidden_layers=n_layer, num_attention_heads=6,
+                           num_key_value_heads=kv, head_dim=20, query_pre_attn_scalar=24, vocab_size=vocab,
+                           max_position_embeddings=64, sliding_window=window, layer_types=types,
+                           final_logit_softcapping=3.0, tie_word_embeddings=tied, rms_norm_eps=1e-5,
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                               "rope_theta": 1e6}}, **config)
+    return _perturb_norms(Gemma3ForCausalLM(cfg).eval())
+
+
+def _perturb_norms(model: Any) -> Any:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from ds_mp.models.family import family_of
 
@@ -28,7 +28,7 @@ class GPT2Cut:
         return lead["drop"](lead["wte"](ids) + lead["wpe"](pos))  # (B, T, C)
 
     @staticmethod
-    def block_kwargs(model: nn.Module, h: Tensor, pos: Tensor) -> dict:
+    def block_kwargs(model: nn.Module, h: Tensor, pos: Tensor, block: nn.Module) -> dict:
         return {}
 
     @staticmethod
@@ -51,7 +51,7 @@ class LlamaCut:
         return lead["embed_tokens"](ids)  # (B, T, C)
 
     @staticmethod
-    def block_kwargs(model: nn.Module, h: Tensor, pos: Tensor) -> dict:
+    def block_kwargs(model: nn.Module, h: Tensor, pos: Tensor, block: nn.Module) -> dict:
         return {"position_embeddings": model.model.rotary_emb(h, position_ids=pos)}  # (cos, sin), no parameters
 
     @staticmethod
@@ -59,8 +59,42 @@ class LlamaCut:
         return tail["lm_head"](tail["norm"](h))  # (B, T, vocab)
 
 
+class SoftCap(nn.Module):
+    """Gemma 3's ``final_logit_softcapping``: ``c · tanh(z / c)`` (identity when ``c`` is None)."""
+
+    def __init__(self, cap: float | None) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, z: Tensor) -> Tensor:
+        return z if self.cap is None else torch.tanh(z / self.cap) * self.cap
+
+
+class Gemma3Cut(LlamaCut):
+    """``Gemma3ForCausalLM``: G_0 = the scaled embed_tokens, every block gets its layer type's mask
+    (sliding window or causal) and RoPE, G_{K-1} = norm + lm_head + the logits' soft-capping."""
+
+    @staticmethod
+    def parts(model: nn.Module) -> tuple[dict, nn.ModuleList, dict]:
+        lead, layers, tail = LlamaCut.parts(model)
+        return lead, layers, {**tail, "cap": SoftCap(model.config.final_logit_softcapping)}
+
+    @staticmethod
+    def block_kwargs(model: nn.Module, h: Tensor, pos: Tensor, block: nn.Module) -> dict:
+        kind = model.config.layer_types[block.self_attn.layer_idx]
+        kw = {"position_embeddings": model.model.rotary_emb(h, pos, kind)}
+        if kind == "sliding_attention":
+            kw["attention_mask"] = create_sliding_window_causal_mask(config=model.config, inputs_embeds=h,
+                                                                     attention_mask=None, cache=None, position_ids=pos)
+        return kw
+
+    @staticmethod
+    def logits(tail: nn.ModuleDict, h: Tensor) -> Tensor:
+        return tail["cap"](tail["lm_head"](tail["norm"](h)))  # (B, T, vocab)
+
+
 #: ``Family.name`` -> how to cut that family's HF model.
-CUTS = {"gpt2": GPT2Cut, "llama": LlamaCut}
+CUTS = {"gpt2": GPT2Cut, "llama": LlamaCut, "gemma3": Gemma3Cut}
 
 
 class OuroborosModule(nn.Module):
@@ -89,10 +123,10 @@ class OuroborosModule(nn.Module):
         h = self.cut.embed(self.lead, x, pos) if self.is_first else x  # (B, T, C)
         mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
                                   position_ids=pos)
-        kwargs = self.cut.block_kwargs(self._model[0], h, pos)
         for block in self.blocks:
-            h = block(h, attention_mask=mask, position_ids=pos, **kwargs)
+            kwargs = {"attention_mask": mask, **self.cut.block_kwargs(self._model[0], h, pos, block)}
+            h = block(h, position_ids=pos, **kwargs)
         return self.cut.logits(self.tail, h) if self.is_last else h
 
 
-__all__ = ["CUTS", "GPT2Cut", "LlamaCut", "OuroborosModule"]
+__all__ = ["CUTS", "GPT2Cut", "Gemma3Cut", "LlamaCut", "OuroborosModule"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from helpers import ds_config, randomise_lora_b, tiny_gpt2
+from helpers import ds_config, randomise_lora_b, tiny_gemma3, tiny_gpt2, tiny_qwen3
 from sft_data import hf_masked, hf_per_document, micro_batches, padded
 from test_tensor_parallel import gather_weights, max_diff
 
@@ -47,7 +47,8 @@ def peft_gpt2():
 
 
 LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["c_attn", "c_proj", "c_fc"]}
-MODELS = {"gpt2": lambda: tiny_gpt2(vocab=V), "qwen2": tiny_qwen2, "mistral": tiny_mistral, "gpt2_lora": peft_gpt2}
+MODELS = {"gpt2": lambda: tiny_gpt2(vocab=V), "qwen2": tiny_qwen2, "mistral": tiny_mistral, "gpt2_lora": peft_gpt2,
+          "qwen3": lambda: tiny_qwen3(vocab=V), "gemma3": lambda: tiny_gemma3(vocab=V, window=4, n_layer=4)}
 BF16 = 1e-2  # bf16 losses against HF's fp32 (relative)
 
 
@@ -94,10 +95,12 @@ def cases(world: int) -> list[dict]:
                 _case("qwen2_left", model="qwen2", padding="left", gas=1),
                 _case("gpt2_left_first", padding="left", first_labels=True),  # issue 43 item 13
                 _case("qwen2_left_first", model="qwen2", padding="left", gas=2, first_labels=True),
-                _case("mistral_window4", model="mistral", gas=2)]  # documents up to 8 tokens: the window cuts
+                _case("mistral_window4", model="mistral", gas=2),  # documents up to 8 tokens: the window cuts
+                _case("gemma3_right", model="gemma3", padding="right", gas=2)]  # sliding and full layers
     if world == 2:
         return [_case("gpt2_pp2_1f1b", pp=2), _case("qwen2_tp2", model="qwen2", tp=2),
-                _case("gpt2_dp2", dp=2, gas=2),
+                _case("gpt2_dp2", dp=2, gas=2), _case("qwen3_tp2", model="qwen3", tp=2, gas=2),
+                _case("gemma3_pp2_zbh1", model="gemma3", pp=2, schedule="zb-h1", gas=4),  # window 4 cuts documents
                 _case("qwen2_pp2_zbh1", model="qwen2", pp=2, schedule="zb-h1", gas=4),
                 _case("gpt2_pp2_interleaved", pp=2, schedule="interleaved", gas=4, pipeline={"virtual_stages": 2}),
                 # a document boundary inside a slice, a slice boundary inside a document, the KV cache across slices
@@ -125,7 +128,9 @@ def cases(world: int) -> list[dict]:
                 _case("gpt2_tp2_dp2_sp", tp=2, dp=2, gas=2, tensor_parallel={"sequence_parallel": True}),
                 _case("qwen2_pp2_dp2_interleaved", model="qwen2", pp=2, dp=2, gas=2, schedule="interleaved",
                       pipeline={"virtual_stages": 2}),
-                _case("gpt2_pp2_dp2_zero2_clip", pp=2, dp=2, gas=2, zero=2, clip=0.5)]
+                _case("gpt2_pp2_dp2_zero2_clip", pp=2, dp=2, gas=2, zero=2, clip=0.5),
+                _case("gemma3_tp2_pp2_sp", model="gemma3", tp=2, pp=2, gas=2,
+                      tensor_parallel={"sequence_parallel": True})]
     return []
 
 

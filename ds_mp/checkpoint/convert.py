@@ -32,6 +32,7 @@ import torch
 from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.hf import HFReader, open_reader, write_hf_streaming
 from ds_mp.checkpoint.sharded import CheckpointError, ShardedReader, expected_shapes, is_sharded_dir, write_sharded
+from ds_mp.config.families import TRAINED
 from ds_mp.hub import HubError, resolve_model
 from ds_mp.models.family import family_of
 from ds_mp.models.partition import stage_parts
@@ -161,9 +162,8 @@ def ds_to_hf(src: str, out: str, tokenizer_dir: str | None = None, verify: bool 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-mp convert", description="Convert HF causal-LM checkpoints (GPT-2, "
-                                "Llama, Qwen2, Mistral) between the "
-                                "Hugging Face layout and ds_mp's sharded layout (any TP × PP).")
+    p = argparse.ArgumentParser(prog="ds-mp convert", description=f"Convert HF causal-LM checkpoints ({TRAINED}) "
+                                "between the Hugging Face layout and ds_mp's sharded layout (any TP × PP).")
     sub = p.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("hf-to-ds", help="HF directory, Hub id (gpt2, org/name@rev) or sharded dir -> sharded directory")
     a.add_argument("src", metavar="IN")

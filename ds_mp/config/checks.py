@@ -13,6 +13,7 @@ import warnings
 from typing import Callable
 
 from ds_mp.config.batching import check_batch_ramp, check_noise_scale
+from ds_mp.config.families import family_for
 from ds_mp.config.registry import SCHEDULES, names_where, schedule_spec
 from ds_mp.config.resolve import resolve_model_source, shape_of
 from ds_mp.config.schema import MODEL_TYPES, ConfigError, DsMpConfig, InlineModel, parse_config, positive
@@ -20,8 +21,8 @@ from ds_mp.config.schema import MODEL_TYPES, ConfigError, DsMpConfig, InlineMode
 
 def _model_shape(cfg: DsMpConfig) -> tuple[InlineModel, dict]:
     """The model's shape and HF config dict: a resolved directory's or model object's
-    (:func:`resolve_model_source`), or an inline shape's own (Llama family: as HF keys, for the
-    family checks)."""
+    (:func:`resolve_model_source`), or an inline shape's own (its family's ``config.json`` keys,
+    ``Family.inline_hf``, for the family checks)."""
     if cfg.model_source:
         return shape_of(cfg.hf_config, cfg.model_source), cfg.hf_config
     if not isinstance(cfg.model, InlineModel):
@@ -30,40 +31,22 @@ def _model_shape(cfg: DsMpConfig) -> tuple[InlineModel, dict]:
     m = cfg.model
     if m.model_type not in MODEL_TYPES:
         raise ConfigError(f"ds_mp.model.model_type: {m.model_type!r} is not one of {', '.join(MODEL_TYPES)}")
-    if m.model_type == "gpt2" and (m.n_kv_head, m.intermediate_size, m.tie_word_embeddings) != (0, 0, True):
-        raise ConfigError("ds_mp.model.model_type: n_kv_head, intermediate_size and tie_word_embeddings shape "
-                          "Llama-family models; set model_type to llama, qwen2 or mistral, or remove them")
-    if m.model_type == "gpt2":
-        return m, cfg.hf_config
-    if m.n_kv_head < 0 or m.n_head % (m.n_kv_head or m.n_head):
-        raise ConfigError(f"ds_mp.model.n_kv_head: {m.n_kv_head} does not divide n_head={m.n_head}")
-    return m, m.hf_dict()
+    family = family_for(m.model_type)
+    family.check_inline(m)
+    return m, family.inline_hf(m) or cfg.hf_config
 
 
 def check_model_family(cfg: DsMpConfig) -> None:
-    """What the model's family supports (``cfg.hf_config``; nothing to check for GPT-2).
-
-    Llama / Qwen2 / Mistral: the schedules whose spec lists the family (tested against HF or, for
-    Ouroboros, against its reference over HF's modules); LoRA on their linears, on k_proj/v_proj
-    only where TP divides the key/value heads (otherwise the frozen projections are replicated and
-    the factor cut would differ by rank); an MLP width TP splits evenly."""
-    hf = cfg.hf_config
-    kind = hf.get("model_type", "gpt2")
-    if kind == "gpt2":
-        return
+    """What the model's family supports: the schedules whose spec lists its ``model_type`` (tested
+    against HF or, for Ouroboros, against its reference over HF's modules), then the family's own
+    checks of the run (``Family.check_run``: e.g. an MLP width TP splits evenly, LoRA on k_proj/v_proj
+    only where TP divides the key/value heads, HF options its layers do not build)."""
+    kind = cfg.hf_config.get("model_type", "gpt2")
     if kind not in schedule_spec(cfg.pipeline.schedule).families:
         tested = names_where(lambda spec: kind in spec.families)
-        raise ConfigError(f"ds_mp.pipeline.schedule: {cfg.pipeline.schedule!r} is not tested with {kind} models (only "
-                          f"with GPT-2); use one of {', '.join(tested)}")
-    inner = hf.get("intermediate_size", 0)
-    if inner % cfg.tp:
-        raise ConfigError(f"ds_mp.tensor_parallel.size: {cfg.tp} does not divide intermediate_size={inner} (the MLP "
-                          "is split in equal column blocks); use a TP size dividing it")
-    kv = hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    if cfg.lora.r and kv % cfg.tp and any(t in ("k_proj", "v_proj") for t in cfg.lora.target_modules):
-        raise ConfigError(f"ds_mp.lora.target_modules: k_proj/v_proj with tensor_parallel.size={cfg.tp}, which does "
-                          f"not divide the {kv} key/value heads (they are replicated); use a TP size dividing {kv} "
-                          "or LoRA on q_proj, o_proj and the MLP")
+        raise ConfigError(f"ds_mp.pipeline.schedule: {cfg.pipeline.schedule!r} is not tested with {kind} models; "
+                          f"use one of {', '.join(tested)}")
+    family_for(kind).check_run(cfg)
 
 
 # --- the checks of validate(), in the order they run -------------------------------------------------
@@ -129,9 +112,7 @@ def check_shape(cfg: DsMpConfig, shape: InlineModel) -> None:
     tp = cfg.tensor_parallel
     for key in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions"):
         positive(getattr(shape, key), f"model.{key}")
-    if shape.n_embd % shape.n_head:
-        raise ConfigError(f"ds_mp.model.n_embd: {shape.n_embd} is not divisible by "
-                          f"n_head={shape.n_head}; pick n_embd a multiple of n_head")
+    family_for(cfg.hf_config.get("model_type", "gpt2")).check_shape(shape, cfg.hf_config)
     if not 0.0 <= shape.dropout < 1.0:
         raise ConfigError(f"ds_mp.model.dropout: must be in [0, 1), got {shape.dropout}")
     if shape.n_head % tp.size:
@@ -202,7 +183,7 @@ def check_lora(cfg: DsMpConfig, shape: InlineModel) -> None:
     if not 0.0 <= lo.dropout < 1.0:
         raise ConfigError(f"ds_mp.lora.dropout: must be in [0, 1), got {lo.dropout}")
     kind = cfg.hf_config.get("model_type", "gpt2")
-    targets = MODEL_TYPES[kind][1]
+    targets = MODEL_TYPES[kind]
     bad = [t for t in lo.target_modules if t not in targets]
     if not lo.target_modules or bad:
         raise ConfigError(f"ds_mp.lora.target_modules: {bad or lo.target_modules} not {kind} linear names; "

@@ -13,7 +13,8 @@ import dataclasses
 import json
 import os
 
-from ds_mp.config.schema import MODEL_TYPES, ConfigError, DsMpConfig, InlineModel
+from ds_mp.config.families import FAMILIES, TRAINED, family_for
+from ds_mp.config.schema import ConfigError, DsMpConfig, InlineModel
 
 __all__ = ["resolve_model_source", "shape_of", "OBJECT"]
 
@@ -51,14 +52,8 @@ def resolve_model_source(cfg: DsMpConfig, hf_config: dict | None = None) -> DsMp
 
 def shape_of(hf: dict, where: str) -> InlineModel:
     """The model shape of an HF config dict (``config.json``, or a model object's
-    ``config.to_dict()``); ``where`` names it in the errors."""
-    if hf.get("model_type") not in MODEL_TYPES:
-        raise ConfigError(f"ds_mp.model: {where} is a {hf.get('model_type')!r} model; ds_mp trains GPT-2, Llama, "
-                          f"Qwen2 and Mistral (model_type {', '.join(MODEL_TYPES)})")
-    keys = MODEL_TYPES[hf["model_type"]][0]
-    missing = [k for k in keys if k not in hf]
-    if missing:
-        raise ConfigError(f"ds_mp.model: {where} lacks {', '.join(missing)}; it is not a {hf['model_type']} "
-                          "config.json (give a directory written by save_pretrained)")
-    drop = hf.get("resid_pdrop", 0.1) if hf["model_type"] == "gpt2" else hf.get("attention_dropout", 0.0)
-    return InlineModel(*(hf[k] for k in keys), dropout=drop)
+    ``config.to_dict()``), as its family reads it (``Family.shape``); ``where`` names it in the errors."""
+    if hf.get("model_type") not in FAMILIES:
+        raise ConfigError(f"ds_mp.model: {where} is a {hf.get('model_type')!r} model; ds_mp trains {TRAINED} "
+                          f"(model_type {', '.join(FAMILIES)})")
+    return family_for(hf["model_type"]).shape(hf, where)

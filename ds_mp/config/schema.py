@@ -25,7 +25,8 @@ def positive(value: int, key: str) -> None:
 @dataclass
 class InlineModel:
     """A model shape for training from scratch: GPT-2's (fields as in ``transformers.GPT2Config``),
-    or with ``model_type`` a Llama-family decoder (its own fields below; HF's defaults for the rest)."""
+    or with ``model_type`` another registered decoder (its fields below; the family turns the shape into
+    its ``config.json`` keys, ``Family.inline_hf``, and HF's defaults fill the rest)."""
 
     n_layer: int = 4  # transformer blocks
     n_embd: int = 128  # hidden size
@@ -33,18 +34,10 @@ class InlineModel:
     vocab_size: int = 8192  # true vocabulary size (padding is added for TP, never exported)
     n_positions: int = 1024  # maximum sequence length
     dropout: float = 0.0  # resid/embd/attn dropout probability (Llama family: attention_dropout)
-    model_type: str = "gpt2"  # "gpt2", or a Llama-family decoder: "llama", "qwen2" (q/k/v biases) or "mistral"
-    n_kv_head: int = 0  # Llama family: key/value heads of grouped-query attention (0 = n_head)
-    intermediate_size: int = 0  # Llama family: SwiGLU MLP width (0 = 4 × n_embd)
-    tie_word_embeddings: bool = True  # Llama family: the LM head is the embedding (false: its own weight)
-
-    def hf_dict(self) -> dict:
-        """This Llama-family shape as HF ``config.json`` keys (the family's config class fills the rest)."""
-        return {"model_type": self.model_type, "num_hidden_layers": self.n_layer, "hidden_size": self.n_embd,
-                "num_attention_heads": self.n_head, "num_key_value_heads": self.n_kv_head or self.n_head,
-                "intermediate_size": self.intermediate_size or 4 * self.n_embd, "vocab_size": self.vocab_size,
-                "max_position_embeddings": self.n_positions, "attention_dropout": self.dropout,
-                "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": 0, "eos_token_id": 0}
+    model_type: str = "gpt2"  # "gpt2", or another registered decoder: "llama", "qwen2", "mistral", "qwen3", "gemma3_text"
+    n_kv_head: int = 0  # not GPT-2: key/value heads of grouped-query attention (0 = n_head)
+    intermediate_size: int = 0  # not GPT-2: gated MLP width (0 = 4 × n_embd)
+    tie_word_embeddings: bool = True  # not GPT-2: the LM head is the embedding (false: its own weight)
 
 
 @dataclass
@@ -142,9 +135,8 @@ class TrainingConfig:
 
 
 #: Views of the family registry (ds_mp.config.families, the one table; this module imports no model):
-#: HF model_type -> (config.json keys of n_layer, n_embd, n_head, vocab_size, n_positions; LoRA target names).
-MODEL_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    t: (e.shape_keys, e.lora_targets) for t, e in FAMILIES.items()}
+#: HF model_type -> the PEFT-style LoRA target names its family accepts.
+MODEL_TYPES: dict[str, tuple[str, ...]] = {t: e.lora_targets for t, e in FAMILIES.items()}
 LORA_TARGETS, LLAMA_LORA_TARGETS = FAMILIES["gpt2"].lora_targets, FAMILIES["llama"].lora_targets
 
 

@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_mp import deepspeed_compat as compat
-from ds_mp.config import ConfigError, DsMpConfig, check_deepspeed_blocks, load_config, read_json, validate_model
+from ds_mp.config import (ConfigError, DsMpConfig, check_deepspeed_blocks, load_config, read_json, shape_of,
+                          validate_model)
+from ds_mp.config.resolve import OBJECT
 from ds_mp.engine.optimizer import optimizer_setup
 from ds_mp.models.cost_profile import PROFILE_NAME, agreed_layer_costs
 from ds_mp.models.family import causal_lm_family, inline_config
@@ -208,7 +210,6 @@ def measured_costs(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: 
 
 
 def _inline_from_hf(hf: Any) -> dict:
-    """The shape of an HF config of any family (GPT-2's attribute map gives it the standard names)."""
-    return {"n_layer": hf.num_hidden_layers, "n_embd": hf.hidden_size, "n_head": hf.num_attention_heads,
-            "vocab_size": hf.vocab_size, "n_positions": hf.max_position_embeddings,
-            "dropout": float(getattr(hf, "resid_pdrop", getattr(hf, "attention_dropout", 0.0)))}
+    """The shape of an HF config of any family, as the family reads its ``config.to_dict()``."""
+    shape = shape_of(hf.to_dict(), OBJECT)
+    return {k: getattr(shape, k) for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions", "dropout")}

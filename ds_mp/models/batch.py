@@ -85,20 +85,22 @@ class Layout:
     def rows(self, r0: int, r1: int) -> "Layout":
         return Layout(self.positions[r0:r1], self.docs[r0:r1], self.window)
 
-    def mask(self, q_len: int, k_len: int) -> torch.Tensor:
+    def mask(self, q_len: int, k_len: int, windowed: bool = True) -> torch.Tensor:
         """Boolean SDPA mask ``(B, 1, q_len, k_len)`` (True = attend) for the queries at indices
         ``k_len - q_len … k_len - 1`` against the keys ``0 … k_len - 1`` (a TeraPipe slice attends
-        to its sequence's earlier slices: the keys before its own)."""
-        if (q_len, k_len) not in self.masks:
-            self.masks[(q_len, k_len)] = self._mask(q_len, k_len)
-        return self.masks[(q_len, k_len)]
+        to its sequence's earlier slices: the keys before its own); ``windowed`` False: without the
+        window (Gemma 3's full-attention layers between its sliding-window ones)."""
+        key = (q_len, k_len, windowed and self.window is not None)
+        if key not in self.masks:
+            self.masks[key] = self._mask(q_len, k_len, key[2])
+        return self.masks[key]
 
-    def _mask(self, q_len: int, k_len: int) -> torch.Tensor:
+    def _mask(self, q_len: int, k_len: int, windowed: bool) -> torch.Tensor:
         q0, dev = k_len - q_len, self.docs.device
         qi = torch.arange(q0, k_len, device=dev)[:, None]
         kj = torch.arange(k_len, device=dev)[None, :]
         allowed = kj <= qi  # (q, k)
-        if self.window is not None:
+        if windowed:
             allowed = allowed & (qi - kj < self.window)
         dq, dk = self.docs[:, q0:k_len, None], self.docs[:, None, :k_len]  # (B, q, 1), (B, 1, k)
         allowed = allowed & (dq == dk) & (dk >= 0)  # a padding query: no key (SDPA's output 0, HF's)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ds_mp.atomic import write_text_atomic
+from ds_mp.models.family import family_of
 from ds_mp.models.partition import LayerCosts
 from ds_mp.models.pipeline import LAYER_COST_VERSION, Ctx, LMLoss
 from ds_mp.models.weights import WeightSource
@@ -89,19 +90,13 @@ def cpu_model() -> str:
 def profile_key(hf_config: Any, *, rows: int, seq: int, dtype: torch.dtype, device: torch.device, tp: int,
                 sequence_parallel: bool, vocab_pad_multiple: int, lora: Any = None, overlap_comm: bool = True) -> str:
     """The cache key: everything the three costs depend on."""
-    c = hf_config
-    shape = {"n_embd": c.hidden_size, "n_head": c.num_attention_heads, "vocab": c.vocab_size}
-    if c.model_type == "gpt2":  # (GPT-2's keys as before: its cached profiles stay valid)
-        shape.update(n_inner=getattr(c, "n_inner", None), act=c.activation_function)
-    else:
-        shape.update(model_type=c.model_type, kv_heads=c.num_key_value_heads, inner=c.intermediate_size,
-                     act=c.hidden_act, head_dim=getattr(c, "head_dim", None), tied=c.tie_word_embeddings)
+    shape = family_of(hf_config).cost_shape(hf_config)  # what a layer's cost depends on, as its family says
     parts = {**shape, "rows": rows, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
              "tp": tp, "sp": bool(sequence_parallel and tp > 1), "vocab_pad_multiple": vocab_pad_multiple,
              "overlap_comm": bool(overlap_comm and tp > 1),
              "lora": [lora.r, sorted(lora.target_modules)] if lora is not None and lora.r > 0 else None,
              "device": device_label(device), "version": LAYER_COST_VERSION}
-    return json.dumps(parts, sort_keys=True)
+    return json.dumps(parts, sort_keys=True, default=str)
 
 
 def measure_layer_costs(src: WeightSource, topology: Topology, *, rows: int, seq: int, dtype: torch.dtype,

@@ -25,16 +25,18 @@ an HF config.  Adding a family: docs/design.md, "How to add a model family".
 """
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from types import ModuleType
 from typing import Any
 
-from ds_mp.config.families import FAMILIES, model_types_of
+from ds_mp.config.families import FAMILIES, family_for, model_types_of
+from ds_mp.models.family_config import FamilyConfig
 
-class Family:
-    """The tables of one model family (see the module docstring); subclasses fill them in."""
+
+class Family(FamilyConfig):
+    """The tables of one model family (see the module docstring); subclasses fill them in.  What
+    config validation asks of it (its ``config.json``, its checks) is :class:`FamilyConfig`'s."""
 
     name: str = ""  # its name in the registry (ds_mp.config.families) and its package
     tp_plan: dict[str, str] = {}
@@ -67,18 +69,9 @@ class Family:
         """The HF config class of ``model_type`` (imported lazily)."""
         raise NotImplementedError
 
-    def config_from_dict(self, raw: dict) -> Any:
-        from transformers import AutoConfig
-
-        raw = dict(raw)
-        return AutoConfig.for_model(raw.pop("model_type"), **raw)
-
     def inline_config(self, shape: Any) -> Any:
         """The HF config of an inline model shape (``ds_mp.config.InlineModel``) of this family."""
         raise NotImplementedError
-
-    def check(self, cfg: Any) -> None:
-        """Raise ``ValueError`` (one line naming the option) for a config ds_mp would train wrongly."""
 
     def dropouts(self, cfg: Any) -> tuple[float, float, float]:
         """Residual, embedding and attention-probability dropout of ``cfg`` (0 where it has none)."""
@@ -147,6 +140,10 @@ class Family:
         """Width of one attention head (a key/value cache entry's last dimension)."""
         return cfg.hidden_size // cfg.num_attention_heads
 
+    def qk_norm(self, cfg: Any) -> bool:
+        """Whether each head's queries and keys are RMS-normalised over ``head_dim`` (Qwen3, Gemma 3)."""
+        return False
+
     def heads(self, hf_name: str, cfg: Any) -> int:
         """Heads of the tensor ``hf_name`` (what a ``qkv``/``kv`` cut keeps whole)."""
         return cfg.num_attention_heads
@@ -190,11 +187,8 @@ def lora_targeted(module: str, targets: list[str]) -> bool:
 
 
 def family_named(model_type: str) -> Family:
-    """The family registered for the HF ``model_type``."""
-    if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not a model family ds_mp knows; it trains GPT-2, Llama, "
-                         f"Qwen2 and Mistral (model_type {', '.join(sorted(FAMILIES))})")
-    return importlib.import_module(FAMILIES[model_type].package).FAMILY
+    """The family registered for the HF ``model_type`` (``ValueError`` naming the known ones)."""
+    return family_for(model_type)
 
 
 def family_of(hf_config: Any) -> Family:

@@ -9,6 +9,7 @@ from typing import Any
 
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
+from ds_mp.config.schema import ConfigError
 from ds_mp.models.ctx import Ctx
 from ds_mp.models.family import Family
 from ds_mp.models.gpt2 import hf_adapter
@@ -29,6 +30,21 @@ class GPT2Family(Family):
     # Not the token lookup (fed token ids; a tied layer's forward is a partial, never in the list), so a
     # segment starting at it runs plainly (DeepSpeed's default checkpoints any segment with parameters)
     checkpointable = ("Block", "Positions", "FinalNorm")
+
+    shape_keys = ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")
+
+    def shape_dropout(self, hf: dict) -> float:
+        return hf.get("resid_pdrop", 0.1)
+
+    def check_inline(self, shape: Any) -> None:
+        if (shape.n_kv_head, shape.intermediate_size, shape.tie_word_embeddings) != (0, 0, True):
+            raise ConfigError("ds_mp.model.model_type: n_kv_head, intermediate_size and tie_word_embeddings shape "
+                              "other families' models; set model_type to llama, qwen2, mistral, qwen3 or gemma3_text, "
+                              "or remove them")
+
+    def cost_shape(self, cfg: Any) -> dict:
+        return {"n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "vocab": cfg.vocab_size,
+                "n_inner": getattr(cfg, "n_inner", None), "act": cfg.activation_function}
 
     def config_class(self) -> Any:
         from transformers import GPT2Config

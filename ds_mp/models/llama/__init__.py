@@ -1,9 +1,10 @@
-"""The Llama family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM``), one folder:
+"""The Llama family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM``,
+``Qwen3ForCausalLM``), one folder:
 ``plan.py`` (the layer table, the TP and LoRA plans that build the layers and shard checkpoints,
 and the shapes), ``layers.py`` (the layers, reading the plan through ``ctx.family``),
 ``hf_adapter.py`` (HF names), and here :class:`LlamaFamily`, which bundles them as the
 :class:`~ds_mp.models.family.Family` that ``ds_mp.config.families`` registers for ``model_type``
-llama, qwen2 and mistral.
+llama, qwen2, mistral and qwen3.
 """
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ from typing import Any
 
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
+from ds_mp.config.schema import ConfigError
 from ds_mp.models.ctx import Ctx
 from ds_mp.models.family import Family
 from ds_mp.models.llama import hf_adapter
 from ds_mp.models.llama.layers import Block, FinalNorm, LMHead, TokenEmbedding, embed_forward, head_forward
 from ds_mp.models.llama.plan import (COLUMN, LLAMA_LORA_PLAN, LLAMA_TP_PLAN, ROW, STATIC_ROPE, biases, head_dim,
-                                     linear_shape, padding_idx, param_shapes, pipeline_layers)
+                                     linear_shape, padding_idx, param_shapes, pipeline_layers, qk_norm)
 from ds_mp.models.weights import WeightSource
 
 
 class LlamaFamily(Family):
-    """The Llama family's tables (module docstring); Qwen2 and Mistral are the same table."""
+    """The Llama family's tables (module docstring); Qwen2, Mistral and Qwen3 are the same table."""
 
     name = "llama"
     hf_adapter = hf_adapter  # HF names: canonical_name, layer_prefix, hf_name, plan_key, ignored
@@ -36,7 +38,45 @@ class LlamaFamily(Family):
         return getattr(transformers, self.architecture(cfg))
 
     def inline_config(self, shape: Any) -> Any:
-        return self.config_from_dict(shape.hf_dict())
+        return self.config_from_dict(self.inline_hf(shape))
+
+    def inline_hf(self, shape: Any) -> dict:
+        """The shape as HF ``config.json`` keys (the family's config class fills the rest)."""
+        return {"model_type": shape.model_type, "num_hidden_layers": shape.n_layer, "hidden_size": shape.n_embd,
+                "num_attention_heads": shape.n_head, "num_key_value_heads": shape.n_kv_head or shape.n_head,
+                "intermediate_size": shape.intermediate_size or 4 * shape.n_embd, "vocab_size": shape.vocab_size,
+                "max_position_embeddings": shape.n_positions, "attention_dropout": shape.dropout,
+                "head_dim": shape.n_embd // shape.n_head, "tie_word_embeddings": shape.tie_word_embeddings,
+                "bos_token_id": 0, "eos_token_id": 0}
+
+    def check_inline(self, shape: Any) -> None:
+        """An inline shape's heads are ``n_embd / n_head`` wide (its ``head_dim``), grouped by ``n_kv_head``."""
+        if shape.n_embd % shape.n_head:
+            raise ConfigError(f"ds_mp.model.n_embd: {shape.n_embd} is not divisible by "
+                              f"n_head={shape.n_head}; pick n_embd a multiple of n_head")
+        if shape.n_kv_head < 0 or shape.n_head % (shape.n_kv_head or shape.n_head):
+            raise ConfigError(f"ds_mp.model.n_kv_head: {shape.n_kv_head} does not divide n_head={shape.n_head}")
+
+    def check_run(self, cfg: Any) -> None:
+        """HF options the layers do not build (:meth:`check`), an MLP width TP splits evenly, and LoRA
+        on k_proj/v_proj only where TP divides the key/value heads (otherwise the frozen projections
+        are replicated and the factor cut would differ by rank)."""
+        super().check_run(cfg)
+        hf = self.text_config(cfg.hf_config)
+        inner = hf.get("intermediate_size", 0)
+        if inner % cfg.tp:
+            raise ConfigError(f"ds_mp.tensor_parallel.size: {cfg.tp} does not divide intermediate_size={inner} (the "
+                              "MLP is split in equal column blocks); use a TP size dividing it")
+        kv = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+        if cfg.lora.r and kv % cfg.tp and any(t in ("k_proj", "v_proj") for t in cfg.lora.target_modules):
+            raise ConfigError(f"ds_mp.lora.target_modules: k_proj/v_proj with tensor_parallel.size={cfg.tp}, which "
+                              f"does not divide the {kv} key/value heads (they are replicated); use a TP size "
+                              f"dividing {kv} or LoRA on q_proj, o_proj and the MLP")
+
+    def cost_shape(self, cfg: Any) -> dict:
+        return {"n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads, "vocab": cfg.vocab_size,
+                "model_type": cfg.model_type, "kv_heads": cfg.num_key_value_heads, "inner": cfg.intermediate_size,
+                "act": cfg.hidden_act, "head_dim": getattr(cfg, "head_dim", None), "tied": cfg.tie_word_embeddings}
 
     def check(self, cfg: Any) -> None:
         rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -44,7 +84,8 @@ class LlamaFamily(Family):
             raise ValueError(f"{cfg.model_type} rope_type {rope!r} is not supported by ds_mp (its frequencies change "
                              f"with the input); supported: {', '.join(STATIC_ROPE)}")
         if getattr(cfg, "use_sliding_window", False):
-            raise ValueError(f"{cfg.model_type} option use_sliding_window=True is not supported by ds_mp")
+            raise ValueError(f"{cfg.model_type} option use_sliding_window=True is not supported by ds_mp; set it "
+                             "false (every layer full attention)")
         pad, V = getattr(cfg, "pad_token_id", None), cfg.vocab_size
         if pad is not None and not -V <= pad < V:
             raise ValueError(f"{cfg.model_type} pad_token_id={pad} is not a row of the {V}-token embedding (HF's "
@@ -66,7 +107,7 @@ class LlamaFamily(Family):
         return param_shapes(cfg)
 
     head_dim, linear_shape, biases = staticmethod(head_dim), staticmethod(linear_shape), staticmethod(biases)
-    padding_idx = staticmethod(padding_idx)
+    padding_idx, qk_norm = staticmethod(padding_idx), staticmethod(qk_norm)
 
     def head_and_embedding(self) -> tuple[str, str]:
         return "lm_head.weight", "model.embed_tokens.weight"

@@ -25,17 +25,25 @@ from ds_mp.tensor_parallel.random import parallel_region_rng
 
 class RMSNorm(nn.Module):
     """HF's ``LlamaRMSNorm``: ``w · (x / sqrt(mean(x²) + eps))`` in fp32, cast back before the weight.
-    With sequence parallelism the weight sees a slice of tokens: ``copy_to_tp`` sums its gradient."""
+    The weight is replicated; where each rank sees only part of what it normalises, ``copy_to_tp``
+    sums its gradient over TP: a slice of tokens (sequence parallelism), or this rank's heads
+    (``per_head``: Qwen3's and Gemma 3's q/k norms over ``head_dim``; with replicated key/value heads
+    each rank back-propagates only the heads its queries read), so every TP copy stays identical."""
 
-    def __init__(self, src: WeightSource, name: str, ctx: Ctx) -> None:
+    def __init__(self, src: WeightSource, name: str, ctx: Ctx, per_head: bool = False) -> None:
         super().__init__()
         self.weight = tp_parameter(src.get(name).detach(), "replicated", ctx.tp_rank, ctx.tp)
-        self.eps, self.group, self.sp = ctx.hf.rms_norm_eps, ctx.group, ctx.sp
+        self.eps, self.group = ctx.hf.rms_norm_eps, ctx.group
+        self.sum_grad = ctx.sp or (per_head and ctx.tp > 1)
+
+    def scale(self) -> torch.Tensor:
+        """The weight, entering through ``copy_to_tp`` where its gradient is summed over TP."""
+        return copy_to_tp(self.weight, self.group) if self.sum_grad else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (copy_to_tp(self.weight, self.group) if self.sp else self.weight) * h.to(x.dtype)
+        return self.scale() * h.to(x.dtype)
 
 
 class Linear(nn.Module):
@@ -112,11 +120,17 @@ def _linear(src: WeightSource, index: int, module: str, ctx: Ctx, heads: int = 0
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotary positions on this rank's query heads (module docstring)."""
+    """Grouped-query attention with rotary positions on this rank's query heads (module docstring);
+    with the family's q/k norms (Qwen3: RMSNorm over ``head_dim`` of each head, before the rotation).
+    A family's variant overrides the class hooks: ``norm_class`` (its q/k norm's maths), :meth:`rope`
+    (this layer's frequencies), ``scale`` (SDPA's score scale, None: 1/sqrt(head_dim)) and
+    ``windowed`` (whether the sliding window, ``ctx.window``, applies to this layer)."""
+
+    norm_class: type = RMSNorm
+    scale: float | None = None
+    windowed: bool = True
 
     def __init__(self, src: WeightSource, index: int, ctx: Ctx) -> None:
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
         super().__init__()
         cfg, p, r = ctx.hf, ctx.tp, ctx.tp_rank
         self.index, self.hd, self.ctx = index, ctx.family.head_dim(cfg), ctx
@@ -130,8 +144,20 @@ class Attention(nn.Module):
         # local query head j reads local key/value head kv_index[j] (HF's repeat_kv, restricted to this rank)
         self.register_buffer("kv_index", (torch.arange(n_head_local) + first) // group_size, persistent=False)
         self.n_kv_local = n_kv if n_kv % p else n_kv // p  # the key/value heads this rank computes (and caches)
+        self.q_norm = self.k_norm = None
+        if ctx.family.qk_norm(cfg):
+            name = f"model.layers.{index}.self_attn."
+            self.q_norm = self.norm_class(src, name + "q_norm.weight", ctx, per_head=True)
+            self.k_norm = self.norm_class(src, name + "k_norm.weight", ctx, per_head=True)
+        inv_freq, self.rope_scaling = self.rope(cfg, index)
+        self.inv_freq = inv_freq.float()  # fp32, not a buffer
+
+    def rope(self, cfg: Any, index: int) -> tuple[torch.Tensor, float]:
+        """Block ``index``'s rotary inverse frequencies and attention scaling, as HF computes them."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
         rope = LlamaRotaryEmbedding(cfg)
-        self.inv_freq, self.rope_scaling = rope.inv_freq.float(), rope.attention_scaling  # fp32, not a buffer
+        return rope.inv_freq, rope.attention_scaling
 
     def rotate(self, x: torch.Tensor, first: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         """HF's rotary embedding of ``x`` (B, h, T, hd) at positions ``first … first+T-1``, or at
@@ -151,13 +177,15 @@ class Attention(nn.Module):
         q = self.q_proj(x_in, x_pre).view(B, T, -1, self.hd).transpose(1, 2)  # (B, nh_l, T, hd)
         k = self.k_proj(x_in, x_pre).view(B, T, -1, self.hd).transpose(1, 2)  # (B, nkv_l, T, hd)
         v = self.v_proj(x_in, x_pre).view(B, T, -1, self.hd).transpose(1, 2)
+        if self.q_norm is not None:  # per head, before the rotation (and before TeraPipe caches k)
+            q, k = self.q_norm(q), self.k_norm(k)
         mask = None
         if kv_extension is not None:  # TeraPipe: earlier slices' keys (cached before rotation) and values
             k, v, mask = kv_extension.extend(self.index, k, v)  # (B, nkv_l, c+T, hd): grouped heads
         offset = k.shape[2] - T  # this slice's first position in the sequence (0 without a cache)
         lay = self.ctx.layout
         if lay is not None:  # documents / padding / sliding window: positions per token, the layout's mask
-            mask = lay.mask(T, k.shape[2])
+            mask = lay.mask(T, k.shape[2], windowed=self.windowed)
             q = self.rotate(q, 0, lay.positions[:, offset:offset + T])
             k = self.rotate(k, 0, lay.positions[:, :k.shape[2]])
         else:
@@ -165,7 +193,8 @@ class Attention(nn.Module):
         k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)  # (B, nh_l, ·, hd)
         p = self.ctx.attn_dropout if self.training else 0.0
         with parallel_region_rng():  # each rank's own heads: its own dropout mask
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+                                               scale=self.scale)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -177,7 +206,12 @@ class MLP(nn.Module):
         self.gate_proj = _linear(src, index, "mlp.gate_proj", ctx)
         self.up_proj = _linear(src, index, "mlp.up_proj", ctx)
         self.down_proj = _linear(src, index, "mlp.down_proj", ctx)
-        self.act = ACT2FN[ctx.hf.hidden_act]
+        self.act = ACT2FN[self.activation(ctx.hf)]
+
+    @staticmethod
+    def activation(cfg: Any) -> str:
+        """The name of the gate's activation in ``cfg`` (HF's ``hidden_act``)."""
+        return cfg.hidden_act
 
     def forward(self, x_in: torch.Tensor, x_pre: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x_in, x_pre)) * self.up_proj(x_in, x_pre))

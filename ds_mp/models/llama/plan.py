@@ -1,6 +1,7 @@
 """The Llama family's plan: the one table that both builds its layers (``layers.py`` reads it through
 ``ctx.family``) and shards its checkpoints (``Family.tp_kind``), and the shapes it is applied to.
-``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``MistralForCausalLM`` share it.
+``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM`` and ``Qwen3ForCausalLM`` share it
+(Qwen3 adds ``q_norm``/``k_norm``, RMSNorms over ``head_dim`` applied to each head before the rotation).
 
 The layer table (:func:`pipeline_layers`):
 
@@ -18,7 +19,10 @@ every rank holds all of them and uses the ones its query heads read (query head 
 sums each rank's partial gradient over TP (each rank back-propagates only its query heads'
 share) — ``o_proj`` row-parallel, ``gate_proj``/``up_proj`` column, ``down_proj`` row,
 vocab-parallel embedding and head (tied or not, as ``tie_word_embeddings`` says), RMSNorm and
-rotary positions computed exactly as HF does (rotary is per head, so local).  Qwen2's q/k/v
+rotary positions computed exactly as HF does (rotary is per head, so local).  Qwen3's q/k norms
+are replicated and see only this rank's heads: their weight enters through ``copy_to_tp``, so
+autograd sums their gradient over TP and every copy stays identical (a replicated KV head's
+k_norm share likewise: each rank back-propagates only the heads its queries read).  Qwen2's q/k/v
 biases (and Llama's ``attention_bias``/``mlp_bias``) follow their weights' cut; a row-parallel
 bias is replicated and added once after the reduction.  Sequence parallelism: the residual
 stream is split along the sequence between blocks; each block all-gathers on entry and
@@ -39,6 +43,7 @@ LLAMA_TP_PLAN: dict[str, str] = {
     "self_attn.k_proj.weight": "kv", "self_attn.k_proj.bias": "kv",
     "self_attn.v_proj.weight": "kv", "self_attn.v_proj.bias": "kv",
     "self_attn.o_proj.weight": "linear_in", "self_attn.o_proj.bias": "replicated",
+    "self_attn.q_norm.weight": "replicated", "self_attn.k_norm.weight": "replicated",
     "mlp.gate_proj.weight": "linear_out", "mlp.gate_proj.bias": "linear_out",
     "mlp.up_proj.weight": "linear_out", "mlp.up_proj.bias": "linear_out",
     "mlp.down_proj.weight": "linear_in", "mlp.down_proj.bias": "replicated",
@@ -68,12 +73,20 @@ def linear_shape(cfg: Any, module: str) -> tuple[int, int]:
 
 def biases(cfg: Any) -> tuple[bool, bool, bool]:
     """(q/k/v bias, o_proj bias, MLP biases) as HF builds them: Llama reads ``attention_bias`` (q/k/v
-    and o) and ``mlp_bias``; Qwen2 always has q/k/v biases and nothing else; Mistral has none.  A
-    Qwen2/Mistral config carrying ``attention_bias`` or ``mlp_bias`` is read as HF reads it: ignored."""
+    and o) and ``mlp_bias``; Qwen3 ``attention_bias`` (q/k/v and o); Qwen2 always has q/k/v biases and
+    nothing else; Mistral has none.  A config carrying a flag its class does not read is read as HF
+    reads it: ignored."""
+    attn = bool(getattr(cfg, "attention_bias", False))
     if cfg.model_type == "llama":
-        attn = bool(getattr(cfg, "attention_bias", False))
         return attn, attn, bool(getattr(cfg, "mlp_bias", False))
+    if cfg.model_type == "qwen3":
+        return attn, attn, False
     return cfg.model_type == "qwen2", False, False
+
+
+def qk_norm(cfg: Any) -> bool:
+    """Qwen3 normalises each head's queries and keys (``q_norm``, ``k_norm`` over ``head_dim``)."""
+    return cfg.model_type == "qwen3"
 
 
 def padding_idx(cfg: Any) -> int | None:
@@ -98,6 +111,8 @@ def param_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
             out[p + m + ".weight"] = linear_shape(cfg, m)
             if has_bias[m]:
                 out[p + m + ".bias"] = (linear_shape(cfg, m)[0],)
+        if qk_norm(cfg):
+            out[p + "self_attn.q_norm.weight"] = out[p + "self_attn.k_norm.weight"] = (head_dim(cfg),)
         out[p + "post_attention_layernorm.weight"] = (C,)
         for m in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             out[p + m + ".weight"] = linear_shape(cfg, m)
@@ -115,4 +130,5 @@ def pipeline_layers(cfg: Any) -> list[str]:
 
 
 __all__ = ["LLAMA_TP_PLAN", "LLAMA_LORA_PLAN", "COLUMN", "ROW", "STATIC_ROPE", "head_dim", "linear_shape", "biases",
+           "qk_norm",
            "padding_idx", "param_shapes", "pipeline_layers"]

@@ -98,6 +98,11 @@ def test_bad_degrees_and_missing_grid() -> None:
         Topology(tp=1, pp=1, dp=1, cp=0, rank=0)
     with pytest.raises(ValueError, match="unknown axes"):
         Topology(tp=1, pp=1, dp=1, rank=0).peer(ep=0)
+    from ds_mp.deepspeed_compat import DeepSpeedIncompatible
+    from ds_mp.deepspeed_compat.grid import check_grid
+
+    with pytest.raises(DeepSpeedIncompatible, match="_topo"):  # a DeepSpeed grid without what the adapter reads
+        check_grid(object())
 
 
 def _gather(group, rank: int) -> list[int]:

@@ -72,6 +72,7 @@ class ContextParallelGrid(PipelineParallelGrid):
 
     def __init__(self, topology: ProcessTopology) -> None:
         super().__init__(topology=topology)
+        check_grid(self)
         self._add_groups()
 
     @classmethod

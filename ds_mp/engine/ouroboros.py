@@ -312,7 +312,8 @@ class OuroborosState:
         e, K, r = self.engine, self.K, self.engine.stage_id
         total = torch.zeros((), device=e.device)
         n = num_micro_batches or e.micro_batches
-        fed = e._prepare(data_iter, n, training=False)  # labels (targets, N / (n · grad_size)): the mean below is per token
+        # labels (targets, N / (n · grad_size)): the mean below is per token
+        fed = e._prepare(data_iter, n, training=False)
         e.module.eval()
         try:
             for j in range(n):

@@ -135,6 +135,9 @@ def _group_problems(t: Topology, rank: int) -> list[str]:
              ("grad", t.grad_group, t.grad_ranks()), ("model", t.model_group, t.model_ranks())]
     if t.cp > 1:
         named.append(("cp", t.cp_group, t.cp_ranks()))
+    else:  # no group stands in for a missing axis (a None group would be the whole world)
+        with pytest.raises(RuntimeError, match="no context-parallel group at cp=1"):
+            t.cp_group
     # DeepSpeed's engine-facing answers: reduction and ZeRO over dp × cp, data and batch sizes over dp
     groups.mpu = g  # what DeepSpeedEngine does with the mpu it is given
     try:

@@ -307,7 +307,7 @@ def gather_stage(engine: EngineView, masters: dict[int, torch.Tensor] | None = N
         local, kind = (masters or {}).get(id(p), p).detach().float().contiguous(), pipe.family.tp_kind(name)
         if topo.tp > 1 and kind != "replicated":
             parts = [torch.empty_like(local) for _ in range(topo.tp)] if topo.tp_rank == 0 else None
-            dist.gather(local, parts, dst=topo.rank_of(tp=0, pp=topo.pp_rank, dp=topo.dp_rank),
+            dist.gather(local, parts, dst=topo.peer(tp=0),
                         group=topo.tp_group)
         else:
             parts = [local]
@@ -328,7 +328,7 @@ def full_state_dict(engine: EngineView) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     # bf16/fp16/ZeRO: the fp32 masters the optimizer steps, not the module's rounded copies
     masters = compat.master_weights(engine.module, engine.optimizer)  # collective over DP
-    if topo.dp_rank == 0:
+    if topo.grad_rank == 0:  # one copy of the weights: dp and cp peers hold the same
         tensors = gather_stage(engine, masters)
         if topo.tp_rank == 0 and topo.pp > 1:
             stages = [None] * topo.pp if topo.rank == 0 else None

@@ -216,7 +216,7 @@ def save_checkpoint(engine: EngineView, ckpt_root: str, tag: str, client_state: 
 
     def write() -> dict:
         """This rank's files; returns their manifest entries (read back while still cached)."""
-        written = _write_rank_files(tmp, topo, tensors, opt is not None) if topo.dp_rank == 0 else []
+        written = _write_rank_files(tmp, topo, tensors, opt is not None) if topo.grad_rank == 0 else []  # one copy
         extra = schedule_state(engine)
         if extra is not None:  # work a schedule keeps in flight across steps (Ouroboros), per rank
             torch.save({"layout": layout_of(engine), "state": extra}, schedule_file(tmp, topo))

@@ -246,7 +246,7 @@ def validate_model(cfg: DsMpConfig, world_size: int) -> DsMpConfig:
     for shape_check in SHAPE_CHECKS:
         shape_check(cfg, shape)
     check_world_size(cfg, world_size)
-    model_ranks = cfg.tensor_parallel.size * cfg.pipeline.stages
+    model_ranks = cfg.tp * cfg.pp * cfg.cp  # dp: the ranks that read distinct rows
     return dataclasses.replace(cfg, world_size=world_size, dp=world_size // model_ranks, shape=shape)
 
 

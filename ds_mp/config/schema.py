@@ -195,6 +195,12 @@ class DsMpConfig:
     def pp(self) -> int:
         return self.pipeline.stages
 
+    @property
+    def cp(self) -> int:
+        """The context-parallel degree: 1 until context parallelism is built (``parse_config`` refuses
+        ``context_parallel``); ``dp`` = world / (TP × PP × CP) counts the ranks that read distinct rows."""
+        return 1
+
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
@@ -258,5 +264,8 @@ def parse_config(raw: dict) -> DsMpConfig:
     """Parse the ``"ds_mp"`` block (types and key names only; see :func:`validate`)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"ds_mp: expected an object {{...}}, got {raw!r}")
+    if "context_parallel" in raw:
+        raise ConfigError("ds_mp.context_parallel: context parallelism is not built yet; remove the key "
+                          "(every rank of a TP group holds whole sequences)")
     return _parse(DsMpConfig, raw, "")
 

@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 # every model parameter to its fragment of it: ``p._hp_mapping`` (None when the fragment lies
 # in another DP rank's partition) with ``lp_fragment_address`` / ``hp_fragment_address``
 # (start, numel in the flattened parameter / in the partition) and ``param_group_index``, and
-# ``p._dp_group``.  DeepSpeed's public ``safe_get_full_optimizer_state`` needs the optimizer
-# state already created and linked (after a first step); these work before it too.
+# ``p._dp_group`` (the group the optimizer partitions over: ``engine.seq_data_parallel_group``,
+# on ds_mp's grid the grad group dp × cp, ``ds_mp.deepspeed_compat.grid``).  DeepSpeed's public
+# ``safe_get_full_optimizer_state`` needs the optimizer state already created and linked (after a
+# first step); these work before it too.
 FLAT_PARTITIONS = ("fp32_groups_flat_partition", "single_partition_of_fp32_groups")
 
 

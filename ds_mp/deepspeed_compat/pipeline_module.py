@@ -4,6 +4,7 @@ DeepSpeed builds a pipeline stage through private hooks: ``_partition_layers`` (
 stage holds), ``_build`` (construct them, after creating the process grid) and
 ``_synchronize_tied_weights`` (make the tied copies equal).  :class:`PipelineModuleAdapter`
 overrides exactly those and translates them into ds_mp's terms: the stage bounds it was given,
+ds_mp's grid (``ContextParallelGrid.adopt``: the mpu DeepSpeed's engine reads),
 :meth:`~PipelineModuleAdapter.grid_ready` (the model's subclass, ``ds_mp.models.pipeline.DsMpPipeline``,
 hands the grid's process groups to its ``Topology`` there) and a checksum before any broadcast.
 :func:`check_overrides` derives the override list from the class and checks each name against
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 
+from ds_mp.deepspeed_compat.grid import ContextParallelGrid
 from ds_mp.deepspeed_compat.pipeline import overridden_private_names, tied_weights
 
 #: DeepSpeed's ``PipelineModule`` registers the tied layers in this submodule (``nn.ModuleDict``).
@@ -43,6 +45,9 @@ class PipelineModuleAdapter(PipelineModule):
 
     # --- DeepSpeed's hooks, translated --------------------------------------------------
     def _build(self) -> None:
+        # DeepSpeed's grid (made in PipelineModule.__init__) becomes ds_mp's mpu in place: the rows /
+        # dp × cp groups of ds_mp.deepspeed_compat.grid, before anything reads it
+        self._grid = ContextParallelGrid.adopt(self._grid)
         self.grid_ready(self._grid)  # layers need the TP group at construction
         super()._build()
 

@@ -4,11 +4,13 @@ The loss is per target token over the global batch (``ds_mp.loss.normalization =
 
     L = Σ_{replicas d} Σ_{micro-batches i} Σ_{targets t} ℓ_{d,i,t}  /  N,     N = number of targets in the global batch
 
-DeepSpeed averages micro-batch losses over the M micro-batches of a step (its 1/GAS) and over the
-DP replicas (its gradient all-reduce mean), so each micro-batch's loss is its token-loss sum over
-``N / (M · dp)``: the means then give L exactly, and ``train_batch`` returns it.  N is known before
-the step: the ranks that read data (the first and last stage) read the step's M micro-batches up
-front, count their targets (shifted labels != -100) and all-reduce the count over DP; stage 0
+DeepSpeed averages micro-batch losses over the M micro-batches of a step (its 1/GAS) and gradients
+over the grad group (``topology.grad_group``: dp × cp ranks, the DP replicas while cp = 1), so each
+micro-batch's loss is its token-loss sum over ``N / (M · grad_size)``: the means then give L
+exactly, and ``train_batch`` returns it.  N is known before the step: the ranks that read data (the
+first and last stage) read the step's M micro-batches up front, count the targets of their full
+rows (shifted labels != -100) and all-reduce the count over the ranks that read distinct rows
+(``topology.dp_group``; CP peers read the same rows); stage 0
 broadcasts it with the batch shape along the pipeline (the shape broadcast DeepSpeed#4777 already
 needs), so every stage agrees to skip a step without a target.  ``"micro_batch"`` divides by each
 micro-batch's own count instead (DeepSpeed's mean of micro-batch means).
@@ -103,7 +105,7 @@ def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator |
         if mbs:
             head[0], head[1] = mbs[0].input_ids.shape
             head[2], head[3] = sum(counts), int(any(lay is not None for lay in layouts))
-        if topo.dp > 1:
+        if topo.dp > 1:  # N: the targets of the distinct rows (each counted on its full row, once)
             both = head[2:5:2].clone()
             dist.all_reduce(both, group=topo.dp_group)
             head[2], head[4] = both
@@ -130,7 +132,7 @@ def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator |
     if not reads:
         return None, step
     tokens = engine.ds_mp_config is None or engine.ds_mp_config.loss.normalization == "tokens"
-    share = max(count, 1) / (n * topo.dp)  # N / (M · dp)
+    share = max(count, 1) / (n * topo.grad_size)  # N / (M · grad_size): DeepSpeed averages over dp × cp
     fed = []
     for mb, lay, c in zip(mbs, layouts, counts):
         denom = torch.tensor(float(share if tokens else max(c, 1)), device=dev)

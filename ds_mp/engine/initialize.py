@@ -119,7 +119,7 @@ def build_engine(model: Any = None, config: Any = None, training_data: Any = Non
     if world != cfg.world_size:  # the rendezvous' world, where the environment said another
         cfg = validate_model(cfg, world)
         check_deepspeed_blocks(raw, cfg)
-    topology = Topology(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=torch.distributed.get_rank())
+    topology = Topology(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, rank=torch.distributed.get_rank())
     # Offset per pipeline stage (Megatron-LM: seed + 100·pp_rank) so stages (and Ouroboros' ring
     # ranks) draw different dropout masks.
     seed_everything(cfg.training.seed, topology.tp_rank, pp_rank=topology.pp_rank)

@@ -51,11 +51,11 @@ def layer_map(engine: RuntimeEngine, base: Lamb) -> LayerMap:
                 pieces[id(param)] = [(0, param.numel(), len(replicated))]
                 replicated.append(not getattr(param, "tensor_model_parallel", False))
     not_owned = torch.tensor(replicated, device=engine.device) & (topo.tp_rank != 0)
-    sum_dp = wrapped and topo.dp > 1
+    sum_dp = wrapped and topo.grad_size > 1
 
     def reduce(partial: torch.Tensor) -> None:
         if sum_dp:
-            dist.all_reduce(partial, group=topo.dp_group)
+            dist.all_reduce(partial, group=topo.grad_group)
         if topo.tp > 1:
             partial[not_owned] = 0.0  # a replicated layer: TP rank 0's copy only
             dist.all_reduce(partial, group=topo.tp_group)

@@ -176,8 +176,8 @@ class OuroborosState:
         with torch.enable_grad():  # on the ambient streams, as its forward is this very call
             x = leaf(x_saved)
             wrt = ([x] if x.requires_grad else []) + self.params[m]
-            # labels = (targets, N / (M · dp)) (engine/batches.py): / M makes the M shares sum to this
-            # replica's part of the global per-token loss (DP averages the replicas)
+            # labels = (targets, N / (M · grad_size)) (engine/batches.py): / M makes the M shares sum to
+            # this replica's part of the global per-token loss (the grad group averages the replicas)
             out = self.engine.module.loss_fn(self.run(m, x, layout=self.layouts.of(s, j, [])), self.labels[j])
             out = out / self.engine.micro_batches
             grads = torch.autograd.grad(out, wrt, materialize_grads=True)
@@ -209,7 +209,7 @@ class OuroborosState:
             for p in waiting:
                 p.grad = torch.zeros_like(p)
             compat.copy_bf16_grads_to_master(self.engine)
-        if self.engine.topology.dp > 1:  # DeepSpeed's reduction buckets and copies even over one replica
+        if self.engine.topology.grad_size > 1:  # DeepSpeed's reduction buckets and copies even over one replica
             self.engine.reduce_gradients()
         if not bf16:
             for p in waiting:  # DeepSpeed's DP reduce gives gradient-less parameters zeros: skip them again
@@ -234,7 +234,7 @@ class OuroborosState:
     # --- ring p2p ------------------------------------------------------------------------
     def _peer(self, ring_rank: int) -> int:
         topo = self.engine.topology
-        return topo.rank_of(tp=topo.tp_rank, pp=ring_rank, dp=topo.dp_rank)
+        return topo.peer(pp=ring_rank)
 
     def send(self, x: Tensor, ring_rank: int, header: bool = False) -> None:
         """Post the send of ``x`` (and first its (B, T, C) if ``header``) without waiting for the
@@ -297,11 +297,11 @@ class OuroborosState:
         e, topo = self.engine, self.engine.topology
         first = e.stage_id == 0
         out = self.loss.detach().float().clone() if first else torch.zeros((), device=e.device)
-        if first and topo.dp > 1:
-            dist.all_reduce(out, group=topo.dp_group)
-            out /= topo.dp
+        if first and topo.grad_size > 1:  # the copies the gradients are averaged over (engine/batches.py's share)
+            dist.all_reduce(out, group=topo.grad_group)
+            out /= topo.grad_size
         if e.num_stages > 1:
-            dist.broadcast(out, src=topo.rank_of(tp=topo.tp_rank, pp=0, dp=topo.dp_rank), group=topo.pp_group)
+            dist.broadcast(out, src=topo.peer(pp=0), group=topo.pp_group)
         return out
 
     @torch.no_grad()
@@ -312,7 +312,8 @@ class OuroborosState:
         e, K, r = self.engine, self.K, self.engine.stage_id
         total = torch.zeros((), device=e.device)
         n = num_micro_batches or e.micro_batches
-        fed = e._prepare(data_iter, n, training=False)  # labels (targets, N / (n · dp)): the mean below is per token
+        # labels (targets, N / (n · grad_size)): the mean below is per token
+        fed = e._prepare(data_iter, n, training=False)
         e.module.eval()
         try:
             for j in range(n):

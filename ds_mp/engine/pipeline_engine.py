@@ -319,7 +319,7 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
         measure = probe is not None and probe.due(self.global_steps + 1)
         if measure:  # |G_small|² of this replica before the DP all-reduce, |G_big|² after (or the step's norm)
             probe.before(self.reduction_grad_norm() ** 2, self.device)
-        if self.topology.dp > 1 or compat.uses_bf16_optimizer(self) or self.zero_optimization_stage() > 0:
+        if self.topology.grad_size > 1 or compat.uses_bf16_optimizer(self) or self.zero_optimization_stage() > 0:
             self.deepspeed_reduce_gradients()
         # else: one replica and the gradients already sit in p.grad: DeepSpeed's reduction would
         # flatten every gradient into buckets, all-reduce over a group of one and copy back (two

@@ -131,10 +131,10 @@ class ZeroBubbleVState(InterleavedState):
         out = (self.loss_sum / (micro_batches or e.micro_batches)) if first and self.loss_sum is not None else \
             torch.zeros((), device=e.device)
         self.loss_sum = None
-        if first and topo.dp > 1:
-            dist.all_reduce(out, group=topo.dp_group)
-            out /= topo.dp
-        dist.broadcast(out, src=topo.rank_of(tp=topo.tp_rank, pp=0, dp=topo.dp_rank), group=topo.pp_group)
+        if first and topo.grad_size > 1:  # the copies the gradients are averaged over (engine/batches.py's share)
+            dist.all_reduce(out, group=topo.grad_group)
+            out /= topo.grad_size
+        dist.broadcast(out, src=topo.peer(pp=0), group=topo.pp_group)
         return out
 
     @torch.no_grad()

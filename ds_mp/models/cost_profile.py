@@ -192,7 +192,8 @@ def agreed_layer_costs(src: WeightSource, topology: Topology, *, cache: str | No
     if known[0] == 1.0:
         return LayerCosts(*known[1:].tolist())
     if topology.tp > 1:  # TP layers need the TP group; the pipeline creates its own groups later
-        topology = build_grid(Topology(tp=topology.tp, pp=topology.pp, dp=topology.dp, rank=topology.rank))
+        topology = build_grid(Topology(tp=topology.tp, pp=topology.pp, dp=topology.dp, cp=topology.cp,
+                                        rank=topology.rank))
     mine = measure_layer_costs(src, topology, rows=rows, seq=seq, dtype=dtype, device=device,
                                sequence_parallel=sequence_parallel, vocab_pad_multiple=vocab_pad_multiple, lora=lora,
                                overlap_comm=overlap_comm)

@@ -184,9 +184,10 @@ class NoiseScaleProbe:
 
     def before(self, local_sq: float, device: torch.device) -> None:
         t = torch.tensor([local_sq], dtype=torch.float64, device=device)
-        dist.all_reduce(t, group=self.topology.dp_group)
+        dist.all_reduce(t, group=self.topology.dp_group)  # mean over the replicas that read distinct rows
         self.small_sq = float(t) / self.topology.dp
 
     def after(self, reduced_sq: float, b_small: int) -> float | None:
         self.big_sq = reduced_sq
+        # B_big: the rows of the step (CP peers read the same rows: true dp, not the grad group's size)
         return self.estimator.update(self.small_sq, reduced_sq, b_small, b_small * self.topology.dp)

@@ -1,13 +1,15 @@
 """End-to-end runs through the real ``deepspeed`` launcher on CPU ranks (gloo), and what else a
-launched run is checked against: a run stopped and resumed, other schedules, TP and bf16, on
-in-process ranks (``train_in_process``: the same training loop without the launcher's start-up)."""
+launched run is checked against: a run stopped and resumed, other schedules, TP and bf16, a bad
+config, on in-process ranks (``train_in_process``: the same training loop without the launcher's
+start-up)."""
 from __future__ import annotations
 
 import json
 import os
 
 import pytest
-from launcher_utils import explain, launch, read_log, tiny_dataset, train_config, train_in_process
+from dist_utils import run_ranks
+from launcher_utils import explain, launch, loop_rank, read_log, tiny_dataset, train_config, train_in_process
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -66,12 +68,15 @@ def test_hostfile_localhost(tmp_path, data):
     assert proc.returncode == 0, explain(proc)
 
 
-@pytest.mark.launcher
 def test_bad_config_fails_fast_on_two_ranks(tmp_path, data):
+    """Both ranks refuse the config in one line and write nothing (in-process: the launcher's own
+    handling of a failed rank is test_bad_inputs.py's launcher cases)."""
     cfg = train_config(str(tmp_path), data, tensor_parallel={"size": 3})  # 3 does not divide 4 heads
-    proc = launch(str(tmp_path), cfg, timeout=60)
-    assert proc.returncode != 0
-    assert "ds_mp.tensor_parallel.size: 3 does not divide n_head=4" in proc.stderr + proc.stdout
+    path = os.path.join(str(tmp_path), "config.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    got = run_ranks(loop_rank, 2, path, [], timeout=60)
+    assert all(rc != 0 and "ds_mp.tensor_parallel.size: 3 does not divide n_head=4" in err for rc, err in got), got
     assert not os.path.exists(os.path.join(str(tmp_path), "run", "checkpoints"))
 
 

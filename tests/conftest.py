@@ -9,3 +9,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from cpu_fp16 import allow_cpu_fp16  # noqa: E402 - needs the path above
 
 allow_cpu_fp16()  # fp16 tests run on every CPU (see cpu_fp16.py)
+
+
+#: Rough seconds per test by marker, to hand the heaviest files out first (below).
+_WEIGHTS = {"launcher": 60, "slow": 20}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Order the test files heaviest first (a file's weight: its tests' :data:`_WEIGHTS`, 1 for an
+    unmarked test), keeping the order inside a file.  ``scripts/test.sh`` gives whole files to two
+    xdist workers in this order (``--dist loadfile --no-loadscope-reorder``): a long file handed
+    out last would leave one worker running it alone while the other idles."""
+    weight: dict[str, int] = {}
+    for item in items:
+        cost = max([_WEIGHTS[m.name] for m in item.iter_markers() if m.name in _WEIGHTS], default=1)
+        weight[item.nodeid.split("::")[0]] = weight.get(item.nodeid.split("::")[0], 0) + cost
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: a file's order stays

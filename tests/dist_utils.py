@@ -5,11 +5,15 @@ of a ``deepspeed`` launch (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and r
 the per-rank return values.  A rank that raises fails the test with its traceback; a
 hang fails after ``timeout`` seconds instead of blocking CI.
 
-Ranks are forked from one forkserver that has imported torch, DeepSpeed, transformers, PEFT and
-ds_mp once (:data:`PRELOAD`): a freshly spawned interpreter spends 3-10 s importing them, which
-was paid by every rank of every multi-rank test.  Each rank still starts from a clean state: no
-collective, engine or thread pool exists before the fork, and the caller's current environment
-is installed in the rank (the forkserver's own was captured when it started).
+Ranks are forked from one forkserver that has imported torch, DeepSpeed, transformers, PEFT,
+datasets, TRL and ds_mp once (:data:`THIRD_PARTY`, :func:`_ds_mp_modules`): a freshly spawned
+interpreter spends 3-10 s importing them, which was paid by every rank of every multi-rank test.
+Each rank still starts from a clean state: no collective, engine or thread pool exists before the
+fork, and the caller's current environment is installed in the rank (the forkserver's own was
+captured when it started).  A persistent pool of rank processes reused across tests (DeepSpeed's
+``reuse_dist_env``) was measured and not adopted: with these preloads a 2-rank engine test pays
+about 1 s of start-up per call (0.2 s of it its own work), while a reused rank would carry each
+test's process groups, signal handlers, threads, environment and library singletons into the next.
 """
 from __future__ import annotations
 
@@ -23,19 +27,38 @@ import torch.multiprocessing as mp
 from ports import free_port
 
 
-#: Imported once by the forkserver, so forked ranks start with them loaded.
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.pipe.engine", "transformers",
-           "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama", "peft", "ds_mp",
-           "ds_mp.engine.initialize", "ds_mp.training.loop"]
+#: Third-party modules imported once by the forkserver, so forked ranks start with them loaded
+#: (``datasets`` alone took 3 s per rank of every Trainer-path test; ``setuptools`` and DeepSpeed's
+#: op list are what ``deepspeed.init_distributed`` imports; MoE/auto-EP what its engine imports).
+THIRD_PARTY = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.pipe.engine", "deepspeed.comm.mori",
+               "deepspeed.ops.op_builder.all_ops", "deepspeed.module_inject.auto_ep_layer", "setuptools",
+               "transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+               "peft", "accelerate", "datasets", "trl"]
+#: ds_mp modules the forkserver leaves to the ranks: ``ds_mp.hf``'s import has side effects whose
+#: import order is under test, and the plotting tools pull in matplotlib.
+NOT_PRELOADED = ("ds_mp.hf", "ds_mp.tools.viz", "ds_mp.tools.docs_plots", "ds_mp.tools.sft_plot")
+
+
+def _ds_mp_modules() -> list[str]:
+    """Every module of the ds_mp package on disk, less :data:`NOT_PRELOADED` (found without importing)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    names = []
+    for folder, dirs, files in os.walk(os.path.join(root, "ds_mp")):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
+        package = os.path.relpath(folder, root).replace(os.sep, ".")
+        names += [package if f == "__init__.py" else f"{package}.{f[:-3]}" for f in sorted(files) if f.endswith(".py")]
+    return [n for n in names if not any(n == p or n.startswith(p + ".") for p in NOT_PRELOADED)]
+
+
 _context: Any = None
 
 
 def _spawn_context() -> Any:
-    """The forkserver context (started on first use, preloading :data:`PRELOAD`)."""
+    """The forkserver context (started on first use, preloading :data:`THIRD_PARTY` and ds_mp)."""
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
+        _context.set_forkserver_preload(THIRD_PARTY + _ds_mp_modules())
     return _context
 
 

@@ -136,6 +136,32 @@ def loop_rank(rank: int, cfg_path: str, args: list[str]) -> tuple[int, str]:
         sys.stderr = err
 
 
+def loop_rank_output(rank: int, cfg_path: str, args: list[str]) -> tuple[int, str, str]:
+    """:func:`loop_rank` that also returns what the rank printed to stdout."""
+    import io
+    import sys
+
+    out, sys.stdout = sys.stdout, io.StringIO()
+    try:
+        rc, err = loop_rank(rank, cfg_path, args)
+        return rc, sys.stdout.getvalue(), err
+    finally:
+        sys.stdout = out
+
+
+def train_in_process(tmp: str, cfg: dict, n: int, args: tuple = (), timeout: float = 300) -> list[str]:
+    """What ``launch(tmp, cfg, n=n, args=args)`` runs (``launch/train.py``, or ``launch/finetune.py``
+    with ``--model``), on ``n`` in-process ranks (``run_ranks``): the same training loop without
+    the launcher's start-up.  Fails the test unless every rank exits 0 (showing each rank's stderr);
+    returns what each rank printed to stdout."""
+    from dist_utils import run_ranks
+
+    got = run_ranks(loop_rank_output, n, _write_config(tmp, cfg), list(args), timeout=timeout)
+    assert all(rc == 0 for rc, _, _ in got), "\n".join(f"rank {r}: exit {rc}\n{err[-3000:]}"
+                                                       for r, (rc, _, err) in enumerate(got))
+    return [out for _, out, _ in got]
+
+
 # Variables an in-process test of the same pytest session may have left in os.environ (Accelerate's
 # settings written by TrainingArguments, a rank's rendezvous): a launched job must not inherit them.
 _SESSION_LEFTOVERS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

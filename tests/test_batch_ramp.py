@@ -15,7 +15,7 @@ import pytest
 
 from dist_utils import run_ranks
 from helpers import batches, ds_config, hf_reference, tiny_gpt2
-from launcher_utils import explain, launch, read_log, tiny_dataset, train_config
+from launcher_utils import read_log, tiny_dataset, train_config, train_in_process
 from ds_mp.config import ConfigError, load_config
 from ds_mp.training.batch_ramp import BatchRamp, min_estimates
 
@@ -389,19 +389,19 @@ def test_noise_scale_ramp_resumes_mid_ramp_with_its_estimator_at_another_tp(tmp_
         assert float(r["noise_scale"]) == pytest.approx(float(w["noise_scale"]), rel=1e-4)
 
 
-@pytest.mark.launcher
 @pytest.mark.timeout(600)
-def test_ramp_from_the_json_through_the_launcher_at_pp_dp(tmp_path, data):
-    """``deepspeed --num_gpus 4``: PP=2 × DP=2 in bf16, a linear ramp 4 -> 12 samples over 16 with
-    sqrt LR scaling, straight from the JSON: each step's batch and LR in the log.  Pairwise, the rest
-    is in-process above: the ramp's batches at TP=2 (noise scale, bf16-tp2), every PP schedule and
-    DP=2 against HF, resume at another layout; 8 ranks here cost 2 min on 2 cores for no new pair."""
+def test_ramp_from_the_json_at_pp_dp(tmp_path, data):
+    """``launch/train.py``'s loop on 4 in-process ranks (``train_in_process``: what ``deepspeed
+    --num_gpus 4`` runs, without its start-up): PP=2 × DP=2 in bf16, a linear ramp 4 -> 12 samples
+    over 16 with sqrt LR scaling, straight from the JSON: each step's batch and LR in the log.
+    Pairwise, the rest is above: the ramp's batches at TP=2 (noise scale, bf16-tp2), every PP
+    schedule and DP=2 against HF, resume at another layout; 8 ranks here cost 2 min on 2 cores for
+    no new pair."""
     ramp = {"policy": "linear", "start": 4, "max": 12, "ramp_samples": 16, "interval": 1, "lr_scaling": "sqrt"}
     cfg = train_config(str(tmp_path), data, tp=1, pp=2, micro=2, gas=1, steps=5, batch_ramp=ramp,
                        training={"checkpoint_interval": 0, "eval_interval": 5, "export_hf": False},
                        ds={"bf16": {"enabled": True}})
-    proc = launch(str(tmp_path), cfg, n=4, timeout=540)
-    assert proc.returncode == 0, explain(proc)
+    train_in_process(str(tmp_path), cfg, n=4, timeout=540)
     rows = read_log(os.path.join(str(tmp_path), "run"))
     # s before the step: 0 -> 4; 4 -> 6 -> 4; 8 -> 8; 16 -> 12; 28 -> 12
     assert [int(r["batch_size"]) for r in rows] == [4, 4, 8, 12, 12]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from helpers import batches, ds_config, tiny_gpt2
-from launcher_utils import loop_rank, tiny_dataset, train_config
+from launcher_utils import loop_rank, loop_rank_output, read_log, tiny_dataset, train_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,6 +62,28 @@ def test_skip_stops_after_max_consecutive_skips(data, tmp_path):
     assert os.path.isdir(os.path.join(ckpts, "nan-step4")) and not os.path.isdir(os.path.join(ckpts, "step5"))
     with open(os.path.join(ckpts, "latest")) as f:
         assert f.read().strip() == "step3"  # skipped steps kept the weights: their checkpoints stay valid
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_non_finite_loss_on_two_ranks(tmp_path, data, policy):
+    """PP=2 on two ranks (``launch/train.py``'s loop, in-process), SGD at lr 1e30: ``stop`` fails every
+    rank saying so and keeps a ``nan-step`` checkpoint; ``skip`` finishes and logs the skipped steps."""
+    cfg = train_config(str(tmp_path), data, steps=3, lr=1e30, training={"on_nan": policy, "export_hf": False,
+                                                                        "eval_interval": 0},
+                       ds={"gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 1e30}}})
+    path = os.path.join(str(tmp_path), "config.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    got = run_ranks(loop_rank_output, 2, path, [], timeout=240)
+    said = "".join(out + err for _, out, err in got)
+    run = os.path.join(str(tmp_path), "run")
+    if policy == "stop":
+        assert all(rc != 0 for rc, _, _ in got), said[-3000:]
+        assert "non-finite loss" in said
+        assert any(d.startswith("nan-step") for d in os.listdir(os.path.join(run, "checkpoints")))
+    else:
+        assert all(rc == 0 for rc, _, _ in got), said[-3000:]
+        assert int(read_log(run)[-1]["skipped"]) >= 1
 
 
 def test_max_consecutive_skips_is_validated():

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from launcher_utils import children, cmdline, explain, launch, read_log, start, tiny_dataset, train_config, \
+from launcher_utils import children, cmdline, read_log, start, tiny_dataset, train_config, train_in_process, \
     wait_for_steps
 
 pytestmark = pytest.mark.serial  # bounds the time from a signal to every process gone
@@ -76,7 +76,7 @@ def _stop(tmp: str, data: str, target: str, signum: int, save: bool) -> tuple[st
 def test_sigterm_to_the_deepspeed_runner_stops_saves_and_resumes_exactly(tmp_path, data):
     """SIGTERM to the ``deepspeed`` PID (what a supervisor tracking one PID sends): the runner dies at
     once, the ranks see it (they watch launch.py's parent), finish the step, save, exit; then
-    ``--resume`` continues with the losses of a run never interrupted."""
+    ``--resume`` continues with the losses of a run never interrupted (both on in-process ranks)."""
     tmp = str(tmp_path / "stopped")
     os.makedirs(tmp)
     line, _, step = _stop(tmp, data, "runner", signal.SIGTERM, save=True)
@@ -86,13 +86,11 @@ def test_sigterm_to_the_deepspeed_runner_stops_saves_and_resumes_exactly(tmp_pat
     assert open(os.path.join(run, "checkpoints", "latest")).read().strip() == f"step{step}"
     cfg = train_config(tmp, data, steps=step + 2, training={"checkpoint_interval": 0, "eval_interval": 0,
                                                             "export_hf": False})
-    proc = launch(tmp, cfg, args=("--resume",))
-    assert proc.returncode == 0, explain(proc)
+    train_in_process(tmp, cfg, n=2, args=("--resume",))  # what follows the signal is not the launcher's
     full = str(tmp_path / "full")
     os.makedirs(full)
-    proc = launch(full, train_config(full, data, steps=step + 2, training={"checkpoint_interval": 0,
-                                                                           "eval_interval": 0, "export_hf": False}))
-    assert proc.returncode == 0, explain(proc)
+    training = {"checkpoint_interval": 0, "eval_interval": 0, "export_hf": False}
+    train_in_process(full, train_config(full, data, steps=step + 2, training=training), n=2)
     got, want = read_log(run), read_log(os.path.join(full, "run"))
     assert [int(r["step"]) for r in got] == list(range(1, step + 3))
     assert [r["loss"] for r in got] == [r["loss"] for r in want]  # 6 decimals: fp32 print precision

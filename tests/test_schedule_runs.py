@@ -1,24 +1,26 @@
-"""Ouroboros and TeraPipe end to end through the real ``deepspeed`` launcher (CPU, gloo).
+"""Ouroboros and TeraPipe end to end: ``launch/train.py``'s loop on in-process CPU ranks (gloo).
 
 Ouroboros, K modules on K-1 ranks: train, checkpoint (weights + in-flight state), ``--resume``
 to more steps, export an HF directory that ``GPT2LMHeadModel.from_pretrained`` loads and whose
 loss on the validation batch is the one the run logged (the trained weights, all ranks' parts).
 TeraPipe ``"slices": "auto"``: the engine profiles its stages, plans, trains and rank 0 writes
-the fitted cost model to ``<output_dir>/terapipe_profile.json``.
+the fitted cost model to ``<output_dir>/terapipe_profile.json``.  The ranks are in-process
+(``train_in_process``, as ``deepspeed`` would start them but without its per-run start-up of 10-30 s):
+the launcher adds nothing these check, and its own path runs end to end in test_launcher.py.
 """
 from __future__ import annotations
 
 import os
 
 import pytest
-from launcher_utils import TINY_MODEL, explain, launch, read_log, tiny_dataset, train_config
+from launcher_utils import TINY_MODEL, read_log, tiny_dataset, train_config, train_in_process
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return tiny_dataset(str(tmp_path_factory.mktemp("launcher_schedules")))
+    return tiny_dataset(str(tmp_path_factory.mktemp("schedule_runs")))
 
 
 @pytest.mark.parametrize("K, tp, dp, bf16", [(3, 2, 1, False), (3, 1, 2, True)], ids=["K3-tp2", "K3-dp2-bf16"])
@@ -36,8 +38,7 @@ def test_ouroboros_train_checkpoint_resume_export(tmp_path, data, K, tp, dp, bf1
     if bf16:
         cfg["bf16"] = {"enabled": True}
     n = (K - 1) * tp * dp
-    proc = launch(str(tmp_path), cfg, n=n)
-    assert proc.returncode == 0, explain(proc)
+    train_in_process(str(tmp_path), cfg, n=n)
     run = os.path.join(str(tmp_path), "run")
     assert [int(r["step"]) for r in read_log(run)] == [1, 2]
     with open(os.path.join(run, "checkpoints", "latest")) as f:
@@ -48,8 +49,7 @@ def test_ouroboros_train_checkpoint_resume_export(tmp_path, data, K, tp, dp, bf1
                         for r in range(K - 1) for t in range(tp) for d in range(dp)}
 
     cfg["ds_mp"]["training"]["steps"] = 4
-    proc = launch(str(tmp_path), cfg, n=n, args=("--resume",))
-    assert proc.returncode == 0, explain(proc)
+    train_in_process(str(tmp_path), cfg, n=n, args=("--resume",))
     rows = read_log(run)
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
     assert all(float(r["loss"]) > 0 for r in rows) and rows[3]["val_loss"]
@@ -71,8 +71,7 @@ def test_terapipe_auto_slices_writes_profile(tmp_path, data):
     cfg = train_config(str(tmp_path), data, pp=2, schedule="terapipe", steps=2, gas=2,
                        terapipe={"slices": "auto", "granularity": 8},
                        training={"export_hf": False, "checkpoint_interval": 0})
-    proc = launch(str(tmp_path), cfg)
-    assert proc.returncode == 0, explain(proc)
+    train_in_process(str(tmp_path), cfg, n=2)
     run = os.path.join(str(tmp_path), "run")
     rows = read_log(run)
     assert [int(r["step"]) for r in rows] == [1, 2] and all(float(r["loss"]) > 0 for r in rows)

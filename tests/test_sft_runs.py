@@ -1,6 +1,8 @@
-"""SFT end to end through the real launcher: a chat JSONL fine-tunes a tiny GPT-2 and a tiny Qwen2-shaped
-checkpoint (full and LoRA) at TP=2 x PP=2 with the loss on assistant tokens only, and a packed run
-resumed mid-epoch at another layout continues exactly."""
+"""SFT end to end (``launch/finetune.py``'s loop on 4 in-process ranks): a chat JSONL fine-tunes a tiny
+GPT-2 and a tiny Qwen2-shaped checkpoint (full and LoRA) at TP=2 x PP=2 with the loss on assistant
+tokens only, and a packed run resumed mid-epoch at another layout continues exactly.  In-process
+(``train_in_process``): the launcher adds nothing these check; docs/sft.md's SFT commands run
+through the real ``deepspeed`` launcher in test_docs.py."""
 from __future__ import annotations
 
 import json
@@ -10,12 +12,12 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from launcher_utils import REPO, explain, launch, read_log
+from launcher_utils import REPO, read_log, train_in_process
 
 from ds_mp.data import SftDataset, SftRows, SftSampler, TokenDataset, prepare_sft_data
 from sft_utils import chat_tokenizer, conversations, write_jsonl
 
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.timeout(900)
 SEQ = 128
 QWEN_LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -88,12 +90,11 @@ def hf_first_step_loss(model_dir: str, data: str, cfg: dict) -> tuple[float, flo
 
 
 @pytest.mark.parametrize("family,lora", [("gpt2", False), ("qwen2", True), ("gpt2", True), ("qwen2", False)])
-def test_chat_finetune_through_launcher(world, tmp_path, family, lora):
+def test_chat_finetune(world, tmp_path, family, lora):
     cfg = sft_config(str(tmp_path), world["data"], lora=lora, family=family, steps=2)
     model = os.path.join(world["root"], family)
-    proc = launch(str(tmp_path), cfg, n=4, script="launch/finetune.py", args=("--model", model), timeout=600)
-    assert proc.returncode == 0, explain(proc)
-    assert f"ds_mp: SFT data: {{'documents': {TokenDataset(world['data']).info.train_documents}," in proc.stdout
+    stdout = train_in_process(str(tmp_path), cfg, n=4, args=("--model", model), timeout=600)
+    assert f"ds_mp: SFT data: {{'documents': {TokenDataset(world['data']).info.train_documents}," in stdout[0]
     rows = read_log(os.path.join(str(tmp_path), "run"))
     assert [int(r["step"]) for r in rows] == [1, 2] and rows[1]["val_loss"]
     want, mask_blind = hf_first_step_loss(model, world["data"], cfg)
@@ -109,8 +110,7 @@ def test_packed_sft_resumes_mid_epoch_at_another_layout(world, tmp_path):
     os.makedirs(full)
     cfg = sft_config(full, world["data"], lora=False, family="gpt2", steps=4)
     cfg["ds_mp"]["training"]["eval_interval"] = 0
-    proc = launch(full, cfg, n=4, script="launch/finetune.py", args=("--model", model), timeout=600)
-    assert proc.returncode == 0, explain(proc)
+    train_in_process(full, cfg, n=4, args=("--model", model), timeout=600)
     want = [float(r["loss"]) for r in read_log(os.path.join(full, "run"))]
     os.makedirs(os.path.join(part, "run", "checkpoints"))
     shutil.copytree(os.path.join(full, "run", "checkpoints", "step2"), os.path.join(part, "run", "checkpoints", "step2"))
@@ -120,7 +120,6 @@ def test_packed_sft_resumes_mid_epoch_at_another_layout(world, tmp_path):
     assert 2 * 8 < rows_per_epoch < 3 * 8  # the resumed steps cross the epoch boundary
     cfg = sft_config(part, world["data"], lora=False, family="gpt2", steps=4, tp=1, pp=2)
     cfg["ds_mp"]["training"]["eval_interval"] = 0
-    proc = launch(part, cfg, n=4, script="launch/finetune.py", args=("--model", model, "--resume"), timeout=600)
-    assert proc.returncode == 0, explain(proc)
+    train_in_process(part, cfg, n=4, args=("--model", model, "--resume"), timeout=600)
     got = [float(r["loss"]) for r in read_log(os.path.join(part, "run"))]
     assert len(got) == 2 and all(abs(a - b) < 5e-5 for a, b in zip(got, want[2:])), (got, want)

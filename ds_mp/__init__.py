@@ -1,5 +1,5 @@
 """ds_mp: tensor parallelism, TeraPipe and Ouroboros for Hugging Face GPT-2 (and Llama, Qwen2,
-Mistral: ``ds_mp.models``) on DeepSpeed.
+Mistral, Qwen3, Gemma 3: ``ds_mp.models``) on DeepSpeed.
 
 ``engine, optimizer, dataloader, lr_scheduler = ds_mp.initialize(model=..., config=...)``
 mirrors ``deepspeed.initialize``; everything ds_mp does is read from the ``"ds_mp"``
@@ -22,7 +22,7 @@ __all__ = ["initialize", "ConfigError", "DsMpConfig", "load_config", "SCHEDULES"
 
 def initialize(model=None, config=None, training_data=None, args=None, optimizer=None, lr_scheduler=None,
                loaded=None):
-    """Build the parallel model (GPT-2, Llama, Qwen2, Mistral) and DeepSpeed's engine for it.
+    """Build the parallel model (GPT-2, Llama, Qwen2, Mistral, Qwen3, Gemma 3) and DeepSpeed's engine for it.
 
     Args:
         model: an HF ``…ForCausalLM`` of a family ds_mp knows, an HF checkpoint directory, or None (use

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from ds_mp.models.ctx import Ctx
 from ds_mp.models.family import Family
 from ds_mp.models.gemma3 import hf_adapter
 from ds_mp.models.gemma3.layers import Block, Embedding, FinalNorm, LMHead, embed_forward, head_forward
 from ds_mp.models.gemma3.plan import GEMMA3_LORA_PLAN, GEMMA3_TP_PLAN, LAYER_TYPES, biases, param_shapes
 from ds_mp.models.llama import LlamaFamily
 from ds_mp.models.llama.plan import STATIC_ROPE
-from ds_mp.models.weights import WeightSource
 
 
 class Gemma3Family(LlamaFamily):
@@ -96,17 +93,9 @@ class Gemma3Family(LlamaFamily):
 
     cost_shape = Family.cost_shape  # every config entry (Llama's short list lacks Gemma's)
 
-    def layer_spec(self, prefix: str, src: WeightSource, ctx: Ctx) -> Any:
-        tied = ctx.hf.tie_word_embeddings
-        if prefix == "embed_tokens":
-            return (TiedLayerSpec("embed", Embedding, src, ctx, forward_fn=embed_forward,
-                                  tied_weight_attr=["embed.weight"]) if tied else LayerSpec(Embedding, src, ctx))
-        if prefix == "lm_head":
-            return (TiedLayerSpec("embed", Embedding, src, ctx, forward_fn=head_forward,
-                                  tied_weight_attr=["embed.weight"]) if tied else LayerSpec(LMHead, src, ctx))
-        if prefix == "norm":
-            return LayerSpec(FinalNorm, src, ctx)
-        return LayerSpec(Block, src, int(prefix.split(".")[1]), ctx)
+    embedding_class, head_class, norm_class, block_class = Embedding, LMHead, FinalNorm, Block
+    embed_forward = staticmethod(embed_forward)
+    head_forward = staticmethod(head_forward)
 
 
 FAMILY = Gemma3Family()

@@ -92,23 +92,15 @@ class Embedding(TokenEmbedding):
         return embed_forward(self, inputs)
 
 
-class LMHead(TokenEmbedding):
-    """An untied ``lm_head.weight`` (vocab-parallel, never looked up)."""
-
-    def __init__(self, src: WeightSource, ctx: Ctx) -> None:
-        super().__init__(src, ctx, "lm_head.weight")
+class LMHead(llama_layers.LMHead):
+    """An untied ``lm_head.weight`` (vocab-parallel, never looked up), soft-capped as :func:`head_forward`."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return head_forward(self, h)
 
 
-class FinalNorm(nn.Module):
-    def __init__(self, src: WeightSource, ctx: Ctx) -> None:
-        super().__init__()
-        self.norm = GemmaRMSNorm(src, "model.norm.weight", ctx)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.norm(h)
+class FinalNorm(llama_layers.FinalNorm):
+    norm_class = GemmaRMSNorm
 
 
 __all__ = ["GemmaRMSNorm", "Attention", "MLP", "Block", "Embedding", "LMHead", "FinalNorm", "embed_forward",

@@ -130,17 +130,26 @@ class LlamaFamily(Family):
     def block_parameters(self, cfg: Any) -> int:
         return sum(o * i for o, i in (linear_shape(cfg, m) for m in (*COLUMN, *ROW)))
 
+    #: The layer classes and the tied embedding's two forwards :meth:`layer_spec` builds (a family on
+    #: Llama's layout, e.g. Gemma 3, sets its own).
+    embedding_class: type = TokenEmbedding
+    head_class: type = LMHead
+    norm_class: type = FinalNorm
+    block_class: type = Block
+    embed_forward = staticmethod(embed_forward)
+    head_forward = staticmethod(head_forward)
+
     def layer_spec(self, prefix: str, src: WeightSource, ctx: Ctx) -> Any:
-        tied = ctx.hf.tie_word_embeddings
+        tied, emb = ctx.hf.tie_word_embeddings, self.embedding_class
         if prefix == "embed_tokens":
-            return (TiedLayerSpec("embed", TokenEmbedding, src, ctx, forward_fn=embed_forward,
-                                  tied_weight_attr=["embed.weight"]) if tied else LayerSpec(TokenEmbedding, src, ctx))
+            return (TiedLayerSpec("embed", emb, src, ctx, forward_fn=self.embed_forward,
+                                  tied_weight_attr=["embed.weight"]) if tied else LayerSpec(emb, src, ctx))
         if prefix == "lm_head":
-            return (TiedLayerSpec("embed", TokenEmbedding, src, ctx, forward_fn=head_forward,
-                                  tied_weight_attr=["embed.weight"]) if tied else LayerSpec(LMHead, src, ctx))
+            return (TiedLayerSpec("embed", emb, src, ctx, forward_fn=self.head_forward,
+                                  tied_weight_attr=["embed.weight"]) if tied else LayerSpec(self.head_class, src, ctx))
         if prefix == "norm":
-            return LayerSpec(FinalNorm, src, ctx)
-        return LayerSpec(Block, src, int(prefix.split(".")[1]), ctx)
+            return LayerSpec(self.norm_class, src, ctx)
+        return LayerSpec(self.block_class, src, int(prefix.split(".")[1]), ctx)
 
 
 FAMILY = LlamaFamily()

@@ -290,9 +290,13 @@ class LMHead(TokenEmbedding):
 
 
 class FinalNorm(nn.Module):
+    """The last norm (``model.norm``); a family with another norm sets ``norm_class``."""
+
+    norm_class: type = RMSNorm
+
     def __init__(self, src: WeightSource, ctx: Ctx) -> None:
         super().__init__()
-        self.norm = RMSNorm(src, "model.norm.weight", ctx)
+        self.norm = self.norm_class(src, "model.norm.weight", ctx)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)

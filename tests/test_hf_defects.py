@@ -168,3 +168,19 @@ def test_sft_trainer_refuses_compute_loss_func(tmp_path: Any) -> None:
     args = SFTConfig(output_dir=str(tmp_path), deepspeed=ds_json(), use_cpu=True, report_to="none", bf16=False)
     with pytest.raises(ConfigError, match="^compute_loss_func"):
         SFTTrainer(model=tiny_gpt2(), args=args, train_dataset=[], compute_loss_func=lambda o, l, n=None: o.loss)
+
+
+def test_frozen_weights_on_the_meta_device_are_refused(gpt2_dir: str) -> None:
+    """A meta model is read from its path, which does not say what is frozen: refused, not trained."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_mp.config import ConfigError
+    from ds_mp.hf.model_sync import model_and_source
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gpt2_dir))
+    model.config._name_or_path = gpt2_dir
+    assert model_and_source(model)[1] == gpt2_dir
+    model.transformer.wpe.weight.requires_grad = False
+    with pytest.raises(ConfigError, match="^model: on the meta device with requires_grad=False"):
+        model_and_source(model)

@@ -46,6 +46,10 @@ def model_and_source(model: Any) -> tuple[Any, Any]:
         if not source or not os.path.exists(source) and "/" not in source:
             raise ConfigError("model: on the meta device without a name_or_path to read the weights from; pass the "
                               "directory or Hub id as model=")
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if frozen:  # ds_mp reads the weights from the path, which does not say what is frozen
+            raise ConfigError(f"model: on the meta device with requires_grad=False weights ({frozen[0]}, ...); pass "
+                              "the model with its weights (from_pretrained) to keep them frozen")
     try:
         causal_lm_family(model)
     except ValueError as e:

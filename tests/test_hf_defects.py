@@ -125,7 +125,7 @@ def test_real_rows_of_accelerates_even_batches() -> None:
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    from ds_mp.hf.rows import keep_real_rows
+    from ds_mp.hf.rows import Repeats, keep_real_rows
 
     seen = []
     for d in range(2):
@@ -134,6 +134,9 @@ def test_real_rows_of_accelerates_even_batches() -> None:
         seen.append(list(shard))
     assert seen[0] == [[0, 1], [4, 5], [8, 9], [12]] and seen[1][:3] == [[2, 3], [6, 7], [10, 11]]
     assert len(seen[1]) == 4  # its last batch: repeats only (the mixin trains it without targets)
+    repeats, epoch, resumed = Repeats(shard, 2), iter([]), iter([])  # replica 1, 2 batches a step
+    assert repeats.real(epoch, 2, 0) == [True, True] and repeats.real(epoch, 2, 1) == [True, False]
+    assert repeats.real(resumed, 2, 3) == [True, False]  # resumed in epoch 1's step 2: the position from the step
 
 
 def test_compute_loss_func_is_refused_and_arguments_bind_by_name(tmp_path: Any) -> None:

@@ -34,7 +34,7 @@ from ds_mp.config import ConfigError
 from ds_mp.hf.args import constructor_refusal, deepspeed_dict
 from ds_mp.hf.lora import is_peft_model, set_lora_from_peft
 from ds_mp.hf.model_sync import model_and_source
-from ds_mp.hf.rows import empty_rows, fixed_rows, keep_real_rows, real_rows, step_rows
+from ds_mp.hf.rows import Repeats, empty_rows, fixed_rows, keep_real_rows, step_rows
 from ds_mp.hf.schedule import BoundLater, trainer_schedule
 
 #: The tag of ds_mp's layout-free checkpoint inside a Trainer checkpoint directory.
@@ -81,8 +81,7 @@ class PipelineTrainerMixin:
             self.state.is_world_process_zero = self.is_world_process_zero()
             self.state.is_local_process_zero = self.is_local_process_zero()
         self._ds_mp_lr: float | None = None
-        self._ds_mp_rows: tuple[int, int, int] | None = None  # (train rows, rows per batch, batches per rank)
-        self._ds_mp_epoch: tuple[Any, int] = (None, 0)  # (the epoch iterator, batches it gave)
+        self._ds_mp_repeats: Repeats | None = None  # the train loader's repeated rows (DP > 1)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``train()``; then ``trainer.model`` holds the trained weights (those of the
@@ -114,7 +113,7 @@ class PipelineTrainerMixin:
         if hasattr(shard, "num_processes"):  # Accelerate's BatchSamplerShard: replicas, not processes
             shard.num_processes, shard.process_index = topo.dp, topo.dp_rank
             if description == "Training" and topo.dp > 1 and keep_real_rows(shard, len(dataset)):
-                self._ds_mp_rows = (len(dataset), batch_size, len(shard))
+                self._ds_mp_repeats = Repeats(shard, self.args.gradient_accumulation_steps)
         sampler = getattr(getattr(shard, "batch_sampler", shard), "sampler", None)
         if hasattr(sampler, "initial_seed") and self.args.data_seed is None:
             # Accelerate's SeedableRandomSampler seeds its order with torch.initial_seed(): the Trainer's
@@ -145,25 +144,13 @@ class PipelineTrainerMixin:
             except StopIteration:
                 break
         marked = [StepBatch(b) for b in batches]
-        real = [dict(b) for b, keep in zip(batches, self._real_batches(epoch_iterator, len(batches))) if keep]
+        repeats = self._ds_mp_repeats
+        keep = repeats.real(epoch_iterator, len(batches), self.state.global_step) if repeats else [True] * len(batches)
+        real = [dict(b) for b, k in zip(batches, keep) if k]
         if marked:
             rows = self.step_micro_batches(real or [dict(batches[0])])
             marked[0].rows = rows if real else [empty_rows(r) for r in rows]
         return marked, None  # the engine counts the targets itself (over DP, every schedule)
-
-    def _real_batches(self, epoch_iterator: Any, n: int) -> list[bool]:
-        """For the next ``n`` batches of ``epoch_iterator``: False for a batch of Accelerate's repeated
-        rows only (the last round of an epoch at DP > 1, :mod:`ds_mp.hf.rows`)."""
-        if self._ds_mp_rows is None:
-            return [True] * n
-        total, per_batch, per_rank = self._ds_mp_rows
-        seen_iter, seen = self._ds_mp_epoch
-        if seen_iter is not epoch_iterator:  # a new epoch, or a resumed one: where the step starts in it
-            steps = -(-per_rank // self.args.gradient_accumulation_steps)
-            seen = (self.state.global_step % steps) * self.args.gradient_accumulation_steps
-        self._ds_mp_epoch = (epoch_iterator, seen + n)
-        topo = self.ds_mp_topology
-        return [real_rows(total, per_batch, (seen + i) * topo.dp + topo.dp_rank) > 0 for i in range(n)]
 
     # --- the step -----------------------------------------------------------------------
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:

@@ -105,4 +105,25 @@ def keep_real_rows(shard: Any, total: int) -> bool:
     return True
 
 
-__all__ = ["fixed_rows", "empty_rows", "step_rows", "real_rows", "keep_real_rows"]
+class Repeats:
+    """Which batches of the train loader over ``shard`` (a :func:`keep_real_rows` shard, read in
+    steps of ``accumulation`` batches) hold only Accelerate's repeats: they train without targets."""
+
+    def __init__(self, shard: Any, accumulation: int) -> None:
+        self.total, self.per_batch, self.dp, self.dp_rank = (shard.ds_mp_total, shard.batch_size,
+                                                             shard.num_processes, shard.process_index)
+        self.steps_per_epoch = -(-len(shard) // accumulation)  # the Trainer's num_update_steps_per_epoch
+        self.accumulation = accumulation
+        self.epoch: tuple[Any, int] = (None, 0)  # (the epoch's iterator, batches it gave)
+
+    def real(self, epoch_iterator: Any, n: int, global_step: int) -> list[bool]:
+        """For the next ``n`` batches of ``epoch_iterator`` (before optimizer step ``global_step``):
+        False where the batch holds repeats only."""
+        seen_iter, seen = self.epoch
+        if seen_iter is not epoch_iterator:  # a new epoch, or a resumed one: where this step starts in it
+            seen = (global_step % self.steps_per_epoch) * self.accumulation
+        self.epoch = (epoch_iterator, seen + n)
+        return [real_rows(self.total, self.per_batch, (seen + i) * self.dp + self.dp_rank) > 0 for i in range(n)]
+
+
+__all__ = ["fixed_rows", "empty_rows", "step_rows", "real_rows", "keep_real_rows", "Repeats"]

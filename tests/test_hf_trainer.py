@@ -112,12 +112,15 @@ def _ds_mp_rank(rank: int, model_dir: str, out: str, ds: dict, steps: int, extra
     trainer = Trainer(model=model, args=training_args(out, ds, max_steps=steps, **(extra or {})), train_dataset=rows(24),
                       eval_dataset=rows(8, seed=9), data_collator=collate)
     trainer.train()
+    model = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}  # written back by train()
     eval_loss = trainer.evaluate()["eval_loss"]
     trainer.save_model(os.path.join(out, "final"))
-    return {"logs": _logs(trainer.state), "eval_loss": eval_loss, "dir": os.path.join(out, "final")}
+    return {"logs": _logs(trainer.state), "eval_loss": eval_loss, "dir": os.path.join(out, "final"), "model": model}
 
 
 def assert_same_run(got: dict, ref: dict, rel: float = 1e-5) -> None:
+    """The logs, eval loss and saved weights of ``got`` are ``ref``'s; so is ``trainer.model`` after
+    ``train()`` (``got["model"]``, where given: every rank's)."""
     from transformers import AutoModelForCausalLM
 
     assert [h["step"] for h in got["logs"]] == [h["step"] for h in ref["logs"]]
@@ -131,6 +134,10 @@ def assert_same_run(got: dict, ref: dict, rel: float = 1e-5) -> None:
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
+    if "model" in got:
+        assert got["model"].keys() >= b.keys()
+        for k in b:
+            torch.testing.assert_close(got["model"][k], b[k], rtol=1e-5, atol=1e-5, msg=f"trainer.model: {k}")
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +194,8 @@ def test_trainer_equals_plain_trainer(world: int, tp: int, pp: int, schedule: st
     dp = world // (tp * pp)
     got = run_ranks(_ds_mp_rank, world, gpt2_dir, str(tmp_path), ds_json(tp, pp, schedule), 5, timeout=600)
     assert all(r["logs"] == got[0]["logs"] and r["eval_loss"] == got[0]["eval_loss"] for r in got)
-    assert_same_run(got[0], oracle(gpt2_dir, 2 * dp))
+    for r in got:  # trainer.model after train(): the trained weights on every rank
+        assert_same_run(r, oracle(gpt2_dir, 2 * dp))
 
 
 def test_gradient_checkpointing_is_activation_checkpointing(gpt2_dir: str, oracle: Any, tmp_path: Any) -> None:
@@ -260,11 +268,11 @@ def test_model_without_a_plan_is_refused(tmp_path: Any) -> None:
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
     from ds_mp.config import ConfigError
-    from ds_mp.hf.mixin import _model_and_source
+    from ds_mp.hf.model_sync import model_and_source
 
     model = GPT2ForSequenceClassification(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(ConfigError, match="not a causal LM"):
-        _model_and_source(model)
+        model_and_source(model)
 
 
 def test_fixed_rows_keep_the_targets() -> None:
@@ -404,7 +412,8 @@ def _early_stopping_run(model_dir: str, out: str, ds: dict | None) -> dict:
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     return {"evals": [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h],
-            "best": os.path.basename(trainer.state.best_model_checkpoint), "dir": os.path.join(out, "final")}
+            "best": os.path.basename(trainer.state.best_model_checkpoint), "dir": os.path.join(out, "final"),
+            "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}
 
 
 def _early_stopping_rank(rank: int, model_dir: str, out: str, ds: dict) -> dict:
@@ -418,11 +427,16 @@ def test_eval_during_training_early_stopping_and_best_model(gpt2_dir: str, tmp_p
     from transformers import AutoModelForCausalLM
 
     ref = _early_stopping_run(gpt2_dir, str(tmp_path / "plain"), None)
-    got = run_ranks(_early_stopping_rank, 2, gpt2_dir, str(tmp_path / "ds_mp"), ds_json(tp=2), timeout=900)[0]
+    ranks = run_ranks(_early_stopping_rank, 2, gpt2_dir, str(tmp_path / "ds_mp"), ds_json(tp=2), timeout=900)
+    got = ranks[0]
     assert [s for s, _ in got["evals"]] == [s for s, _ in ref["evals"]] and got["best"] == ref["best"]
     for (_, g), (_, r) in zip(got["evals"], ref["evals"]):
         assert g == pytest.approx(r, rel=1e-5)
     a = AutoModelForCausalLM.from_pretrained(got["dir"]).state_dict()
     b = AutoModelForCausalLM.from_pretrained(ref["dir"]).state_dict()
+    best = AutoModelForCausalLM.from_pretrained(os.path.join(ref["dir"], "..", ref["best"])).state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
+    for rank in ranks:  # trainer.model on every rank: the best checkpoint's weights
+        for k in best:
+            torch.testing.assert_close(rank["model"][k], best[k], rtol=1e-5, atol=1e-5, msg=f"trainer.model: {k}")

@@ -174,6 +174,9 @@ def _pipeline(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: Topol
     """This rank's pipeline stage, laid out as the schedule's spec asks, its blocks split by
     ``pipeline.partition`` (``"cost"``: measured here, collective); returns it and the measured costs."""
     spec = schedule_spec(cfg.pipeline.schedule)
+    if src.frozen and isinstance(spec.lora, str):  # the schedules that cannot train LoRA's frozen base
+        raise ConfigError(f"model: {len(src.frozen)} weights have requires_grad=False (e.g. {min(src.frozen)}), which "
+                          f"the {cfg.pipeline.schedule} schedule does not honour; unfreeze them or choose another schedule")
     partition = cfg.pipeline.partition
     costs = measured_costs(src, cfg, ds_dict, topology) if partition == "cost" and cfg.pp > 1 else None
     layout = spec.pipeline_layout(cfg, src.config, costs)  # (zb-v's V balances the costs per rank)

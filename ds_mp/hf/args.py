@@ -71,6 +71,24 @@ def refusals(args: Any, raw: dict) -> str | None:
     return next((msg for bad, msg in checks if bad), None)
 
 
+def constructor_refusal(given: dict[str, Any]) -> str | None:
+    """The first Trainer constructor argument (``given``: the call bound to the base Trainer's
+    signature, by name) that ds_mp's engine cannot honour, as one line naming it."""
+    checks = [
+        (given.get("model_init"), "model_init: ds_mp.hf needs model= (an HF …ForCausalLM, a directory or a Hub id); "
+         "remove model_init"),
+        (any(o is not None for o in given.get("optimizers") or ()), "optimizers: ds_mp builds the optimizer and "
+         "scheduler from optim / lr_scheduler_type (or the DeepSpeed JSON); remove optimizers="),
+        (given.get("optimizer_cls_and_kwargs"), "optimizer_cls_and_kwargs: ds_mp builds the optimizer from optim; "
+         "remove it"),
+        (given.get("compute_metrics"), "compute_metrics: ds_mp.hf evaluates the per-token loss only; remove "
+         "compute_metrics"),
+        (given.get("compute_loss_func"), "compute_loss_func: ds_mp's loss is the per-token cross-entropy computed on "
+         "the last pipeline stage over vocab-parallel logits; remove compute_loss_func"),
+    ]
+    return next((msg for bad, msg in checks if bad), None)
+
+
 def deepspeed_dict(args: Any, hf_config: Any) -> dict:
     """The DeepSpeed JSON (with its ``"ds_mp"`` block) for ``args``; raises :class:`ConfigError`
     with one line on anything the engine cannot honour.  ``hf_config``: the model's HF config
@@ -174,4 +192,5 @@ def _parse_optim_args(text: str | None) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in text.replace(" ", "").split(",") if kv)
 
 
-__all__ = ["OPTIMIZERS", "check_layout", "check_train_batch_size", "deepspeed_dict", "optimizer_block", "refusals"]
+__all__ = ["OPTIMIZERS", "check_layout", "check_train_batch_size", "constructor_refusal", "deepspeed_dict", "optimizer_block",
+           "refusals"]

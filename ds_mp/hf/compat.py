@@ -50,7 +50,8 @@ class HfIncompatible(RuntimeError):
 @dataclass(frozen=True)
 class Assumption:
     owner: str  # "Trainer" (transformers.Trainer), "SFTTrainer" (trl), "PartialState" / "AcceleratorState"
-    # (accelerate.state), "PretrainedConfig" (transformers)
+    # (accelerate.state), "BatchSamplerShard" (accelerate.data_loader), "PretrainedConfig" (transformers), or a
+    # module named in full ("trl.trainer.utils", "transformers.trainer_utils") for a module-level function
     name: str
     why: str  # what ds_mp.hf relies on
 
@@ -85,6 +86,17 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
                "get_total_train_batch_size multiplies"),
     Assumption("SFTTrainer", "_tokenizer", "set in __init__: the tokenizer of processing_class (its pad id fills "
                "ds_mp's fixed rows)"),
+    Assumption("SFTTrainer", "_prepare_dataset", "evaluate(eval_dataset=<raw text or chat set>): TRL's own "
+               "tokenization / chat template / packing of a set, as its evaluate() does before ds_mp's"),
+    Assumption("SFTTrainer", "_skip_prepare_dataset", "set in __init__: whether TRL prepares datasets at all "
+               "(dataset_kwargs skip_prepare_dataset)"),
+    Assumption("SFTTrainer", "_formatting_func", "set in __init__: the formatting_func _prepare_dataset applies"),
+    Assumption("trl.trainer.utils", "create_model_from_path", "SFTTrainer(model=<path>, peft_config=...): the model "
+               "loaded as TRL loads it (model_init_kwargs) before PEFT wraps it"),
+    Assumption("transformers.trainer_utils", "rotate_checkpoints", "ds_mp.hf.stop rotates checkpoints as "
+               "_save_checkpoint does after renaming a staged checkpoint into place"),
+    Assumption("BatchSamplerShard", "even_batches", "set in __init__: the last round filled with rows repeated "
+               "from the epoch's start; ds_mp.hf.rows drops them (its subclass wraps __iter__)"),
     Assumption("PretrainedConfig", "_name_or_path", "the directory or Hub id a model was loaded from: ds_mp reads a "
                "meta-device model's weights from it and names a PEFT adapter's base with it"),
     # --- Accelerate's process singletons (written by process_state_from_torch only) ---
@@ -117,8 +129,12 @@ def _owners(trainer_cls: type | None = None) -> dict[str, type]:
     from accelerate.state import AcceleratorState, PartialState
     from transformers import PretrainedConfig, Trainer
 
-    owners: dict[str, type] = {"Trainer": Trainer, "PartialState": PartialState, "AcceleratorState": AcceleratorState,
-                               "PretrainedConfig": PretrainedConfig}
+    import transformers.trainer_utils
+    from accelerate.data_loader import BatchSamplerShard
+
+    owners: dict[str, Any] = {"Trainer": Trainer, "PartialState": PartialState, "AcceleratorState": AcceleratorState,
+                              "PretrainedConfig": PretrainedConfig, "BatchSamplerShard": BatchSamplerShard,
+                              "transformers.trainer_utils": transformers.trainer_utils}
     wants_trl = trainer_cls is None or any(k.__module__.split(".")[0] == "trl" for k in trainer_cls.__mro__)
     if wants_trl:
         try:
@@ -127,7 +143,10 @@ def _owners(trainer_cls: type | None = None) -> dict[str, type]:
             if trainer_cls is not None:
                 raise
         else:
+            import trl.trainer.utils
+
             owners["SFTTrainer"] = trl.SFTTrainer
+            owners["trl.trainer.utils"] = trl.trainer.utils
     return owners
 
 
@@ -148,7 +167,8 @@ def defines(cls: type, name: str) -> bool:
     """``cls`` (or a class it derives from) has ``name`` as a class attribute or sets ``self.<name>``
     in its ``__init__`` / ``__post_init__`` (instance state)."""
     pattern = re.compile(rf"self\.{re.escape(name)}\s*(:[^=\n]+)?=(?!=)")
-    return hasattr(cls, name) or any(pattern.search(_init_source(k)) for k in cls.__mro__ if k is not object)
+    return hasattr(cls, name) or any(pattern.search(_init_source(k)) for k in getattr(cls, "__mro__", ())
+                                     if k is not object)
 
 
 def overridden_private_names(trainer_cls: type) -> list[str]:
@@ -170,7 +190,8 @@ def check(trainer_cls: type | None = None, owners: dict[str, type] | None = None
     owners = _owners(trainer_cls) if owners is None else owners
     for a in ASSUMPTIONS:
         if a.owner in owners and not defines(owners[a.owner], a.name):
-            raise _fail(a, f"{owners[a.owner].__module__.split('.')[0]}.{owners[a.owner].__name__}")
+            o = owners[a.owner]
+            raise _fail(a, o.__name__ if inspect.ismodule(o) else f"{o.__module__.split('.')[0]}.{o.__name__}")
     if trainer_cls is None:
         return []
     listed = {a.name: a for a in ASSUMPTIONS if a.owner in owners}

@@ -31,10 +31,11 @@ from typing import Any
 import torch
 
 from ds_mp.config import ConfigError
-from ds_mp.hf import compat
-from ds_mp.hf import stop
-from ds_mp.hf.args import check_layout, deepspeed_dict
-from ds_mp.hf.rows import empty_rows, fixed_rows, step_rows
+from ds_mp.hf import compat, stop
+from ds_mp.hf.args import check_layout, constructor_refusal, deepspeed_dict
+from ds_mp.hf.lora import is_peft_model, set_lora_from_peft
+from ds_mp.hf.model_sync import model_and_source
+from ds_mp.hf.rows import Repeats, empty_rows, fixed_rows, keep_real_rows, step_rows
 from ds_mp.hf.schedule import BoundLater, trainer_schedule
 
 #: The tag of ds_mp's layout-free checkpoint inside a Trainer checkpoint directory.
@@ -61,17 +62,26 @@ class PipelineTrainerMixin:
         compat.before_trainer(cls)
         return super().__new__(cls)
 
-    def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
-        model, source = _model_and_source(model)
-        optimizers = kwargs.get("optimizers", rest[8] if len(rest) > 8 else (None, None))
-        if optimizers is not None and any(o is not None for o in optimizers):
-            raise ConfigError("optimizers: ds_mp builds the optimizer and scheduler from optim / lr_scheduler_type "
-                              "(or the DeepSpeed JSON); remove optimizers=")
-        if kwargs.get("compute_metrics") is not None or (len(rest) > 6 and rest[6] is not None):
-            raise ConfigError("compute_metrics: ds_mp.hf evaluates the per-token loss only; remove compute_metrics")
-        if getattr(args, "hf_deepspeed_config", None) is not None:
-            check_layout(args, source, model.config)  # refuse before any collective or dataset work
-        super().__init__(model, args, *rest, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import inspect
+
+        from transformers import Trainer
+
+        base = next(k for k in type(self).__mro__ if issubclass(k, Trainer) and not issubclass(k, PipelineTrainerMixin))
+        bound = inspect.signature(base.__init__).bind_partial(None, *args, **kwargs)  # the base Trainer's, by name
+        del bound.arguments[next(iter(bound.arguments))]  # self
+        given = bound.arguments
+        model, source = model_and_source(given.get("model"))
+        train_args = given.get("args")
+        msg = constructor_refusal(given)
+        if msg:
+            raise ConfigError(msg)
+        if is_peft_model(model):
+            set_lora_from_peft(model, train_args)  # ds_mp.lora from the PeftModel's LoraConfig: train the adapter
+        if getattr(train_args, "hf_deepspeed_config", None) is not None:
+            check_layout(train_args, source, model.config)  # refuse before any collective or dataset work
+        given["model"] = model
+        super().__init__(*bound.args, **bound.kwargs)
         raw = deepspeed_dict(self.args, model.config)
         import ds_mp
 
@@ -82,17 +92,32 @@ class PipelineTrainerMixin:
             self.state.is_world_process_zero = self.is_world_process_zero()
             self.state.is_local_process_zero = self.is_local_process_zero()
         self._ds_mp_lr: float | None = None
+        self._ds_mp_repeats: Repeats | None = None  # the train loader's repeated rows (DP > 1)
+
+    def ds_mp_sync_model(self) -> None:
+        """Collective: write the engine's weights into ``trainer.model`` on every rank."""
+        from ds_mp.checkpoint.hf import full_state_dict
+        from ds_mp.hf.model_sync import broadcast_state, write_back
+
+        engine = self.ds_mp_engine
+        tensors = broadcast_state(full_state_dict(engine), engine.device)
+        self.model = write_back(self.model, tensors)
+        self.callback_handler.model = self.model
 
     def train(self, resume_from_checkpoint: Any = None, trial: Any = None, ignore_keys_for_eval: Any = None,
               **kwargs: Any) -> Any:
         """The Trainer's ``train``; a signal saves a checkpoint and stops every rank, resume picks
         only complete checkpoints (:mod:`ds_mp.hf.stop`); a ``resume_from_checkpoint`` path that holds no
-        checkpoint is refused in the Trainer's own words (it would raise a raw FileNotFoundError)."""
+        checkpoint is refused in the Trainer's own words (it would raise a raw FileNotFoundError).  After
+        it, ``trainer.model`` holds the trained weights (those of the best checkpoint with
+        ``load_best_model_at_end``) on every rank (:mod:`ds_mp.hf.model_sync`)."""
         path = resume_from_checkpoint
         if isinstance(path, (str, os.PathLike)) and not os.path.isdir(path):
             raise ConfigError(f"Can't find a valid checkpoint at {path}")
-        return stop.train(self, super().train, resume_from_checkpoint, trial, ignore_keys_for_eval=ignore_keys_for_eval,
-                          **kwargs)
+        out = stop.train(self, super().train, resume_from_checkpoint, trial, ignore_keys_for_eval=ignore_keys_for_eval,
+                         **kwargs)
+        self.ds_mp_sync_model()
+        return out
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         stop.save_checkpoint(self, super()._save_checkpoint, model, trial)  # complete under its name, or absent
@@ -112,6 +137,8 @@ class PipelineTrainerMixin:
         shard, topo = getattr(loader, "batch_sampler", None), self.ds_mp_topology
         if hasattr(shard, "num_processes"):  # Accelerate's BatchSamplerShard: replicas, not processes
             shard.num_processes, shard.process_index = topo.dp, topo.dp_rank
+            if description == "Training" and topo.dp > 1 and keep_real_rows(shard, len(dataset)):
+                self._ds_mp_repeats = Repeats(shard, self.args.gradient_accumulation_steps)
         sampler = getattr(getattr(shard, "batch_sampler", shard), "sampler", None)
         if hasattr(sampler, "initial_seed") and self.args.data_seed is None:
             # Accelerate's SeedableRandomSampler seeds its order with torch.initial_seed(): the Trainer's
@@ -142,8 +169,12 @@ class PipelineTrainerMixin:
             except StopIteration:
                 break
         marked = [StepBatch(b) for b in batches]
+        repeats = self._ds_mp_repeats
+        keep = repeats.real(epoch_iterator, len(batches), self.state.global_step) if repeats else [True] * len(batches)
+        real = [dict(b) for b, k in zip(batches, keep) if k]
         if marked:
-            marked[0].rows = self.step_micro_batches([dict(b) for b in batches])
+            rows = self.step_micro_batches(real or [dict(batches[0])])
+            marked[0].rows = rows if real else [empty_rows(r) for r in rows]
         return marked, None  # the engine counts the targets itself (over DP, every schedule)
 
     # --- the step -----------------------------------------------------------------------
@@ -257,18 +288,25 @@ class PipelineTrainerMixin:
     # --- saving -------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Collective: an HF model directory in ``output_dir`` (weights + config; the tokenizer
-        and ``training_args.bin`` too), which ``from_pretrained`` loads; other files there stay."""
+        and ``training_args.bin`` too), which ``from_pretrained`` loads; other files there stay.
+        A LoRA run (a PeftModel, or TRL's ``peft_config``) writes PEFT's adapter directory instead
+        (``adapter_config.json`` + ``adapter_model.safetensors``), as the plain Trainer does."""
         from transformers.trainer import TRAINING_ARGS_NAME
 
         from ds_mp.checkpoint.hf import full_state_dict, write_hf_files, write_on_rank0
+        from ds_mp.hf.lora import save_adapter
 
         out = output_dir or self.args.output_dir
         engine = self.ds_mp_engine
         tensors = full_state_dict(engine)
+        lora = engine.ds_mp_config.lora.r > 0
 
         def write() -> None:
             os.makedirs(out, exist_ok=True)
-            write_hf_files(tensors, engine.hf_config, out)
+            if lora:
+                save_adapter(engine, self.model, tensors, out)
+            else:
+                write_hf_files(tensors, engine.hf_config, out)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(out)
             torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))
@@ -301,39 +339,6 @@ class PipelineTrainerMixin:
                               "checkpoint); pass a checkpoint-N directory written by ds_mp.hf")
         state = ds_mp.load_checkpoint(self.ds_mp_engine, checkpoint, CHECKPOINT_TAG)
         load_states(rng_parts(self.ds_mp_topology), state)
-
-
-def _model_and_source(model: Any) -> tuple[Any, Any]:
-    """(the model object the Trainer holds, what ds_mp reads the weights from).
-
-    A directory or Hub id → an HF model on the meta device (no weights) and the path: each rank
-    reads only its shard.  A model on the meta device → its ``name_or_path``.  A model with
-    weights → itself.  A model of no ds_mp family is refused with one line."""
-    from ds_mp.models.family import causal_lm_family
-
-    if model is None:
-        raise ConfigError("model: ds_mp.hf needs model= (an HF …ForCausalLM, a directory or a Hub id); "
-                          "model_init is not supported")
-    source = model
-    if isinstance(model, str):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from ds_mp.hub import resolve_model
-
-        source = resolve_model(model)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
-        model.config._name_or_path = source
-    elif any(p.is_meta for p in model.parameters()):
-        source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", "")
-        if not source or not os.path.exists(source) and "/" not in source:
-            raise ConfigError("model: on the meta device without a name_or_path to read the weights from; pass the "
-                              "directory or Hub id as model=")
-    try:
-        causal_lm_family(model)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return model, source
 
 
 __all__ = ["PipelineTrainerMixin", "StepBatch", "CHECKPOINT_TAG"]

@@ -10,9 +10,16 @@ Right padding changes no target's logits (causal attention reads only earlier to
 labels are -100 (no target), so the per-token loss, its gradient and the target count are those of
 the unpadded batch.  A step with fewer than ``gradient_accumulation_steps`` micro-batches (the end
 of an epoch) is filled with micro-batches without targets.
+
+At DP > 1, Accelerate's ``BatchSamplerShard`` (``even_batches``) fills the epoch's last round of
+batches with rows repeated from its start, so that every replica reads a full batch; the plain
+Trainer on one process trains those rows once.  :class:`RealRowsShard` drops the repeated rows of a
+partly filled batch (its padding then has no targets), and :func:`real_rows` tells which batches
+hold none (the mixin trains them as micro-batches without targets).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -63,4 +70,60 @@ def step_rows(batches: list[dict], n: int, rows: int, seq_len: int) -> list[dict
     return fixed + [empty_rows(fixed[0]) for _ in range(n - len(fixed))]
 
 
-__all__ = ["fixed_rows", "empty_rows", "step_rows"]
+def real_rows(total: int, per_batch: int, index: int) -> int:
+    """Rows of the dataset (``total`` rows, cut in batches of ``per_batch``) in the epoch's batch
+    ``index`` (over every replica: replica d's k-th batch is k·DP + d); 0 for a batch of repeats."""
+    return max(0, min(per_batch, total - index * per_batch))
+
+
+@functools.cache
+def _shard_class() -> type:
+    from accelerate.data_loader import BatchSamplerShard
+
+    class RealRowsShard(BatchSamplerShard):
+        """Accelerate's shard over DP replicas whose batches end at the dataset's last row: the
+        repeated rows ``even_batches`` appends are dropped (a batch of repeats only is kept whole,
+        for :func:`real_rows` to find)."""
+
+        ds_mp_total: int = 0
+
+        def __iter__(self) -> Any:
+            for k, batch in enumerate(super().__iter__()):
+                real = real_rows(self.ds_mp_total, self.batch_size, k * self.num_processes + self.process_index)
+                yield batch[:real] if real else batch
+    return RealRowsShard
+
+
+def keep_real_rows(shard: Any, total: int) -> bool:
+    """Make Accelerate's ``shard`` (a ``BatchSamplerShard`` that fills the last round) drop the
+    repeated rows; returns whether it fills at all (no drop_last, no split_batches, a fixed
+    batch size)."""
+    if shard.split_batches or shard.drop_last or not shard.even_batches or shard.batch_size is None:
+        return False
+    shard.__class__ = _shard_class()  # the loader's batch_sampler cannot be replaced once it is built
+    shard.ds_mp_total = total
+    return True
+
+
+class Repeats:
+    """Which batches of the train loader over ``shard`` (a :func:`keep_real_rows` shard, read in
+    steps of ``accumulation`` batches) hold only Accelerate's repeats: they train without targets."""
+
+    def __init__(self, shard: Any, accumulation: int) -> None:
+        self.total, self.per_batch, self.dp, self.dp_rank = (shard.ds_mp_total, shard.batch_size,
+                                                             shard.num_processes, shard.process_index)
+        self.steps_per_epoch = -(-len(shard) // accumulation)  # the Trainer's num_update_steps_per_epoch
+        self.accumulation = accumulation
+        self.epoch: tuple[Any, int] = (None, 0)  # (the epoch's iterator, batches it gave)
+
+    def real(self, epoch_iterator: Any, n: int, global_step: int) -> list[bool]:
+        """For the next ``n`` batches of ``epoch_iterator`` (before optimizer step ``global_step``):
+        False where the batch holds repeats only."""
+        seen_iter, seen = self.epoch
+        if seen_iter is not epoch_iterator:  # a new epoch, or a resumed one: where this step starts in it
+            seen = (global_step % self.steps_per_epoch) * self.accumulation
+        self.epoch = (epoch_iterator, seen + n)
+        return [real_rows(self.total, self.per_batch, (seen + i) * self.dp + self.dp_rank) > 0 for i in range(n)]
+
+
+__all__ = ["fixed_rows", "empty_rows", "step_rows", "real_rows", "keep_real_rows", "Repeats"]

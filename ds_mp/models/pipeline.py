@@ -170,7 +170,8 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
 
     ``lora`` (a ``ds_mp.config.LoraConfig`` with ``r > 0``): the targeted linears get LoRA factors
     (from ``src`` if it holds them, else PEFT's init seeded by ``seed``) and every other parameter is
-    frozen (``requires_grad=False``: no gradient, no optimizer state).
+    frozen (``requires_grad=False``: no gradient, no optimizer state).  Without LoRA, the weights
+    ``src.frozen`` names are frozen so (every TP shard, and the tied copy of a frozen embedding).
 
     ``virtual_stages`` = v > 1 (interleaved 1F1B): ``partition`` cuts the layers into K·v chunks and
     rank r builds chunks r, r + K, … (:func:`~ds_mp.models.partition.interleaved_layout`), one after
@@ -200,6 +201,10 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
     if ctx.lora is not None:
         for name, param in net.named_parameters():
             param.requires_grad = ".lora_" in name
+    elif src.frozen:  # the HF model's requires_grad=False weights: every shard and tied copy of them
+        for name, param in net.named_parameters():
+            if hf_param_name(name, net) in src.frozen:
+                param.requires_grad = False
     return net
 
 

@@ -34,12 +34,14 @@ class WeightSource:
     ``shard_getter`` (returning a new tensor too); the layers ask for shards through
     :meth:`lazy`, so a rank materialises only what it keeps, once.  ``names``: every
     name it holds, where known (optional tensors such as LoRA factors are looked up with
-    :meth:`has`)."""
+    :meth:`has`).  ``frozen``: the names of weights the model does not train (``requires_grad=False``
+    in the HF model it was read from); their shards are built frozen."""
 
     def __init__(self, getter: Callable[[str], torch.Tensor], hf_config: Any,
-                 shard_getter: ShardGetter | None = None, names: set[str] | None = None) -> None:
+                 shard_getter: ShardGetter | None = None, names: set[str] | None = None,
+                 frozen: frozenset[str] = frozenset()) -> None:
         self._get, self.config, self._get_shard = getter, hf_config, shard_getter
-        self.names = names
+        self.names, self.frozen = names, frozen
 
     def get(self, name: str) -> torch.Tensor:
         return self._get(name)
@@ -61,7 +63,8 @@ class WeightSource:
     def from_model(cls, model: nn.Module) -> "WeightSource":
         """An HF ``…ForCausalLM``, or a PEFT ``PeftModel`` over one (its LoRA factors are read as
         ``<module>.lora_A/B`` in ds_mp's layout, see :func:`peft_to_hf_names`); any other object is
-        refused (:func:`~ds_mp.models.family.causal_lm_family`).  Its config is the one the object
+        refused (:func:`~ds_mp.models.family.causal_lm_family`).  Its weights with ``requires_grad=False``
+        stay frozen (:attr:`frozen`).  Its config is the one the object
         trains with: a head HF left untied although the config ties it (``from_pretrained`` of a
         checkpoint storing a different head) stays untied (:func:`~ds_mp.models.family.untied_as_hf_loads`)."""
         from ds_mp.models.family import causal_lm_family, untied_as_hf_loads
@@ -73,7 +76,9 @@ class WeightSource:
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         if getattr(cfg, "tie_word_embeddings", False) and head is not None and head.weight is not embedding.weight:
             cfg = untied_as_hf_loads(cfg, f"the {type(model).__name__} object")
-        return cls(lambda n: sd[n], cfg, names=set(sd))
+        frozen = frozenset() if hasattr(model, "peft_config") else frozenset(  # a PeftModel: ds_mp.lora freezes
+            n for n, p in model.named_parameters() if not p.requires_grad)
+        return cls(lambda n: sd[n], cfg, names=set(sd), frozen=frozen)
 
 
 def peft_to_hf_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -68,13 +68,7 @@ class Gemma3Family(LlamaFamily):
             if rope not in STATIC_ROPE:
                 raise ValueError(f"gemma3 rope_parameters[{kind!r}] rope_type {rope!r} is not supported by ds_mp "
                                  f"(its frequencies change with the input); supported: {', '.join(STATIC_ROPE)}")
-        pad, V = getattr(cfg, "pad_token_id", None), cfg.vocab_size
-        if pad is not None and not -V <= pad < V:
-            raise ValueError(f"gemma3 pad_token_id={pad} is not a row of the {V}-token embedding; set pad_token_id "
-                             "to a token id below vocab_size, or null")
-        if cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={cfg.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={cfg.num_key_value_heads}")
+        self.check_pad_and_heads(cfg)
 
     def sliding_window(self, cfg: Any) -> int | None:
         """The window of the ``sliding_attention`` layers (None when every layer is full attention)."""

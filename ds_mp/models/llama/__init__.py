@@ -86,6 +86,11 @@ class LlamaFamily(Family):
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError(f"{cfg.model_type} option use_sliding_window=True is not supported by ds_mp; set it "
                              "false (every layer full attention)")
+        self.check_pad_and_heads(cfg)
+
+    @staticmethod
+    def check_pad_and_heads(cfg: Any) -> None:
+        """The pad row inside the embedding and the query heads grouped evenly over the key/value heads."""
         pad, V = getattr(cfg, "pad_token_id", None), cfg.vocab_size
         if pad is not None and not -V <= pad < V:
             raise ValueError(f"{cfg.model_type} pad_token_id={pad} is not a row of the {V}-token embedding (HF's "

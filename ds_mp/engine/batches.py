@@ -1,22 +1,17 @@
 """A step's micro-batches, read before the step: parsed, counted, their layouts sent along the pipeline.
 
-The loss is per target token over the global batch (``ds_mp.loss.normalization = "tokens"``):
+The loss is the run's :class:`~ds_mp.losses.spec.LossSpec` (``engine.module.loss_spec``), which
+states its normalisation in one place (``ds_mp.losses.spec``: for the per-token LM loss, the global
+batch's token-loss sum over its target count N, and how DeepSpeed's 1/GAS and DP mean are
+compensated).  N is known before the step: the ranks that read data (the first and last stage) read
+the step's M micro-batches up front, count their units (``spec.units``: target tokens) and
+all-reduce the count over DP; stage 0 broadcasts it with the batch shape along the pipeline (the
+shape broadcast DeepSpeed#4777 already needs), so every stage agrees to skip a step without a target.
 
-    L = Σ_{replicas d} Σ_{micro-batches i} Σ_{targets t} ℓ_{d,i,t}  /  N,     N = number of targets in the global batch
-
-DeepSpeed averages micro-batch losses over the M micro-batches of a step (its 1/GAS) and over the
-DP replicas (its gradient all-reduce mean), so each micro-batch's loss is its token-loss sum over
-``N / (M · dp)``: the means then give L exactly, and ``train_batch`` returns it.  N is known before
-the step: the ranks that read data (the first and last stage) read the step's M micro-batches up
-front, count their targets (shifted labels != -100) and all-reduce the count over DP; stage 0
-broadcasts it with the batch shape along the pipeline (the shape broadcast DeepSpeed#4777 already
-needs), so every stage agrees to skip a step without a target.  ``"micro_batch"`` divides by each
-micro-batch's own count instead (DeepSpeed's mean of micro-batch means).
-
-Each micro-batch is handed to DeepSpeed as ``(input_ids or (input_ids, positions), (targets, denominator))``:
-:class:`ds_mp.models.pipeline.LMLoss` reads the shifted targets and the denominator; the embedding
-reads the positions.  Micro-batches with documents, padding or a sliding window also have a
-:class:`~ds_mp.models.batch.Layout`; stage 0 broadcasts them (one ``(M, 2, B, T)`` tensor) to the
+Each micro-batch is handed to DeepSpeed as ``(input_ids or (input_ids, positions), labels)``, the
+labels the spec's tuple ``(targets, denominator, *extras)`` (``spec.labels``) which the spec's bound
+``loss_fn`` reads back on the last stage; the embedding reads the positions.  Micro-batches with
+documents, padding or a sliding window also have a :class:`~ds_mp.models.batch.Layout`; stage 0 broadcasts them (one ``(M, 2, B, T)`` tensor) to the
 stages that read no data, and the engine sets the running micro-batch's layout around each forward
 and backward (:meth:`DsMpPipelineEngine.micro_layout`).  Shapes stay ``(B, T)``: the p2p buffers and
 their announced shapes are kept.
@@ -41,7 +36,7 @@ _REFUSED_ELSEWHERE = "batch: refused on another rank (its error names the proble
 class Step:
     """What every stage knows about the step before it runs."""
 
-    count: int = 0  # target tokens in the global batch
+    count: int = 0  # the loss's units (LM: target tokens) in the global batch
     shape: tuple[int, int] = (0, 0)  # (B, T) of every micro-batch
     layouts: list[Layout | None] = field(default_factory=list)  # per micro-batch, in order
 
@@ -96,7 +91,9 @@ def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator |
     mbs, error = _read(engine, source, n) if reads else ([], "")
     ctx = engine.module.ds_mp_ctx
     layouts = [mb.layout(ctx.window) for mb in mbs]
-    counts = [int((mb.targets() != -100).sum()) for mb in mbs]
+    spec = engine.module.loss_spec
+    targets = [mb.targets() for mb in mbs]
+    counts = [spec.units(t) for t in targets]
     head = torch.zeros(5, dtype=torch.long, device=dev)  # B, T, count, has layouts, refused
     if reads:
         head[4] = int(bool(error))
@@ -129,13 +126,12 @@ def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator |
     step = Step(count, (B, T), layouts if layouts else [None] * n)
     if not reads:
         return None, step
-    tokens = engine.ds_mp_config is None or engine.ds_mp_config.loss.normalization == "tokens"
-    share = max(count, 1) / (n * topo.dp)  # N / (M · dp)
+    normalization = "tokens" if engine.ds_mp_config is None else engine.ds_mp_config.loss.normalization
+    denominators = spec.denominators(counts, count, topo.dp, normalization)
     fed = []
-    for mb, lay, c in zip(mbs, layouts, counts):
-        denom = torch.tensor(float(share if tokens else max(c, 1)), device=dev)
+    for mb, lay, tgt, d in zip(mbs, layouts, targets, denominators):
         inputs = mb.input_ids if lay is None else (mb.input_ids, lay.positions)
-        fed.append((inputs, (mb.targets(), denom)))
+        fed.append((inputs, spec.labels(tgt, torch.tensor(d, device=dev))))
     step.layouts = [None if lay is None else Layout(lay.positions.to(dev), lay.docs.to(dev), lay.window)
                     for lay in layouts]
     return iter(fed), step

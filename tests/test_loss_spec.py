@@ -1,8 +1,9 @@
 """The loss slot (``ds_mp.losses``): the per-token LM loss is the first spec, chosen by config, equal
 to HF's loss with its per-row values; an unknown loss is refused in one line; and a second spec (a
-per-sequence mean of token losses, a toy stand-in for DPO/GRPO's per-sequence normalisation) plugs
-in by ``register_loss`` alone and trains through the unchanged engine at PP 2 and DP 2 exactly as
-plain torch on HF's logits on one process."""
+weighted per-sequence mean of token losses, its row weights an extra tensor of the batch: a toy
+stand-in for DPO's reference log-probs and per-sequence normalisation) plugs in by ``register_loss``
+alone and trains through the unchanged engine at PP 2 and DP 2 exactly as plain torch on HF's
+logits on one process."""
 from __future__ import annotations
 
 import copy
@@ -24,22 +25,24 @@ STEP_ATOL = 1e-5  # fp32: the same token losses summed in another order
 
 @dataclass(frozen=True)
 class SeqMeanLoss(LossSpec):
-    """Mean over the global batch's rows (with a target) of each row's mean token loss: a new
-    ``units`` (rows, not tokens) and ``numerator`` (per-row means summed), nothing else."""
+    """Σ over the global batch's rows of ``row_weight`` × the row's mean token loss, over the number
+    of rows with a target: a new ``units`` (rows, not tokens), ``numerator`` and one extra, nothing else."""
 
     name: str = "seq_mean"
+    extras: tuple[str, ...] = ("row_weight",)
     token_sliceable: bool = False
 
     def units(self, targets: torch.Tensor) -> int:
         return int(((targets != IGNORE).sum(dim=1) > 0).sum())
 
     def numerator(self, token_losses: torch.Tensor, targets: torch.Tensor, extras: dict) -> torch.Tensor:
-        return (token_losses.sum(dim=1) / (targets != IGNORE).sum(dim=1).clamp(min=1)).sum()
+        means = token_losses.sum(dim=1) / (targets != IGNORE).sum(dim=1).clamp(min=1)
+        return (extras["row_weight"] * means).sum()
 
 
-def stream() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def stream() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """STEPS global batches of ROWS rows with prompts of uneven lengths masked (-100), one row per
-    step with no target at all (a user's over-long prompt)."""
+    step with no target at all (a user's over-long prompt), and a weight per row."""
     g = torch.Generator().manual_seed(7)
     out = []
     for s in range(STEPS):
@@ -48,7 +51,7 @@ def stream() -> list[tuple[torch.Tensor, torch.Tensor]]:
         for r in range(ROWS):
             labels[r, :int(torch.randint(1, SEQ - 2, (1,), generator=g))] = IGNORE
         labels[s % ROWS] = IGNORE
-        out.append((ids, labels))
+        out.append((ids, labels, 0.5 + 1.5 * torch.rand(ROWS, generator=g)))
     return out
 
 
@@ -57,13 +60,13 @@ def oracle(model: torch.nn.Module) -> list[float]:
     model = copy.deepcopy(model).train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for ids, labels in stream():
+    for ids, labels, weight in stream():
         opt.zero_grad()
         targets = shift_labels(labels)
         tok = F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), targets.flatten(),
                               ignore_index=IGNORE, reduction="none").view(targets.shape)
         n = (targets != IGNORE).sum(dim=1)
-        loss = (tok.sum(dim=1)[n > 0] / n[n > 0]).mean()
+        loss = (weight[n > 0] * tok.sum(dim=1)[n > 0] / n[n > 0]).mean()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
@@ -81,9 +84,13 @@ def _train(rank: int, pp: int, dp: int) -> list[float]:
     assert isinstance(engine.module.loss_spec, SeqMeanLoss)
     d = engine.topology.dp_rank
     losses = []
-    for ids, labels in stream():
+    for ids, labels, weight in stream():
         rows = range(d * micro * gas, (d + 1) * micro * gas, micro)  # this replica's own rows
-        losses.append(float(engine.train_batch(iter([(ids[r:r + micro], labels[r:r + micro]) for r in rows]))))
+        mbs = [{"input_ids": ids[r:r + micro], "labels": labels[r:r + micro], "row_weight": weight[r:r + micro]}
+               for r in rows]
+        losses.append(float(engine.train_batch(iter(mbs))))
+    with pytest.raises(ValueError, match=r"the loss needs the extras \['row_weight'\]; pass each micro-batch as a"):
+        engine.train_batch(iter([(ids[:micro], labels[:micro])] * gas))
     return losses
 
 
@@ -101,7 +108,7 @@ def test_the_lm_spec_is_hfs_loss_with_per_row_values() -> None:
     from ds_mp.topology import Topology
 
     model = tiny_gpt2(n_layer=1, n_embd=32, vocab=V)
-    ids, labels = stream()[0]
+    ids, labels, _ = stream()[0]
     with torch.no_grad():
         logits, want = (lambda o: (o.logits, o.loss))(model(input_ids=ids, labels=labels))
     ctx = Ctx(Topology(tp=1, pp=1, dp=1, rank=0), model.config, False, 1)
@@ -136,3 +143,21 @@ def test_the_loss_is_chosen_by_config_and_unknown_ones_are_refused() -> None:
             load_config(ds_config(pp=2, schedule="terapipe", loss={"type": "seq_mean"}), 2)
     finally:
         LOSSES.pop("seq_mean")
+
+
+def test_a_micro_batch_carries_the_losses_extras() -> None:
+    from ds_mp.models.batch import parse_micro_batch
+
+    ids, labels, weight = stream()[0]
+    mb = parse_micro_batch({"input_ids": ids, "labels": labels, "row_weight": weight}, ("row_weight",))
+    assert mb.extras["row_weight"] is weight
+    with pytest.raises(ValueError, match="dict batch without 'row_weight'"):
+        parse_micro_batch({"input_ids": ids, "labels": labels}, ("row_weight",))
+    with pytest.raises(ValueError, match="'row_weight' must be a tensor with one row per sequence"):
+        parse_micro_batch({"input_ids": ids, "labels": labels, "row_weight": weight[:1]}, ("row_weight",))
+    with pytest.raises(ValueError, match="key 'row_weight' is not used by ds_mp"):  # the LM loss reads none
+        parse_micro_batch({"input_ids": ids, "labels": labels, "row_weight": weight})
+    spec = SeqMeanLoss()
+    sliced = spec.token_slice(spec.labels(shift_labels(labels), torch.tensor(2.0), {"row_weight": weight}),
+                              slice(1, 3), slice(0, 5))
+    assert sliced[0].shape == (2, 5) and float(sliced[1]) == 2.0 and torch.equal(sliced[2], weight[1:3])

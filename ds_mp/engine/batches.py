@@ -10,11 +10,12 @@ shape broadcast DeepSpeed#4777 already needs), so every stage agrees to skip a s
 
 Each micro-batch is handed to DeepSpeed as ``(input_ids or (input_ids, positions), labels)``, the
 labels the spec's tuple ``(targets, denominator, *extras)`` (``spec.labels``) which the spec's bound
-``loss_fn`` reads back on the last stage; the embedding reads the positions.  Micro-batches with
-documents, padding or a sliding window also have a :class:`~ds_mp.models.batch.Layout`; stage 0 broadcasts them (one ``(M, 2, B, T)`` tensor) to the
-stages that read no data, and the engine sets the running micro-batch's layout around each forward
-and backward (:meth:`DsMpPipelineEngine.micro_layout`).  Shapes stay ``(B, T)``: the p2p buffers and
-their announced shapes are kept.
+``loss_fn`` reads back on the last stage (``extras``: the loss's extra tensors of a dict batch,
+``MicroBatch.extras``); the embedding reads the positions.  Micro-batches with documents, padding
+or a sliding window also have a :class:`~ds_mp.models.batch.Layout`; stage 0 broadcasts them (one
+``(M, 2, B, T)`` tensor) to the stages that read no data, and the engine sets the running
+micro-batch's layout around each forward and backward (:meth:`DsMpPipelineEngine.micro_layout`).
+Shapes stay ``(B, T)``: the p2p buffers and their announced shapes are kept.
 """
 from __future__ import annotations
 
@@ -54,12 +55,14 @@ def batch_source(data_iter: Any, kept: Any, deepspeed_iter: Any, fed: Any) -> An
 
 
 def _read(engine: RuntimeEngine, source: Any, n: int) -> tuple[list[MicroBatch], str]:
-    """Parse ``n`` micro-batches; on a refusal, the message (the step is refused on every rank)."""
+    """Parse ``n`` micro-batches (with the loss's extras); on a refusal, the message (the step is
+    refused on every rank)."""
+    extras = engine.module.loss_spec.extras
     try:
         mbs = []
         for _ in range(n):
             raw = next(source)
-            mbs.append(parse_micro_batch(engine.batch_fn(raw) if engine.batch_fn else raw))
+            mbs.append(parse_micro_batch(engine.batch_fn(raw) if engine.batch_fn else raw, extras))
         shapes = {tuple(mb.input_ids.shape) for mb in mbs}
         flat = FLATTENED if any(mb.input_ids.shape[0] == 1 and mb.position_ids is not None for mb in mbs) else ""
         if len(shapes) > 1:
@@ -131,7 +134,7 @@ def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator |
     fed = []
     for mb, lay, tgt, d in zip(mbs, layouts, targets, denominators):
         inputs = mb.input_ids if lay is None else (mb.input_ids, lay.positions)
-        fed.append((inputs, spec.labels(tgt, torch.tensor(d, device=dev))))
+        fed.append((inputs, spec.labels(tgt, torch.tensor(d, device=dev), mb.extras)))
     step.layouts = [None if lay is None else Layout(lay.positions.to(dev), lay.docs.to(dev), lay.window)
                     for lay in layouts]
     return iter(fed), step

@@ -161,3 +161,17 @@ def test_a_micro_batch_carries_the_losses_extras() -> None:
     sliced = spec.token_slice(spec.labels(shift_labels(labels), torch.tensor(2.0), {"row_weight": weight}),
                               slice(1, 3), slice(0, 5))
     assert sliced[0].shape == (2, 5) and float(sliced[1]) == 2.0 and torch.equal(sliced[2], weight[1:3])
+
+
+def test_a_buffers_micro_batch_identity_travels_with_it() -> None:
+    from ds_mp.engine.batches import MicroBook
+
+    book = MicroBook()
+    book.load(0), book.load(1), book.receive(1), book.receive(0)  # buffers 0, 1: micro-batches 0, 1 / 1, 0
+    book.forward(0, first_stage=True), book.forward(1, first_stage=False)
+    assert (book.micro_of(0), book.micro_of(1)) == (0, 0)
+    book.load(1, micro=5)  # a schedule placing micro-batch 5's labels itself (ZB-V)
+    assert book.loaded[1] == 5 and book.n_loaded == 2
+    book.start()
+    assert not book.loaded and not book.received and book.n_loaded == book.n_received == 0
+    assert book.micro_of(0) == 0  # what a buffer's forward ran stays until it runs again (its backward)

@@ -42,6 +42,47 @@ class Step:
     layouts: list[Layout | None] = field(default_factory=list)  # per micro-batch, in order
 
 
+@dataclass
+class MicroBook:
+    """Which micro-batch each pipe buffer holds on this stage: its identity travels with the buffer
+    (loaded on a stage that reads data, received elsewhere, run by the forward for its backward),
+    so the layout and labels a buffer is run with are its own micro-batch's.  The engine owns one
+    (``engine.micros``); :meth:`start` forgets a schedule run's loads and receives."""
+
+    loaded: dict[int, int] = field(default_factory=dict)  # buffer -> micro-batch whose inputs/labels it holds
+    received: dict[int, int] = field(default_factory=dict)  # buffer -> micro-batch whose activations it holds
+    ran: dict[int, int] = field(default_factory=dict)  # buffer -> micro-batch its last forward ran
+    n_loaded: int = 0
+    n_received: int = 0
+
+    def start(self) -> None:
+        """A schedule run begins: micro-batches are counted from 0 again."""
+        self.loaded.clear()
+        self.received.clear()
+        self.n_loaded = self.n_received = 0
+
+    def load(self, buffer_id: int, micro: int | None = None) -> None:
+        """``buffer_id`` now holds micro-batch ``micro``'s inputs/labels [the next in order]."""
+        if micro is None:
+            micro, self.n_loaded = self.n_loaded, self.n_loaded + 1
+        self.loaded[buffer_id] = micro
+
+    def receive(self, buffer_id: int, micro: int | None = None) -> None:
+        """``buffer_id`` now holds micro-batch ``micro``'s activations [the next in order]."""
+        if micro is None:
+            micro, self.n_received = self.n_received, self.n_received + 1
+        self.received[buffer_id] = micro
+
+    def forward(self, buffer_id: int, first_stage: bool) -> None:
+        """The forward of ``buffer_id`` runs the micro-batch it holds (loaded on the first stage,
+        received elsewhere); its backward will run the same one."""
+        self.ran[buffer_id] = (self.loaded if first_stage else self.received).get(buffer_id, 0)
+
+    def micro_of(self, buffer_id: int) -> int:
+        """The micro-batch ``buffer_id``'s last forward ran [0]."""
+        return self.ran.get(buffer_id, 0)
+
+
 def batch_source(data_iter: Any, kept: Any, deepspeed_iter: Any, fed: Any) -> Any:
     """The iterator a training step reads (the engine keeps it for the next step): ``data_iter``;
     else DeepSpeed's own (``set_dataiterator`` / ``deepspeed.initialize(training_data=…)``) unless
@@ -151,9 +192,8 @@ def micro_layout(engine: RuntimeEngine, buffer_id: int, forward: bool = False) -
     layout = hook(buffer_id) if hook is not None else NotImplemented
     if layout is NotImplemented:
         if forward:
-            held = engine._loaded_micro if engine.is_first_stage() else engine._recv_micro
-            engine._buffer_micro[buffer_id] = held.get(buffer_id, 0)
-        layouts, micro = engine.step_info.layouts, engine._buffer_micro.get(buffer_id, 0)
+            engine.micros.forward(buffer_id, engine.is_first_stage())
+        layouts, micro = engine.step_info.layouts, engine.micros.micro_of(buffer_id)
         layout = layouts[micro] if micro < len(layouts) else None
     ctx = engine.module.ds_mp_ctx
     saved, ctx.layout = ctx.layout, layout
@@ -170,4 +210,4 @@ def warn_no_targets(engine: RuntimeEngine) -> torch.Tensor:
     return torch.zeros((), device=engine.device)
 
 
-__all__ = ["Step", "prepare_step", "batch_source", "micro_layout", "warn_no_targets"]
+__all__ = ["Step", "MicroBook", "prepare_step", "batch_source", "micro_layout", "warn_no_targets"]

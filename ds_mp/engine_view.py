@@ -102,6 +102,7 @@ class RuntimeEngine(EngineView, StageView, Protocol):
     schedule_support: Any  # the schedule's runtime (config.registry.ScheduleRuntime), or None
     batch_fn: Any  # DeepSpeed's per-micro-batch conversion (PipelineEngine.batch_fn)
     grid: Any  # DeepSpeed's PipelineParallelGrid (stage -> global rank)
+    micros: Any  # which micro-batch each pipe buffer holds (engine/batches.MicroBook)
 
     def is_first_stage(self) -> bool: ...
 

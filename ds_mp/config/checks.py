@@ -15,6 +15,7 @@ from typing import Callable
 from ds_mp.config.batching import check_batch_ramp, check_noise_scale
 from ds_mp.config.families import family_for
 from ds_mp.config.registry import SCHEDULES, names_where, schedule_spec
+from ds_mp.config.losses import LOSSES, loss_spec
 from ds_mp.config.resolve import resolve_model_source, shape_of
 from ds_mp.config.schema import MODEL_TYPES, ConfigError, DsMpConfig, InlineModel, parse_config, positive
 
@@ -95,6 +96,17 @@ def check_choices(cfg: DsMpConfig) -> None:
     if cfg.training.max_consecutive_skips < 0:
         raise ConfigError(f"ds_mp.training.max_consecutive_skips: must be >= 0 (0 = no limit), got "
                           f"{cfg.training.max_consecutive_skips}")
+
+
+def check_loss(cfg: DsMpConfig) -> None:
+    """``loss.type`` is registered (a close name suggested), then the spec's own checks."""
+    name = cfg.loss.type
+    if name not in LOSSES:
+        close = difflib.get_close_matches(str(name), list(LOSSES), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"ds_mp.loss.type: unknown loss {name!r}; registered: {', '.join(sorted(LOSSES))}{hint} "
+                          "(ds_mp.config.losses.register_loss adds one)")
+    loss_spec(name).check(cfg)
 
 
 def check_schedule_name(cfg: DsMpConfig) -> None:
@@ -222,7 +234,7 @@ def check_family(cfg: DsMpConfig, shape: InlineModel) -> None:
 
 
 BLOCK_CHECKS: tuple[Callable[[DsMpConfig], None], ...] = (
-    check_degrees_and_counts, check_run_length, check_choices, check_schedule_name)
+    check_degrees_and_counts, check_run_length, check_choices, check_schedule_name, check_loss)
 SHAPE_CHECKS: tuple[Callable[[DsMpConfig, InlineModel], None], ...] = (
     check_shape, check_stage_layout, check_virtual_stages, check_schedule_options, check_terapipe_block,
     check_zb_max_pending_w, check_lora, check_family)

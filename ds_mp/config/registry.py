@@ -118,7 +118,9 @@ class ScheduleSpec:
     ``noise_scale`` (its gradients go through DeepSpeed's DP reduction, so B_simple is measurable);
     ``lora`` (True, or the line refusing LoRA); ``virtual_stages`` (it takes
     ``pipeline.virtual_stages`` > 1); ``param_groups`` (``(net, cfg, pp_rank) -> keys`` or its
-    ``"module:function"``: one optimizer group per key; None: the default groups)."""
+    ``"module:function"``: one optimizer group per key; None: the default groups); ``token_slices``
+    (its last stage computes the loss of token slices of a micro-batch, not of whole sequences: a
+    loss that needs whole sequences, ``LossSpec.token_sliceable = False``, is refused)."""
 
     timetable: Union[str, type]
     runtime: Union[str, RuntimeFactory, None] = None
@@ -128,6 +130,7 @@ class ScheduleSpec:
     lora: Union[bool, str] = True
     virtual_stages: bool = False
     param_groups: Union[str, Callable[..., Any], None] = None
+    token_slices: bool = False
 
     # --- config: checked on every rank before any collective ---------------------------------
     def check_layout(self, cfg: DsMpConfig, shape: InlineModel) -> None:

@@ -161,6 +161,9 @@ class BatchRampConfig:
 
 @dataclass
 class LossConfig:
+    # the loss's registered name (ds_mp.config.losses: "lm", HF's per-token causal-LM loss; a user's
+    # register_loss adds more); its spec (ds_mp.losses.spec) states the normalisation below
+    type: str = "lm"
     # "tokens": a step's loss is the sum of its token losses over every micro-batch and DP replica / the
     # global batch's target count (HF's and Megatron's per-token loss); "micro_batch": DeepSpeed's mean of
     # micro-batch means (each divided by its own count; equal to "tokens" when every row is all targets)

@@ -1,27 +1,23 @@
 """A step's micro-batches, read before the step: parsed, counted, their layouts sent along the pipeline.
 
-The loss is per target token over the global batch (``ds_mp.loss.normalization = "tokens"``):
+The loss is the run's :class:`~ds_mp.losses.spec.LossSpec` (``engine.module.loss_spec``), which
+states its normalisation in one place (``ds_mp.losses.spec``: for the per-token LM loss, the global
+batch's token-loss sum over its target count N, and how DeepSpeed's 1/GAS and DP mean are
+compensated).  N is known before the step: the ranks that read data (the first and last stage) read
+the step's M micro-batches up front, count their units (``spec.units``: target tokens) and
+all-reduce the count over the ranks that read distinct rows (``topology.dp_group``; CP peers read the
+same rows); the spec divides by the gradient group's size (``topology.grad_size``: dp × cp, the DP
+replicas while cp = 1), the group DeepSpeed averages over; stage 0 broadcasts it with the batch shape along the pipeline (the
+shape broadcast DeepSpeed#4777 already needs), so every stage agrees to skip a step without a target.
 
-    L = Σ_{replicas d} Σ_{micro-batches i} Σ_{targets t} ℓ_{d,i,t}  /  N,     N = number of targets in the global batch
-
-DeepSpeed averages micro-batch losses over the M micro-batches of a step (its 1/GAS) and gradients
-over the grad group (``topology.grad_group``: dp × cp ranks, the DP replicas while cp = 1), so each
-micro-batch's loss is its token-loss sum over ``N / (M · grad_size)``: the means then give L
-exactly, and ``train_batch`` returns it.  N is known before the step: the ranks that read data (the
-first and last stage) read the step's M micro-batches up front, count the targets of their full
-rows (shifted labels != -100) and all-reduce the count over the ranks that read distinct rows
-(``topology.dp_group``; CP peers read the same rows); stage 0
-broadcasts it with the batch shape along the pipeline (the shape broadcast DeepSpeed#4777 already
-needs), so every stage agrees to skip a step without a target.  ``"micro_batch"`` divides by each
-micro-batch's own count instead (DeepSpeed's mean of micro-batch means).
-
-Each micro-batch is handed to DeepSpeed as ``(input_ids or (input_ids, positions), (targets, denominator))``:
-:class:`ds_mp.models.pipeline.LMLoss` reads the shifted targets and the denominator; the embedding
-reads the positions.  Micro-batches with documents, padding or a sliding window also have a
-:class:`~ds_mp.models.batch.Layout`; stage 0 broadcasts them (one ``(M, 2, B, T)`` tensor) to the
-stages that read no data, and the engine sets the running micro-batch's layout around each forward
-and backward (:meth:`DsMpPipelineEngine.micro_layout`).  Shapes stay ``(B, T)``: the p2p buffers and
-their announced shapes are kept.
+Each micro-batch is handed to DeepSpeed as ``(input_ids or (input_ids, positions), labels)``, the
+labels the spec's tuple ``(targets, denominator, *extras)`` (``spec.labels``) which the spec's bound
+``loss_fn`` reads back on the last stage (``extras``: the loss's extra tensors of a dict batch,
+``MicroBatch.extras``); the embedding reads the positions.  Micro-batches with documents, padding
+or a sliding window also have a :class:`~ds_mp.models.batch.Layout`; stage 0 broadcasts them (one
+``(M, 2, B, T)`` tensor) to the stages that read no data, and the engine sets the running
+micro-batch's layout around each forward and backward (:meth:`DsMpPipelineEngine.micro_layout`).
+Shapes stay ``(B, T)``: the p2p buffers and their announced shapes are kept.
 """
 from __future__ import annotations
 
@@ -43,9 +39,50 @@ _REFUSED_ELSEWHERE = "batch: refused on another rank (its error names the proble
 class Step:
     """What every stage knows about the step before it runs."""
 
-    count: int = 0  # target tokens in the global batch
+    count: int = 0  # the loss's units (LM: target tokens) in the global batch
     shape: tuple[int, int] = (0, 0)  # (B, T) of every micro-batch
     layouts: list[Layout | None] = field(default_factory=list)  # per micro-batch, in order
+
+
+@dataclass
+class MicroBook:
+    """Which micro-batch each pipe buffer holds on this stage: its identity travels with the buffer
+    (loaded on a stage that reads data, received elsewhere, run by the forward for its backward),
+    so the layout and labels a buffer is run with are its own micro-batch's.  The engine owns one
+    (``engine.micros``); :meth:`start` forgets a schedule run's loads and receives."""
+
+    loaded: dict[int, int] = field(default_factory=dict)  # buffer -> micro-batch whose inputs/labels it holds
+    received: dict[int, int] = field(default_factory=dict)  # buffer -> micro-batch whose activations it holds
+    ran: dict[int, int] = field(default_factory=dict)  # buffer -> micro-batch its last forward ran
+    n_loaded: int = 0
+    n_received: int = 0
+
+    def start(self) -> None:
+        """A schedule run begins: micro-batches are counted from 0 again."""
+        self.loaded.clear()
+        self.received.clear()
+        self.n_loaded = self.n_received = 0
+
+    def load(self, buffer_id: int, micro: int | None = None) -> None:
+        """``buffer_id`` now holds micro-batch ``micro``'s inputs/labels [the next in order]."""
+        if micro is None:
+            micro, self.n_loaded = self.n_loaded, self.n_loaded + 1
+        self.loaded[buffer_id] = micro
+
+    def receive(self, buffer_id: int, micro: int | None = None) -> None:
+        """``buffer_id`` now holds micro-batch ``micro``'s activations [the next in order]."""
+        if micro is None:
+            micro, self.n_received = self.n_received, self.n_received + 1
+        self.received[buffer_id] = micro
+
+    def forward(self, buffer_id: int, first_stage: bool) -> None:
+        """The forward of ``buffer_id`` runs the micro-batch it holds (loaded on the first stage,
+        received elsewhere); its backward will run the same one."""
+        self.ran[buffer_id] = (self.loaded if first_stage else self.received).get(buffer_id, 0)
+
+    def micro_of(self, buffer_id: int) -> int:
+        """The micro-batch ``buffer_id``'s last forward ran [0]."""
+        return self.ran.get(buffer_id, 0)
 
 
 def batch_source(data_iter: Any, kept: Any, deepspeed_iter: Any, fed: Any) -> Any:
@@ -61,12 +98,14 @@ def batch_source(data_iter: Any, kept: Any, deepspeed_iter: Any, fed: Any) -> An
 
 
 def _read(engine: RuntimeEngine, source: Any, n: int) -> tuple[list[MicroBatch], str]:
-    """Parse ``n`` micro-batches; on a refusal, the message (the step is refused on every rank)."""
+    """Parse ``n`` micro-batches (with the loss's extras); on a refusal, the message (the step is
+    refused on every rank)."""
+    extras = engine.module.loss_spec.extras
     try:
         mbs = []
         for _ in range(n):
             raw = next(source)
-            mbs.append(parse_micro_batch(engine.batch_fn(raw) if engine.batch_fn else raw))
+            mbs.append(parse_micro_batch(engine.batch_fn(raw) if engine.batch_fn else raw, extras))
         shapes = {tuple(mb.input_ids.shape) for mb in mbs}
         flat = FLATTENED if any(mb.input_ids.shape[0] == 1 and mb.position_ids is not None for mb in mbs) else ""
         if len(shapes) > 1:
@@ -98,7 +137,9 @@ def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator |
     mbs, error = _read(engine, source, n) if reads else ([], "")
     ctx = engine.module.ds_mp_ctx
     layouts = [mb.layout(ctx.window) for mb in mbs]
-    counts = [int((mb.targets() != -100).sum()) for mb in mbs]
+    spec = engine.module.loss_spec
+    targets = [mb.targets() for mb in mbs]
+    counts = [spec.units(t) for t in targets]
     head = torch.zeros(5, dtype=torch.long, device=dev)  # B, T, count, has layouts, refused
     if reads:
         head[4] = int(bool(error))
@@ -131,13 +172,12 @@ def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator |
     step = Step(count, (B, T), layouts if layouts else [None] * n)
     if not reads:
         return None, step
-    tokens = engine.ds_mp_config is None or engine.ds_mp_config.loss.normalization == "tokens"
-    share = max(count, 1) / (n * topo.grad_size)  # N / (M · grad_size): DeepSpeed averages over dp × cp
+    normalization = "tokens" if engine.ds_mp_config is None else engine.ds_mp_config.loss.normalization
+    denominators = spec.denominators(counts, count, topo.grad_size, normalization)
     fed = []
-    for mb, lay, c in zip(mbs, layouts, counts):
-        denom = torch.tensor(float(share if tokens else max(c, 1)), device=dev)
+    for mb, lay, tgt, d in zip(mbs, layouts, targets, denominators):
         inputs = mb.input_ids if lay is None else (mb.input_ids, lay.positions)
-        fed.append((inputs, (mb.targets(), denom)))
+        fed.append((inputs, spec.labels(tgt, torch.tensor(d, device=dev), mb.extras)))
     step.layouts = [None if lay is None else Layout(lay.positions.to(dev), lay.docs.to(dev), lay.window)
                     for lay in layouts]
     return iter(fed), step
@@ -154,9 +194,8 @@ def micro_layout(engine: RuntimeEngine, buffer_id: int, forward: bool = False) -
     layout = hook(buffer_id) if hook is not None else NotImplemented
     if layout is NotImplemented:
         if forward:
-            held = engine._loaded_micro if engine.is_first_stage() else engine._recv_micro
-            engine._buffer_micro[buffer_id] = held.get(buffer_id, 0)
-        layouts, micro = engine.step_info.layouts, engine._buffer_micro.get(buffer_id, 0)
+            engine.micros.forward(buffer_id, engine.is_first_stage())
+        layouts, micro = engine.step_info.layouts, engine.micros.micro_of(buffer_id)
         layout = layouts[micro] if micro < len(layouts) else None
     ctx = engine.module.ds_mp_ctx
     saved, ctx.layout = ctx.layout, layout
@@ -173,4 +212,4 @@ def warn_no_targets(engine: RuntimeEngine) -> torch.Tensor:
     return torch.zeros((), device=engine.device)
 
 
-__all__ = ["Step", "prepare_step", "batch_source", "micro_layout", "warn_no_targets"]
+__all__ = ["Step", "MicroBook", "prepare_step", "batch_source", "micro_layout", "warn_no_targets"]

@@ -82,7 +82,7 @@ class OuroborosState:
         self.deltas: dict[tuple[int, int, int], Tensor] = {}  # (m, s, j) -> delta_m^s of micro-batch j
         self.grads: dict[int, list[Tensor]] = {}
         self.loss: Tensor | None = None
-        self.labels: list[Tensor] = []  # ring rank 0: the labels of x_t's micro-batches read so far
+        self.labels: list[tuple] = []  # ring rank 0: the label tuples of x_t's micro-batches read so far
         self.sends = PostedSends()  # posted sends, each buffer kept alive until done (engine/p2p.py)
 
     def next_iteration(self) -> int:
@@ -176,8 +176,8 @@ class OuroborosState:
         with torch.enable_grad():  # on the ambient streams, as its forward is this very call
             x = leaf(x_saved)
             wrt = ([x] if x.requires_grad else []) + self.params[m]
-            # labels = (targets, N / (M · grad_size)) (engine/batches.py): / M makes the M shares sum to
-            # this replica's part of the global per-token loss (the grad group averages the replicas)
+            # labels: the loss spec's (targets, D = N / (M · grad_size), …) (ds_mp.losses.spec): / M makes the M
+            # shares sum to this replica's part of the global loss (the grad group averages the replicas)
             out = self.engine.module.loss_fn(self.run(m, x, layout=self.layouts.of(s, j, [])), self.labels[j])
             out = out / self.engine.micro_batches
             grads = torch.autograd.grad(out, wrt, materialize_grads=True)
@@ -225,9 +225,9 @@ class OuroborosState:
     def _load_micro_batch(self, j: int) -> Tensor:
         """Ring rank 0: micro-batch j of x_t (its labels kept for G_{K-1})."""
         e = self.engine
-        inputs, (targets, denom) = compat.next_batch(e)  # engine/batches.py's form; positions: from the layout
+        inputs, labels = compat.next_batch(e)  # engine/batches.py's form; positions: from the layout
         ids = inputs[0] if isinstance(inputs, tuple) else inputs
-        labels = (targets.to(e.device), denom.to(e.device))
+        labels = tuple(x.to(e.device) for x in labels)  # the loss spec's label tuple
         self.labels = [labels] if j == 0 else [*self.labels, labels]
         return ids.to(e.device)
 
@@ -312,16 +312,15 @@ class OuroborosState:
         e, K, r = self.engine, self.K, self.engine.stage_id
         total = torch.zeros((), device=e.device)
         n = num_micro_batches or e.micro_batches
-        # labels (targets, N / (n · grad_size)): the mean below is per token
-        fed = e._prepare(data_iter, n, training=False)
+        fed = e._prepare(data_iter, n, training=False)  # the loss spec's labels, D = N / (n · grad_size) (ds_mp.losses.spec)
         e.module.eval()
         try:
             for j in range(n):
                 layout = e.step_info.layouts[j]
                 if r == 0:
-                    inputs, (targets, denom) = next(fed)
+                    inputs, labels = next(fed)
                     ids = (inputs[0] if isinstance(inputs, tuple) else inputs).to(e.device)
-                    labels = (targets.to(e.device), denom.to(e.device))
+                    labels = tuple(x.to(e.device) for x in labels)
                     h = self.run(0, ids, layout=layout)
                     if self.owner[1] != 0:
                         self.send(h, self.owner[1], header=True)

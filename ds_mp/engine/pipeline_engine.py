@@ -22,7 +22,7 @@ from ds_mp.deepspeed_compat import stage_gate
 from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
 from ds_mp.engine.checkpoint_api import LayoutFreeCheckpoints
-from ds_mp.engine.batches import Step, batch_source, micro_layout, prepare_step, warn_no_targets
+from ds_mp.engine.batches import MicroBook, Step, batch_source, micro_layout, prepare_step, warn_no_targets
 from ds_mp.engine.p2p import PostedSends
 from ds_mp.config.registry import ScheduleRuntime, schedule_spec
 from ds_mp.config.schema import PipelineConfig
@@ -51,12 +51,9 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
         self.nonfinite_steps = 0  # optimizer steps skipped because a gradient was NaN/Inf
         self.last_step_nonfinite = False
         self._buffer_loss: dict[int, torch.Tensor] = {}
-        self._loaded_micro: dict[int, int] = {}
-        self._recv_micro: dict[int, int] = {}
-        self._n_loaded = self._n_recv = 0
+        self.micros = MicroBook()  # which micro-batch each pipe buffer holds (engine/batches.py)
         self.posted = PostedSends()  # sends in flight, waited for once received
         self.step_info = Step()  # this step's target count, shape and per-micro-batch layouts (engine/batches.py)
-        self._buffer_micro: dict[int, int] = {}  # pipe buffer -> the micro-batch its forward ran
         self.ds_mp_source: Any = None  # the data iterator steps read (train_batch's argument, kept)
         self.ds_mp_fed: Any = None  # the normalized micro-batches handed to DeepSpeed this step
         super().__init__(*args, **kwargs)
@@ -100,9 +97,7 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
         compat.reserve_pipe_buffers(self, pipe_schedule.num_pipe_buffers())
         compat.reset_forward_outputs(self)
         self._buffer_loss.clear()
-        self._loaded_micro.clear()
-        self._recv_micro.clear()
-        self._n_loaded = self._n_recv = 0
+        self.micros.start()
         self.posted.start(pipe_schedule)
         runtime = self.schedule_support  # its instructions are handled by its own (bound) methods
         handlers = {instr: getattr(runtime, name) for instr, name in getattr(runtime, "instructions", {}).items()}
@@ -179,13 +174,13 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
     def expect_micro(self, buffer_id: int, micro: int) -> None:
         """The schedule says ``buffer_id`` holds micro-batch ``micro``'s activations (checked
         against its labels by the forward)."""
-        self._recv_micro[buffer_id] = micro
+        self.micros.receive(buffer_id, micro)
 
     def expect_labels(self, buffer_id: int, micro: int) -> None:
         """The schedule moved micro-batch ``micro``'s labels into ``buffer_id`` (ZB-V: loaded with
         its inputs on rank 0, used by the same rank's last chunk); the forward checks them against
         :meth:`expect_micro`'s activations."""
-        self._loaded_micro[buffer_id] = micro
+        self.micros.load(buffer_id, micro)
 
     def _prepare(self, data_iter: Any, n: int, training: bool) -> Any:
         """:func:`ds_mp.engine.batches.prepare_step`, then keep DeepSpeed's cached activation
@@ -250,8 +245,7 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
     # --- labels travel with their micro-batch -----------------------------------------
     def note_loaded(self, buffer_id: int) -> None:
         """Record that ``buffer_id`` now holds the labels of the next micro-batch in order."""
-        self._loaded_micro[buffer_id] = self._n_loaded
-        self._n_loaded += 1
+        self.micros.load(buffer_id)
 
     def load_micro_batch(self, buffer_id: int) -> None:
         self.deepspeed_load_micro_batch(buffer_id)
@@ -259,14 +253,13 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
 
     def recv_activations(self, buffer_id: int) -> None:
         self.deepspeed_recv_activations(buffer_id)
-        self._recv_micro[buffer_id] = self._n_recv
-        self._n_recv += 1
+        self.micros.receive(buffer_id)
         self.posted.received_from(compat.neighbours(self)[0])
 
     def run_forward(self, buffer_id: int) -> None:
         """Forward pipe buffer ``buffer_id`` through this stage (DeepSpeed's ForwardPass)."""
         if self.is_last_stage() and not self.is_first_stage() and compat.computing_loss(self):
-            got, want = self._recv_micro.get(buffer_id), self._loaded_micro.get(buffer_id)
+            got, want = self.micros.received.get(buffer_id), self.micros.loaded.get(buffer_id)
             if got != want:
                 raise RuntimeError(f"schedule {self.schedule_name!r}: buffer {buffer_id} holds activations "
                                    f"of micro-batch {got} but labels of micro-batch {want}")

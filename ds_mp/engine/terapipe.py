@@ -32,8 +32,7 @@ class TeraPipeState:
     context: KVContext = field(default_factory=KVContext)
     micro: int = -1  # micro-batch currently loaded (batch kept for its remaining slices)
     ids: torch.Tensor | None = None
-    targets: torch.Tensor | None = None
-    count: torch.Tensor | None = None  # the loss denominator of the loaded micro-batch (engine/batches.py)
+    labels: tuple | None = None  # the loaded micro-batch's label tuple (its LossSpec's: targets, denominator, extras)
     layout: Any = None  # the loaded micro-batch's ds_mp.models.batch.Layout (None: plain causal)
     running: Any = NotImplemented  # the layout of the slice being run (its batch slice's rows), set by _attending
 
@@ -51,14 +50,14 @@ class TeraPipeState:
     def load_slice(self, buffer_id: int, micro: int, rows: tuple[int, int], tokens: tuple[int, int]) -> None:
         e = self.engine
         if self.micro != micro:  # first unit of a new micro-batch: fetch it, keep it for its slices
-            inputs, (targets, denom) = compat.next_batch(e)  # engine/batches.py: targets already shifted
+            inputs, labels = compat.next_batch(e)  # engine/batches.py: the loss spec's labels, targets shifted
             ids = inputs[0] if isinstance(inputs, tuple) else inputs
             want = (sum(r for r, _ in self.plan), sum(self.plan[0][1]))
             if tuple(ids.shape) != want:
                 raise RuntimeError(f"terapipe: micro-batch of shape {tuple(ids.shape)} but the slicing plan "
                                    f"{self.plan} expects {want}; match data.seq_len and the micro-batch size")
             self.micro, self.ids = micro, ids.to(e.device)
-            self.targets, self.count = targets.to(e.device), denom.to(e.device)  # (B, L), the loss denominator
+            self.labels = tuple(x.to(e.device) for x in labels)
             self.layout = e.step_info.layouts[micro]
         (r0, r1), (a, b) = rows, tokens
         if e.is_first_stage():
@@ -66,7 +65,9 @@ class TeraPipeState:
                    else self.layout.positions[r0:r1, a:b])
             compat.pipe_buffers(e)["inputs"][buffer_id] = (self.ids[r0:r1, a:b].clone(), pos)
         if e.is_last_stage():
-            compat.pipe_buffers(e)["labels"][buffer_id] = (self.targets[r0:r1, a:b], self.count)
+            # the slice's targets, the whole micro-batch's denominator: slice losses sum to its loss
+            labels = e.module.loss_spec.token_slice(self.labels, slice(r0, r1), slice(a, b))
+            compat.pipe_buffers(e)["labels"][buffer_id] = labels
         e.note_loaded(buffer_id)
 
     def forward_slice(self, buffer_id: int, micro: int, batch_slice: int, slice: int) -> None:

@@ -6,6 +6,10 @@ Accepted forms (every tensor ``(B, T)``, integer):
     ((input_ids,), labels)  ((input_ids, position_ids), labels)
     {"input_ids": …, "labels": …, "position_ids": …, "attention_mask": …}   (HF's key names; the last two optional)
 
+plus, in a dict batch, the extra tensors the run's loss names (``LossSpec.extras``, e.g. a preference
+loss's reference log-probs): each a tensor whose first dimension is the batch's rows, carried to the
+loss with the targets (``MicroBatch.extras``).
+
 ``position_ids`` follow HF's packing convention (``transformers.DataCollatorWithFlattening``): within
 a row they count up by one and restart at 0 where a new document starts; a token attends only to
 earlier tokens of its own document, and its position (GPT-2's absolute embedding, Llama's rotary
@@ -46,6 +50,7 @@ class MicroBatch:
     labels: torch.Tensor  # (B, T), -100 = not a target; HF's shift applies (logits[t] predicts labels[t+1])
     position_ids: torch.Tensor | None = None  # (B, T) packed documents, or None (0 … T-1)
     attention_mask: torch.Tensor | None = None  # (B, T) 1 = token, 0 = padding, or None (all tokens)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # the loss's extra tensors, rows first
 
     def targets(self) -> torch.Tensor:
         """Shifted labels: ``targets[:, t] = labels[:, t+1]``, the last position -100, and -100 where
@@ -115,20 +120,24 @@ def _tensor(x: Any, what: str) -> torch.Tensor:
     return x
 
 
-def parse_micro_batch(batch: Any) -> MicroBatch:
-    """One micro-batch of any accepted form (module docstring) as a :class:`MicroBatch`; anything
-    ds_mp would not use raises ``ValueError`` naming it."""
+def parse_micro_batch(batch: Any, extras: tuple[str, ...] = ()) -> MicroBatch:
+    """One micro-batch of any accepted form (module docstring) as a :class:`MicroBatch`; ``extras``
+    are the keys the run's loss reads besides HF's (a dict batch must have each); anything ds_mp
+    would not use raises ``ValueError`` naming it."""
+    if extras and not isinstance(batch, dict):
+        raise ValueError(f"batch: the loss needs the extras {list(extras)}; pass each micro-batch as a dict "
+                         f"with {', '.join(HF_KEYS[:2])} and {', '.join(extras)}")
     if isinstance(batch, dict):
-        extra = [k for k in batch if k not in HF_KEYS]
+        extra = [k for k in batch if k not in HF_KEYS and k not in extras]
         if extra:
             flat = extra[0] in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
             raise ValueError(f"batch: key {extra[0]!r} is not used by ds_mp (accepted: {', '.join(HF_KEYS)}); " + (
                 "a flattened batch (DataCollatorWithFlattening, TRL padding-free): re-form it into fixed rows with "
                 "ds_mp.data.flatten.unflatten_all (docs/batches.md)" if flat else "remove it from the batch"))
-        for key in ("input_ids", "labels"):
+        for key in ("input_ids", "labels", *extras):
             if key not in batch:
-                raise ValueError(f"batch: dict batch without {key!r} (accepted keys: {', '.join(HF_KEYS)})")
-        mb = MicroBatch(*(batch.get(k) for k in HF_KEYS))
+                raise ValueError(f"batch: dict batch without {key!r} (accepted keys: {', '.join(HF_KEYS + extras)})")
+        mb = MicroBatch(*(batch.get(k) for k in HF_KEYS), extras={k: batch[k] for k in extras})
     elif isinstance(batch, (tuple, list)) and len(batch) == 2:
         inputs, labels = batch
         if isinstance(inputs, (tuple, list)):
@@ -167,6 +176,10 @@ def _checked(mb: MicroBatch) -> MicroBatch:
         if mask.shape != ids.shape or not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError(f"batch: attention_mask must be 0/1 of the shape of input_ids {tuple(ids.shape)} "
                              "(a padding mask: 1 = token, 0 = padding)")
+    for key, x in mb.extras.items():
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] != ids.shape[0]:
+            raise ValueError(f"batch: {key!r} must be a tensor with one row per sequence ({ids.shape[0]}), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     return mb
 
 

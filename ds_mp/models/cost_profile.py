@@ -47,7 +47,8 @@ import torch.distributed as dist
 from ds_mp.atomic import write_text_atomic
 from ds_mp.models.family import family_of
 from ds_mp.models.partition import LayerCosts
-from ds_mp.models.pipeline import LAYER_COST_VERSION, Ctx, LMLoss
+from ds_mp.losses import LM_LOSS, shift_labels
+from ds_mp.models.pipeline import LAYER_COST_VERSION, Ctx
 from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel.random import rng_state, set_rng_state
 from ds_mp.topology import Topology, build_grid
@@ -120,9 +121,11 @@ def measure_layer_costs(src: WeightSource, topology: Topology, *, rows: int, seq
             for _, module in (*lead, (None, block), *tail):
                 for name, p in module.named_parameters():
                     p.requires_grad = ".lora_" in name
-        loss_fn = LMLoss(ctx)
+        loss_fn = LM_LOSS.bind(ctx)  # the head is timed with the per-token LM loss (what partitioning assumes)
         gen = torch.Generator(device=device).manual_seed(0)
         ids = torch.randint(0, ctx.vocab, (rows, seq), generator=gen, device=device)
+        targets = shift_labels(ids)
+        labels = LM_LOSS.labels(targets, (targets != -100).sum().clamp(min=1))
 
         def embed() -> torch.Tensor:
             return _run(lead, ids)
@@ -135,7 +138,7 @@ def measure_layer_costs(src: WeightSource, topology: Topology, *, rows: int, seq
         segments: dict[str, Callable[[], None]] = {
             "embed": lambda: _backward(embed(), g_embed),
             "block": lambda: _backward(block[1](x_block), g_block),
-            "head": lambda: _backward(loss_fn(_run(tail, x_head), ids), None),
+            "head": lambda: _backward(loss_fn(_run(tail, x_head), labels), None),
         }
         times: dict[str, list[float]] = {k: [] for k in KINDS}
         for r in range(warmup + rounds):

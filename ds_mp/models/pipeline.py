@@ -4,8 +4,9 @@ The pipeline is a flat list of layers, one per row of the family's layer table
 (``Family.pipeline_layers``: GPT-2's ``["wte", "wpe", "h.0", …, "ln_f", "lm_head"]``), split into
 stages by :func:`ds_mp.models.partition.stage_parts` (or a ring layout); each rank builds only its
 stage's layers (``Family.layer_spec``), reading only their weights from a
-:class:`~ds_mp.models.weights.WeightSource`.  The loss is :class:`LMLoss` (fused vocab-parallel
-cross-entropy with HF's label shift).  Nothing here names a model, and nothing here touches
+:class:`~ds_mp.models.weights.WeightSource`.  The loss is the run's
+:class:`~ds_mp.losses.spec.LossSpec` bound to the stage's ``Ctx`` (the slot: ``ds_mp.losses``; the
+per-token LM loss by default).  Nothing here names a model, and nothing here touches
 DeepSpeed's module protocol: :class:`DsMpPipeline` subclasses the adapter
 ``ds_mp.deepspeed_compat.pipeline_module.PipelineModuleAdapter``, which translates DeepSpeed's build
 hooks into :meth:`DsMpPipeline.grid_ready` and decodes DeepSpeed's parameter naming
@@ -18,7 +19,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from deepspeed import checkpointing
 
 from ds_mp.deepspeed_compat.pipeline_module import PipelineModuleAdapter, is_tied_param
@@ -26,7 +26,7 @@ from ds_mp.models.ctx import Ctx
 from ds_mp.models.family import family_of
 from ds_mp.models.partition import LayerCosts, interleaved_layout, stage_parts, v_layout
 from ds_mp.models.weights import WeightSource
-from ds_mp.tensor_parallel import vocab_parallel_cross_entropy
+from ds_mp.losses import LM_LOSS, LossSpec
 from ds_mp.topology import Topology
 
 #: Part of every cached cost profile's key (``partition_profile.json``, ``terapipe_profile.json``):
@@ -48,53 +48,18 @@ def attending_to(blocks: list[nn.Module], extension: Any) -> Iterator[None]:
             blk.kv_extension = None
 
 
-class LMLoss:
-    """Mean next-token cross-entropy with HF's shift (``logits[:, t]`` predicts
-    ``labels[:, t+1]``; ``-100`` ignored), from vocab-parallel logits."""
-
-    def __init__(self, ctx: Ctx) -> None:
-        self.ctx = ctx
-        self.__name__ = "LMLoss"
-
-    def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-token loss ``(B, T)`` against already-shifted ``targets``."""
-        if self.ctx.tp == 1:  # one rank holds every logit: the plain (faster) kernel, padding cut off
-            flat = F.cross_entropy(logits[..., :self.ctx.vocab].reshape(-1, self.ctx.vocab).float(),
-                                   targets.reshape(-1), ignore_index=-100, reduction="none")
-            return flat.view(targets.shape)
-        start = self.ctx.tp_rank * (self.ctx.padded_vocab // self.ctx.tp)
-        flat = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                            vocab_start=start, true_vocab=self.ctx.vocab, group=self.ctx.group)
-        return flat.view(targets.shape)
-
-    def __call__(self, logits: torch.Tensor, labels: Any) -> torch.Tensor:
-        """``labels`` (B, T), or ``(targets, count)`` for a TeraPipe token slice: its already-shifted
-        targets and the number of valid targets of its whole micro-batch (slice losses then sum
-        to the micro-batch loss)."""
-        if isinstance(labels, tuple):
-            targets, count = labels
-        else:
-            targets = shift_labels(labels)
-            count = (targets != -100).sum().clamp(min=1)
-        return self.token_losses(logits, targets).sum() / count
-
-
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """``targets[:, t] = labels[:, t+1]``, last position ignored (-100)."""
-    return F.pad(labels[:, 1:], (0, 1), value=-100)
-
-
 class DsMpPipeline(PipelineModuleAdapter):
     """A family's model as a pipeline stage: the layers of its table, ``parts`` (stage bounds over
-    ``layer_names``), the ``Ctx`` its layers read, :class:`LMLoss`; DeepSpeed's module protocol is the
-    adapter's (``ds_mp.deepspeed_compat.pipeline_module``)."""
+    ``layer_names``), the ``Ctx`` its layers read, ``loss`` (its ``loss_fn`` is the spec bound to the
+    ``Ctx``); DeepSpeed's module protocol is the adapter's (``ds_mp.deepspeed_compat.pipeline_module``)."""
 
     def __init__(self, layers: list, layer_names: list[str], parts: list[int], topology: Topology, ctx: Ctx,
-                 **kw: Any) -> None:
+                 loss: LossSpec = LM_LOSS, **kw: Any) -> None:
         self.ds_mp_topology, self.ds_mp_ctx = topology, ctx
         self.family = ctx.family
         self.layer_names = layer_names  # the family's pipeline_layers() entries in this pipeline's order
-        super().__init__(layers, parts, topology.topo, LMLoss(ctx),
+        self.loss_spec = loss
+        super().__init__(layers, parts, topology.topo, loss.bind(ctx),
                          activation_checkpoint_func=inputs_carry_grad(checkpointing.checkpoint), **kw)
 
     def grid_ready(self, grid: Any) -> None:
@@ -158,7 +123,7 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
                    sequence_parallel: bool = False, overlap_comm: bool = True, vocab_pad_multiple: int = 128,
                    activation_checkpoint_interval: int = 0, dynamic_shape: bool = False,
                    layout: tuple[list[str], list[int]] | None = None, lora: Any = None,
-                   seed: int = 0, virtual_stages: int = 1) -> DsMpPipeline:
+                   seed: int = 0, virtual_stages: int = 1, loss: LossSpec = LM_LOSS) -> DsMpPipeline:
     """Build this rank's stage of ``src.config``'s family (reading only its weights from ``src``).
 
     ``layout = (layer names, parts)`` replaces the default order (``Family.pipeline_layers``) and
@@ -176,6 +141,9 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
     ``virtual_stages`` = v > 1 (interleaved 1F1B): ``partition`` cuts the layers into K·v chunks and
     rank r builds chunks r, r + K, … (:func:`~ds_mp.models.partition.interleaved_layout`), one after
     the other; ``net.virtual_parts`` keeps the chunk boundaries over the family's table (None at v = 1).
+
+    ``loss``: the run's :class:`~ds_mp.losses.spec.LossSpec` (``net.loss_spec``; ``net.loss_fn`` is it
+    bound to this stage's ``Ctx``).
     """
     cfg = src.config
     family = family_of(cfg)
@@ -194,7 +162,7 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
         raise ValueError(f"layout {names} / {parts} is not a reordering of {family.name}'s {len(table)} layers "
                          f"over {topology.pp} stages")
     layers = [family.layer_spec(prefix, src, ctx) for prefix in names]
-    net = DsMpPipeline(layers, names, parts, topology, ctx, activation_checkpoint_interval=activation_checkpoint_interval,
+    net = DsMpPipeline(layers, names, parts, topology, ctx, loss, activation_checkpoint_interval=activation_checkpoint_interval,
                        dynamic_shape=dynamic_shape,
                        checkpointable_layers=list(family.checkpointable) if family.checkpointable else None)
     net.virtual_parts = virtual_parts
@@ -208,5 +176,5 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
     return net
 
 
-__all__ = ["LAYER_COST_VERSION", "attending_to", "LMLoss", "shift_labels", "DsMpPipeline", "hf_param_name",
+__all__ = ["LAYER_COST_VERSION", "attending_to", "DsMpPipeline", "hf_param_name",
            "is_tied_copy", "v_pipeline_layout", "build_pipeline"]

@@ -8,7 +8,7 @@ The layer table (:func:`pipeline_layers`: pipeline layer ↔ HF name prefix ↔ 
     2..L+1   "h.<i>"    Block × L             pre-LN attention + MLP, TP plan applied
     L+2      "ln_f"     FinalNorm             ln_f
     L+3      "lm_head"  TiedLayerSpec("wte")  LM head: logits = h Eᵀ on the local vocab block
-    loss                LMLoss                fused vocab-parallel cross-entropy, HF label shift
+    loss                LMLossSpec            fused vocab-parallel cross-entropy, HF label shift (ds_mp.losses)
 
 ``GPT2_TP_PLAN`` is the whole TP plan (HF suffix -> shard kind of :mod:`ds_mp.tensor_parallel.sharding`):
 ``Family.tp_kind`` applies it to checkpoints, and a block's linears are built from it (``row`` ->

@@ -9,7 +9,7 @@ The layer table (:func:`pipeline_layers`):
     1..L     "layers.<i>"    Block × L: x + Attn(RMSNorm x), then + MLP(RMSNorm ·), TP plan applied
     L+1      "norm"          FinalNorm (RMSNorm)
     L+2      "lm_head"       LM head on the local vocab block: the tied embedding, or ``lm_head.weight``
-    loss                     LMLoss (ds_mp.models.pipeline)
+    loss                     the run's LossSpec (ds_mp.losses; LMLossSpec by default)
 
 Tensor parallelism (``LLAMA_TP_PLAN``; ``nn.Linear`` stores ``(out, in)``, cuts in
 :mod:`ds_mp.tensor_parallel.sharding`): ``q_proj`` column-parallel per head (``linear_out``),

@@ -24,4 +24,5 @@ class TeraPipeSpec(ScheduleSpec):
 
 
 TERAPIPE = TeraPipeSpec(timetable="ds_mp.schedules.terapipe.schedule:TeraPipeSchedule",
-                        runtime="ds_mp.engine.terapipe:attach", families=ALL_FAMILIES, batch_ramp=True)
+                        runtime="ds_mp.engine.terapipe:attach", families=ALL_FAMILIES, batch_ramp=True,
+                        token_slices=True)

@@ -1,7 +1,8 @@
 """Checks every model family gets, against the unmodified HF model on one process (fp32 unless
 named), each taking ``make(**kw)``, a tiny HF ``…ForCausalLM`` of the family (tests/helpers.py
 ``tiny_qwen3``, ``tiny_gemma3``): :func:`run_family` (every layout and schedule of :data:`LAYOUTS`,
-one spawn per world size; q/k norm copies over TP; the ``save_hf`` export), :func:`lora_equals_peft`,
+one spawn per world size, DP replicas on their own rows; q/k norm copies over TP and DP; the ``save_hf``
+export), :func:`lora_equals_peft`,
 :func:`trainer_equals_plain_trainer`, :func:`sft_equals_plain_trl`, :func:`round_trip`,
 :func:`resume_then_generate`, :func:`ring_equals_reference` (Ouroboros) and
 :func:`inline_shape_draws_hf_init`.  tests/test_qwen3.py and tests/test_gemma3.py run them.
@@ -19,7 +20,7 @@ from helpers import ds_config
 from test_llama import BF16_TOL, CLIP, LR, SEQ, TOL, VOCAB, steps_for
 from test_tensor_parallel import gather_weights, hf_train, max_diff
 
-# (name, tp, pp, schedule, model kwargs, ds_mp extras) per world size
+# (name, tp, pp, schedule, model kwargs, ds_mp extras) per world size; DP = world / (TP · PP)
 LAYOUTS: dict[int, list[tuple]] = {
     2: [("tp2_zero1", 2, 1, "1f1b", {}, {"zero": 1}),
         ("pp2_1f1b_ckpt", 1, 2, "1f1b", {"n_layer": 4},
@@ -32,11 +33,29 @@ LAYOUTS: dict[int, list[tuple]] = {
         ("tp2_bf16", 2, 1, "1f1b", {}, {"bf16": True})],  # losses within BF16_TOL of HF's fp32 ones
     3: [("tp3_kv_replicated", 3, 1, "1f1b", {"tied": True}, {})],
     4: [("tp2xpp2_sp", 2, 2, "1f1b", {"n_layer": 4}, {"tensor_parallel": {"sequence_parallel": True}}),
-        ("tp2xpp2_zbh1", 2, 2, "zb-h1", {"n_layer": 4}, {})],  # the q/k norms' TP sum in the deferred W pass
+        ("tp2xpp2_zbh1", 2, 2, "zb-h1", {"n_layer": 4}, {}),  # the q/k norms' TP sum in the deferred W pass
+        ("tp2_dp2_zero1", 2, 1, "1f1b", {}, {"zero": 1}),
+        # Gemma: stage 0 ends on a sliding layer, stage 1 starts on a full one
+        ("pp2_dp2_zbh1", 1, 2, "zb-h1", {"n_layer": 4}, {"pipeline": {"partition": [1, 3]}})],
 }
 
 
 EXPORTED = "tp2_zero1"  # the layout whose save_hf export is loaded back
+
+
+def _gas(schedule: str) -> int:
+    return 4 if schedule not in ("1f1b", "gpipe") else 2
+
+
+def _steps(schedule: str, dp: int) -> list[list]:
+    """Two steps of DP × GAS micro-batches, replica d taking the d-th GAS of them (its own rows): test_llama's
+    (3 prompt labels of the first row ignored) and, under DP, the last replica's last micro-batch right-padded
+    (6 pad ids, their labels ignored), so the replicas count different targets.  HF trains on all of them."""
+    steps = steps_for(micro_batches=_gas(schedule) * dp)
+    for mbs in steps if dp > 1 else []:
+        ids, labels = mbs[-1]
+        ids[1, -6:], labels[1, -6:] = 0, -100
+    return steps
 
 
 def _norm_copies(engine: Any) -> dict[str, torch.Tensor]:
@@ -53,41 +72,48 @@ def _family_rank(rank: int, make: Callable, world: int, out: str) -> dict:
 
     res = {}
     for name, tp, pp, schedule, kw, extra in LAYOUTS[world]:
-        gas = 4 if schedule not in ("1f1b", "gpipe") else 2
+        gas, dp = _gas(schedule), world // (tp * pp)
         cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=LR, clip=CLIP, seq=SEQ, schedule=schedule, **extra)
         engine, *_ = ds_mp.initialize(model=make(**kw), config=cfg)
-        losses = [float(engine.train_batch(iter(mbs))) for mbs in steps_for(micro_batches=gas)]
-        res[name] = (losses, gather_weights(engine)[0], _norm_copies(engine))
+        topo = engine.topology
+        assert topo.dp == dp, (name, topo.dp)
+        mine = slice(topo.dp_rank * gas, (topo.dp_rank + 1) * gas)
+        losses = [float(engine.train_batch(iter(mbs[mine]))) for mbs in _steps(schedule, dp)]
+        res[name] = (losses, gather_weights(engine)[0], _norm_copies(engine), topo.pp_rank)
         if name == EXPORTED:
             ds_mp.save_hf(engine, f"{out}/{name}")
     return res
 
 
 def run_family(make: Callable, world: int, out: str) -> None:
-    """Every layout of ``LAYOUTS[world]`` trains ``make(**kw)`` as HF does on one process; q/k norm
-    copies identical over TP and equal to HF's; the TP2 export loads with the trained logits."""
+    """Every layout of ``LAYOUTS[world]`` trains ``make(**kw)`` as HF does on one process over the global
+    batch (every DP replica's rows; per-token loss over all of its targets); the DP replicas of a stage
+    hold bit-identical weights; q/k norm copies identical over TP and DP and equal to HF's; the TP2
+    export loads with the trained logits."""
     from transformers import AutoModelForCausalLM
 
     results = run_ranks(_family_rank, world, make, world, out, timeout=600)
     for name, tp, pp, schedule, kw, _ in LAYOUTS[world]:
-        gas = 4 if schedule not in ("1f1b", "gpipe") else 2
+        dp = world // (tp * pp)
         model = make(**kw)
-        want_losses, _, want = hf_train(model, steps_for(micro_batches=gas), lr=LR, clip=CLIP)
-        bf16, got = "bf16" in name, {}
-        for losses, weights, _ in (r[name] for r in results):
+        want_losses, _, want = hf_train(model, _steps(schedule, dp), lr=LR, clip=CLIP)
+        bf16, got, stage = "bf16" in name, {}, {}
+        for losses, weights, _, pp_rank in (r[name] for r in results):
             got.update(weights)
+            first = stage.setdefault(pp_rank, weights)  # every TP and DP rank of a stage: the same weights
+            assert all(torch.equal(first[n], t) for n, t in weights.items()), f"{name}: stage {pp_rank}'s copies differ"
             if bf16:
                 assert losses == pytest.approx(want_losses, rel=BF16_TOL), (name, losses, want_losses)
             else:
                 assert max(abs(a - b) for a, b in zip(losses, want_losses)) < TOL, (name, losses, want_losses)
         assert set(got) == set(want) and (bf16 or max_diff(got, want) < TOL), name
         copies: dict[str, list[torch.Tensor]] = {}
-        for _, _, norms in (r[name] for r in results):
+        for _, _, norms, _ in (r[name] for r in results):
             for n, t in norms.items():
                 copies.setdefault(n, []).append(t)
-        assert copies and all(len(c) == tp for c in copies.values()), name  # every TP rank holds a copy
+        assert copies and all(len(c) == tp * dp for c in copies.values()), name  # every TP and DP rank: a copy
         for n, c in copies.items():
-            assert all(torch.equal(c[0], t) for t in c[1:]), f"{name}: TP copies of {n} differ"
+            assert all(torch.equal(c[0], t) for t in c[1:]), f"{name}: TP/DP copies of {n} differ"
             assert bf16 or float((c[0] - want[n]).abs().max()) < TOL and not torch.equal(want[n], model.state_dict()[n])
         if name == EXPORTED:
             trained = copy.deepcopy(model)

@@ -1,11 +1,12 @@
 """Gemma 3 (``Gemma3ForCausalLM``; and a multimodal ``gemma3`` checkpoint's text model) equals the
 unmodified HF model trained on one process (fp32, SGD with clipping), through tests/family_checks.py's
 checks (the layouts of ``run_family``: TP = 2, TP = 3 with 2 KV heads replicated, PP = 2 under every
-schedule — 1f1b with a stage boundary between a sliding and a full-attention layer — TP2 × PP2 with
-SP, bf16; LoRA, the Trainer and TRL paths, checkpoints, Ouroboros, an inline shape).  The tiny
-model (tests/helpers.py ``tiny_gemma3``) has a 5-key window under 16-token rows, sliding and full layers
-with their own RoPE bases, ``head_dim`` 20 with ``query_pre_attn_scalar`` 24, (1 + w) norms moved
-from 0, logits soft-capped, a tied vocabulary padded for TP and pad id 0 (a frozen row).
+schedule — 1f1b and, at DP = 2, zb-h1 with a stage boundary between a sliding and a full-attention
+layer — TP2 × PP2 with SP, TP2 × DP2 (ZeRO-1), each DP replica on its own rows with uneven target
+counts against HF on the global batch, bf16; LoRA, the Trainer and TRL paths, checkpoints, Ouroboros, an
+inline shape).  The tiny model (tests/helpers.py ``tiny_gemma3``) has a 5-key window under 16-token rows,
+sliding and full layers with their own RoPE bases, ``head_dim`` 20 with ``query_pre_attn_scalar`` 24,
+(1 + w) norms moved from 0, logits soft-capped, a tied vocabulary padded for TP and pad id 0 (a frozen row).
 """
 from __future__ import annotations
 

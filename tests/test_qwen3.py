@@ -1,10 +1,12 @@
 """Qwen3 (``Qwen3ForCausalLM``: q/k norms over ``head_dim`` before the rotation, ``head_dim`` 20 ≠
 96 / 6) equals the unmodified HF model trained on one process (fp32, SGD with clipping): TP = 2 (KV
 heads split), TP = 3 (2 KV heads replicated over 3 ranks), PP = 2 under 1f1b, gpipe (ZeRO-2), zb-h1,
-zb-v, interleaved and TeraPipe (token slices 6 + 10), TP2 × PP2 with sequence parallelism, ZeRO-1,
-activation checkpointing, tied and untied heads, bf16 (losses within test_llama's BF16_TOL of HF's
-fp32 ones); every TP copy of a q/k norm stays bit-identical and equal to HF's trained norm (their
-gradient is summed over TP: each rank sees its own heads); ``save_hf`` loads in ``from_pretrained``
+zb-v, interleaved and TeraPipe (token slices 6 + 10), TP2 × PP2 with sequence parallelism, TP2 × DP2
+(ZeRO-1) and PP2 × DP2 (zb-h1) with each replica on its own rows and uneven target counts (HF trains on
+the global batch), ZeRO-1, activation checkpointing, tied and untied heads, bf16 (losses within
+test_llama's BF16_TOL of HF's fp32 ones); DP replicas hold bit-identical weights; every TP and DP copy
+of a q/k norm stays bit-identical and equal to HF's trained norm (their gradient is summed over TP:
+each rank sees its own heads); ``save_hf`` loads in ``from_pretrained``
 with the trained model's logits; LoRA equals PEFT; ``ds_mp.hf.Trainer`` equals the plain
 ``transformers.Trainer`` and ``ds_mp.hf.SFTTrainer`` plain TRL; HF ⇄ sharded bit-exact; resume at
 another layout and ``generate()``; the Ouroboros ring; an inline shape.  Packed documents:

@@ -154,20 +154,24 @@ def test_qwen2_with_ignored_bias_flags_equals_hf() -> None:
     assert max(abs(a - b) for a, b in zip(results[0][0], want_losses)) < TOL
 
 
-def test_objects_that_are_not_causal_lms_are_refused() -> None:
+def test_objects_that_are_not_causal_lms_are_refused(monkeypatch: Any) -> None:
     """``LlamaForSequenceClassification`` (its ``score`` head) and a bare ``LlamaModel`` (no head): one line
-    each, from ``ds_mp.initialize`` before any process group exists."""
+    each, from ``ds_mp.initialize`` before any process group is started (a spy on torch's
+    ``init_process_group``: another test of this pytest process, e.g. one building TrainingArguments with
+    a DeepSpeed JSON, may have started a group already)."""
     from transformers import LlamaForSequenceClassification, LlamaModel
 
     import ds_mp
     from ds_mp.config import ConfigError
 
+    started: list = []
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **kw: started.append(1))
     cfg = tiny_llama("llama", 2, True).config
     for model in (LlamaForSequenceClassification(cfg), LlamaModel(cfg)):
         name = type(model).__name__
         with pytest.raises(ConfigError, match=rf"^model: a {name} is not a causal LM; ds_mp trains LlamaForCausalLM"):
             ds_mp.initialize(model=model, config=ds_config(seq=SEQ))
-        assert not torch.distributed.is_initialized()
+        assert not started
 
 
 def test_gpt2_pad_token_row_trains_as_in_hf() -> None:

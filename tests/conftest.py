@@ -7,8 +7,13 @@ os.environ.setdefault("DS_MP_TIMEOUT", "60")  # a hung rendezvous/collective fai
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from cpu_fp16 import allow_cpu_fp16  # noqa: E402 - needs the path above
+from ports import free_port  # noqa: E402
 
 allow_cpu_fp16()  # fp16 tests run on every CPU (see cpu_fp16.py)
+# A one-process group started in this pytest process (ds_mp.initialize without a launcher, or Accelerate
+# when TrainingArguments are built after it) rendezvouses on MASTER_PORT, 29511 by default: two xdist
+# workers holding theirs at once collided (EADDRINUSE).  Each worker's own port, from its block:
+os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 #: Rough seconds per test by marker, to hand the heaviest files out first (below).

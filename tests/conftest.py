@@ -1,6 +1,9 @@
 """Test-wide settings: helpers importable, bounded collective timeouts, one thread per rank."""
 import os
 import sys
+from typing import Any
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("DS_MP_TIMEOUT", "60")  # a hung rendezvous/collective fails instead of blocking CI
@@ -30,3 +33,13 @@ def pytest_collection_modifyitems(config, items) -> None:
         cost = max([_WEIGHTS[m.name] for m in item.iter_markers() if m.name in _WEIGHTS], default=1)
         weight[item.nodeid.split("::")[0]] = weight.get(item.nodeid.split("::")[0], 0) + cost
     items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: a file's order stays
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory: Any) -> str:
+    """A tiny GPT-2 checkpoint directory (``helpers.tiny_gpt2``), one per test module."""
+    from helpers import tiny_gpt2
+
+    path = str(tmp_path_factory.mktemp("gpt2"))
+    tiny_gpt2().save_pretrained(path)
+    return path

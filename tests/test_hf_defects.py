@@ -51,13 +51,6 @@ def _frozen_rank(rank: int, model_dir: str, out: str, ds: dict) -> dict:
     return _frozen_run(model_dir, out, ds)
 
 
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory: Any) -> str:
-    path = str(tmp_path_factory.mktemp("gpt2"))
-    tiny_gpt2().save_pretrained(path)
-    return path
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("tp,pp,zero", [pytest.param(2, 1, 0, id="tp2"), pytest.param(1, 2, 0, id="pp2"),
                                         pytest.param(1, 1, 1, id="dp2-zero1")])

@@ -28,19 +28,11 @@ from typing import Any
 import pytest
 
 from dist_utils import run_ranks
-from helpers import tiny_gpt2
 from test_hf_trainer import _ds_mp_rank, _logs, assert_same_run, collate, ds_json, plain_run, rows, training_args
 
 BF16_LOSS = 3e-3  # relative, losses and eval loss (measured 3.4e-4 worst: TP = 2, DP = 2 with ZeRO-1 / ZeRO-2)
 BF16_NORM = 3e-2  # relative, pre-clip grad norms (measured 3.1e-3 worst)
 BF16_APART = 0.1  # per tensor: |ds_mp - plain| / |plain - initial| (measured 5.1e-2 at TP = 2)
-
-
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory: Any) -> str:
-    path = str(tmp_path_factory.mktemp("gpt2"))
-    tiny_gpt2().save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

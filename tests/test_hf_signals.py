@@ -52,15 +52,6 @@ def _rank(rank: int, model_dir: str, out: str, signal_at: int | None, resume: bo
             "default_handler": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL}
 
 
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory: Any) -> str:
-    from helpers import tiny_gpt2
-
-    path = str(tmp_path_factory.mktemp("gpt2"))
-    tiny_gpt2().save_pretrained(path)
-    return path
-
-
 def test_sigterm_saves_a_complete_checkpoint_that_resumes_exactly(gpt2_dir: str, tmp_path: Any) -> None:
     """SIGTERM to rank 1 after step 3 of 5 (TP = 2, save_strategy "no"): both ranks exit 143 after
     step 3, rank 0 says where checkpoint-3 is; it is complete (trainer_state.json at step 3, ds_mp's

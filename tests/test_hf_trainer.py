@@ -141,13 +141,6 @@ def assert_same_run(got: dict, ref: dict, rel: float = 1e-5) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory: Any) -> str:
-    path = str(tmp_path_factory.mktemp("gpt2"))
-    tiny_gpt2().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory: Any) -> str:
     """A Qwen2-shaped checkpoint: grouped KV heads, q/k/v biases, RMSNorm, untied head, rotary positions."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

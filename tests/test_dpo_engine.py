@@ -4,7 +4,8 @@ precomputed on the same engine from the initial weights (``ds_mp.engine.referenc
 equal to HF's), step-1 loss ln 2, the losses of 3 steps and TRL's logged reward / log-prob metrics
 from the last stage's rows (``engine.step_rows``): GPT-2 at PP 2 (ZB-V: the loss on rank 0; 1F1B
 is tests/test_dpo_run.py's launcher run) and DP 2 with accumulation, Qwen2 at TP 2; each DP replica on its own pairs of very uneven lengths (one truncated at max_length);
-and with LoRA, the reference pass with the adapters disabled equal to HF's base model."""
+and with LoRA, the reference pass with the adapters disabled equal to HF's base model (and a
+micro-batch of an odd row count refused on every rank)."""
 from __future__ import annotations
 
 import math
@@ -109,6 +110,9 @@ def _lora(rank: int) -> tuple[float, float]:
         base = ref_log_probs(engine, mbs).cpu()
     adapted = ref_log_probs(engine, mbs).cpu()
     want = torch.cat([row_logps(model(), mb) for mb in step])
+    odd = {k: v[:3] for k, v in mbs[0].items()}
+    with pytest.raises(ValueError, match=r"\[chosen; rejected\] rows, an even number per micro-batch; got 3"):
+        engine.train_batch(iter([{**odd, "ref_logps": torch.zeros(3)}] * 2))  # refused on every rank, no hang
     return float((base - want).abs().max()), float((adapted - want).abs().max())
 
 

@@ -97,7 +97,7 @@ def test_dpo_through_the_engine_is_trls(layout: dict, family: str) -> None:
                 assert value == pytest.approx(exp[key], abs=1e-5), key
 
 
-def _lora(rank: int) -> tuple[float, float]:
+def _lora(rank: int) -> tuple[float, float, bool]:
     import ds_mp
     from ds_mp.engine.reference import lora_disabled, ref_log_probs
 
@@ -105,18 +105,21 @@ def _lora(rank: int) -> tuple[float, float]:
     engine, *_ = ds_mp.initialize(model=model(), config=cfg)
     step = stream()[0][:2]
     mbs = [{"input_ids": mb["input_ids"], "labels": labels_of(mb)} for mb in step]
+    with lora_disabled(engine):
+        precomputed = ref_log_probs(engine, mbs).cpu()
     engine.train_batch(iter([{**mb, "ref_logps": torch.zeros(2 * PAIRS)} for mb in mbs]))  # adapters move
     with lora_disabled(engine):
-        base = ref_log_probs(engine, mbs).cpu()
+        base = ref_log_probs(engine, mbs).cpu()  # on the fly, after a step
     adapted = ref_log_probs(engine, mbs).cpu()
     want = torch.cat([row_logps(model(), mb) for mb in step])
     odd = {k: v[:3] for k, v in mbs[0].items()}
     with pytest.raises(ValueError, match=r"\[chosen; rejected\] rows, an even number per micro-batch; got 3"):
         engine.train_batch(iter([{**odd, "ref_logps": torch.zeros(3)}] * 2))  # refused on every rank, no hang
-    return float((base - want).abs().max()), float((adapted - want).abs().max())
+    return float((base - want).abs().max()), float((adapted - want).abs().max()), torch.equal(base, precomputed)
 
 
 def test_the_reference_pass_with_lora_disabled_is_the_base_model() -> None:
-    for base_err, adapted_err in run_ranks(_lora, 2, timeout=300):
+    for base_err, adapted_err, same in run_ranks(_lora, 2, timeout=300):
+        assert same  # precomputed before training = on the fly after a step (the base is frozen)
         assert base_err < 1e-5
         assert adapted_err > 1e-3  # the adapters trained, and lora_disabled really switched them off

@@ -2,8 +2,9 @@
 ``DPOTrainer._prepare_dataset`` tokenizes them (plain and conversational, an over-long prompt
 dropped) and rowed as its ``DataCollatorForPreference`` rows them (a pair truncated at max_length);
 and a preference JSONL trained through the launcher's loop (``train_in_process``, PP 2, reference
-log-probs precomputed on the engine) equal to plain ``trl.DPOTrainer`` on one process: the logged
-loss and reward / log-prob metrics of every step and the exported weights."""
+log-probs precomputed on the engine; 2 steps, then ``--resume`` for the third) equal to plain
+``trl.DPOTrainer`` on one process: the logged loss and reward / log-prob metrics of every step and
+the exported weights."""
 from __future__ import annotations
 
 import json
@@ -109,8 +110,10 @@ def test_a_preference_file_trains_through_the_launcher_as_trl(model_dir: str, tm
            "ds_mp": {"model": model_dir, "pipeline": {"stages": 2}, "data": {"path": data, "seq_len": SEQ, "seed": 3},
                      "loss": {"type": "dpo", "beta": 0.1},
                      "training": {"steps": STEPS, "log_interval": 1, "output_dir": out}}}
-    printed = train_in_process(str(tmp_path), cfg, 2)
+    printed = train_in_process(str(tmp_path), cfg, 2, args=("--steps", "2"))  # then resumed for the third
     assert f"{len(recs)} pairs (0 dropped" in printed[0]
+    train_in_process(str(tmp_path), cfg, 2, args=("--resume",))
+    assert {"step2", "step3"} <= set(os.listdir(os.path.join(out, "checkpoints")))
     with open(os.path.join(out, "dpo_log.jsonl")) as fh:
         got = [json.loads(line) for line in fh]
     order = [int(i) for s in range(STEPS) for i in pair_order(len(recs), s, PAIRS_PER_MICRO, GAS, 1, 3).ravel()]

@@ -56,8 +56,9 @@ def fixed_rows(batch: dict, rows: int, seq_len: int) -> dict[str, torch.Tensor]:
 
 
 def empty_rows(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A micro-batch of the shape of ``like`` without a target (fills a short step)."""
-    out = {k: torch.full_like(v, _PAD[k]) for k, v in like.items() if k != "position_ids"}
+    """A micro-batch of the shape of ``like`` without a target (fills a short step); a loss's extra
+    tensor (a key beyond HF's, e.g. DPO's ``ref_logps``) is zeros."""
+    out = {k: torch.full_like(v, _PAD.get(k, 0)) for k, v in like.items() if k != "position_ids"}
     if "position_ids" in like:
         out["position_ids"] = torch.arange(like["input_ids"].shape[1], device=like["input_ids"].device).expand_as(
             like["input_ids"]).contiguous()

@@ -83,9 +83,11 @@ def main(model: str, out: str, plain: bool, lora: bool = False, **kw: Any) -> An
     peft_config = None
     if lora:
         from peft import LoraConfig
+        from transformers import AutoConfig
 
-        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_proj", "c_fc"],
-                                 task_type="CAUSAL_LM")
+        targets = ["c_attn", "c_proj", "c_fc"] if AutoConfig.from_pretrained(model).model_type == "gpt2" else \
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
     trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(records[:16]),
                          eval_dataset=Dataset.from_list(records[16:]), processing_class=AutoTokenizer.from_pretrained(model),
                          peft_config=peft_config)

@@ -15,7 +15,7 @@ from typing import Callable
 from ds_mp.config.batching import check_batch_ramp, check_noise_scale
 from ds_mp.config.families import family_for
 from ds_mp.config.registry import SCHEDULES, names_where, schedule_spec
-from ds_mp.config.losses import LOSSES, loss_spec
+from ds_mp.config.losses import LOSSES, configured_loss
 from ds_mp.config.resolve import resolve_model_source, shape_of
 from ds_mp.config.schema import MODEL_TYPES, ConfigError, DsMpConfig, InlineModel, parse_config, positive
 
@@ -99,14 +99,15 @@ def check_choices(cfg: DsMpConfig) -> None:
 
 
 def check_loss(cfg: DsMpConfig) -> None:
-    """``loss.type`` is registered (a close name suggested), then the spec's own checks."""
+    """``loss.type`` is registered (a close name suggested), its options are the spec's, then the
+    spec's own checks."""
     name = cfg.loss.type
     if name not in LOSSES:
         close = difflib.get_close_matches(str(name), list(LOSSES), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"ds_mp.loss.type: unknown loss {name!r}; registered: {', '.join(sorted(LOSSES))}{hint} "
                           "(ds_mp.config.losses.register_loss adds one)")
-    loss_spec(name).check(cfg)
+    configured_loss(cfg.loss).check(cfg)
 
 
 def check_schedule_name(cfg: DsMpConfig) -> None:

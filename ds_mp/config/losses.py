@@ -12,15 +12,24 @@ from ds_mp.config.registry import load
 
 LOSSES: dict[str, Any] = {
     "lm": "ds_mp.losses.lm:LM_LOSS",
+    "dpo": "ds_mp.losses.dpo:DPO_LOSS",
 }
 
 
-HOOKS = ("check", "units", "denominators", "labels", "unpack", "token_slice", "micro_loss", "row_values", "bind")
+HOOKS = ("with_options", "check", "units", "denominators", "labels", "unpack", "token_slice", "micro_loss",
+         "rows", "row_values", "bind")
 
 
 def loss_spec(name: str) -> Any:
     """The :class:`~ds_mp.losses.spec.LossSpec` registered as ``name`` (imported on first use)."""
     return load(LOSSES[name])
+
+
+def configured_loss(loss: Any) -> Any:
+    """The spec of a ``"loss"`` block (``DsMpConfig.loss``): the registered spec of ``loss.type`` with
+    the block's other keys as its options (``LossSpec.with_options``: an unknown key or a bad value is
+    a ConfigError naming it)."""
+    return loss_spec(loss.type).with_options(**loss.options)
 
 
 def register_loss(name: str, spec: Any) -> Any:
@@ -33,4 +42,4 @@ def register_loss(name: str, spec: Any) -> Any:
     return spec
 
 
-__all__ = ["LOSSES", "loss_spec", "register_loss"]
+__all__ = ["LOSSES", "loss_spec", "configured_loss", "register_loss"]

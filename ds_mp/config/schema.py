@@ -168,6 +168,10 @@ class LossConfig:
     # global batch's target count (HF's and Megatron's per-token loss); "micro_batch": DeepSpeed's mean of
     # micro-batch means (each divided by its own count; equal to "tokens" when every row is all targets)
     normalization: str = "tokens"
+    # every other key of the block: the spec's own options (DPO's "beta", "loss_type", ...), checked by
+    # the spec at load_config (LossSpec.with_options: an unknown key or a bad value refused in one line)
+    options: dict = field(default_factory=dict, repr=False)
+    OPEN = True  # _parse: unknown keys go to ``options`` instead of being refused
 
 
 @dataclass
@@ -252,9 +256,12 @@ def _check_type(value: Any, tp: Any, key: str) -> Any:
 def _parse(cls: type, raw: dict, prefix: str) -> Any:
     hints = get_type_hints(cls)
     public = [f.name for f in dataclasses.fields(cls) if f.repr]
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         path = f"{prefix}.{key}" if prefix else key
+        if key not in public and getattr(cls, "OPEN", False):  # a block whose owner checks the rest
+            kwargs.setdefault("options", {})[key] = value
+            continue
         if key not in public:
             close = difflib.get_close_matches(key, public, n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(public)}"

@@ -17,7 +17,7 @@ from ds_mp.models.cost_profile import PROFILE_NAME, agreed_layer_costs
 from ds_mp.models.family import causal_lm_family, inline_config
 from ds_mp.models.partition import LayerCosts
 from ds_mp.models.pipeline import build_pipeline
-from ds_mp.config.losses import loss_spec
+from ds_mp.config.losses import configured_loss
 from ds_mp.models.weights import WeightSource, fresh_source
 from ds_mp.config.registry import schedule_spec
 from ds_mp.topology import Topology
@@ -191,7 +191,7 @@ def _pipeline(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: Topol
                          activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
                          dynamic_shape=spec.dynamic_shape(), layout=layout,
                          lora=cfg.lora, seed=cfg.training.seed, virtual_stages=cfg.pipeline.virtual_stages,
-                         loss=loss_spec(cfg.loss.type))
+                         loss=configured_loss(cfg.loss))
     return net, costs
 
 

@@ -20,7 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from ds_mp import deepspeed_compat as compat
 from ds_mp.deepspeed_compat import stage_gate
 from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
-from ds_mp.engine import cpu_heap, grads, layerwise, zero2
+from ds_mp.engine import cpu_heap, grads, layerwise, rows, zero2
 from ds_mp.engine.checkpoint_api import LayoutFreeCheckpoints
 from ds_mp.engine.batches import MicroBook, Step, batch_source, micro_layout, prepare_step, warn_no_targets
 from ds_mp.engine.p2p import PostedSends
@@ -191,6 +191,7 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
         if training and self.stage_id in self.data_stages():  # the iterator this and later steps read
             source = self.ds_mp_source = batch_source(data_iter, self.ds_mp_source, self.data_iterator, self.ds_mp_fed)
         fed, self.step_info = prepare_step(self, source, n)
+        rows.start(self)
         if fed is not None:
             self.ds_mp_fed = fed
         if self.num_stages > 1 and not self.module.dynamic_shape:
@@ -215,6 +216,11 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
         fed = self._prepare(data_iter, num_micro_batches or self.micro_batches, training=False)
         with compat.batch_fn_done(self):
             return super().eval_batch(fed, *args, num_micro_batches=num_micro_batches, **kwargs)
+
+    def step_rows(self) -> dict[str, torch.Tensor]:
+        """The loss's per-row values of the last train/eval step on every rank, DP replicas'
+        rows gathered (:func:`ds_mp.engine.rows.step_rows`; collective)."""
+        return rows.step_rows(self)
 
     def micro_layout(self, buffer_id: int, forward: bool = False) -> Any:
         """Context: the model attends with the layout of the micro-batch in ``buffer_id``

@@ -9,7 +9,10 @@
 * **what the last stage computes** from the (vocab-parallel) logits and those labels
   (:meth:`micro_loss`: the micro-batch's numerator :meth:`numerator` over its denominator);
 * **how it is normalised** over micro-batches and DP replicas (:meth:`units`, :meth:`denominators`);
-* **which per-row values it hands back** for metrics (:meth:`row_values`).
+* **which per-row values it hands back** for metrics (:meth:`row_values`, :meth:`rows`; the engine
+  records them on the last stage when the spec names ``row_keys``, and
+  ``ds_mp.engine.rows.step_rows`` hands a step's rows to every rank);
+* **its options** from the ``"loss"`` block (:meth:`with_options`: DPO's ``beta``, ...).
 
 The normalisation, whole (``loss.normalization = "tokens"``, the default).  A step reads M
 micro-batches on each of dp replicas; micro-batch (d, i) has numerator S_{d,i} (:meth:`numerator`:
@@ -69,11 +72,23 @@ class LossSpec:
 
     Fields: ``name`` (for messages); ``extras`` (names of the micro-batch's extra tensors that travel
     after the targets and denominator in the label tuple, in this order); ``token_sliceable`` (its
-    numerator is a sum over token positions, so TeraPipe's token slices may compute it piecewise)."""
+    numerator is a sum over token positions, so TeraPipe's token slices may compute it piecewise);
+    ``row_keys`` (the names :meth:`rows` returns, each a ``(B,)`` value per row, recorded by the engine
+    for every micro-batch of a step; empty: nothing recorded, the LM loss's default)."""
 
     name: str = "lm"
     extras: tuple[str, ...] = ()
     token_sliceable: bool = True
+    row_keys: tuple[str, ...] = ()
+
+    # --- config: the "loss" block's own keys --------------------------------------------------
+    def with_options(self, **options: Any) -> "LossSpec":
+        """This spec with the ``"loss"`` block's keys other than ``type`` / ``normalization``
+        [none: each is refused in one line]."""
+        for key in options:
+            raise ConfigError(f"ds_mp.loss.{key}: unknown key for the {self.name!r} loss; known keys: type, "
+                              "normalization")
+        return self
 
     # --- config: checked on every rank before any collective --------------------------------
     def check(self, cfg: DsMpConfig) -> None:
@@ -140,17 +155,27 @@ class LossSpec:
         """S of this micro-batch (or token slice) [the sum of its token losses]."""
         return token_losses.sum()
 
-    def micro_loss(self, logits: torch.Tensor, labels: Any, ctx: Any) -> torch.Tensor:
-        """The loss DeepSpeed backpropagates for one micro-batch: S / D."""
+    def micro_loss(self, logits: torch.Tensor, labels: Any, ctx: Any,
+                   record: list | None = None) -> torch.Tensor:
+        """The loss DeepSpeed backpropagates for one micro-batch: S / D; with ``record`` (a list) the
+        micro-batch's :meth:`rows` are appended to it, from the same token losses."""
         targets, denominator, extras = self.unpack(labels)
-        return self.numerator(self.token_losses(logits, targets, ctx), targets, extras) / denominator
+        token_losses = self.token_losses(logits, targets, ctx)
+        if record is not None:
+            with torch.no_grad():
+                record.append(self.rows(token_losses.detach(), targets, extras))
+        return self.numerator(token_losses, targets, extras) / denominator
+
+    def rows(self, token_losses: torch.Tensor, targets: torch.Tensor,
+             extras: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-row values for metrics, each ``(B,)`` [the row's token-loss sum and target count]."""
+        return {"loss_sum": token_losses.sum(dim=1), "targets": (targets != IGNORE).sum(dim=1)}
 
     def row_values(self, logits: torch.Tensor, labels: Any, ctx: Any) -> dict[str, torch.Tensor]:
-        """Per-row values for metrics, each ``(B,)`` [the row's token-loss sum and target count]."""
-        targets, _, _ = self.unpack(labels)
+        """:meth:`rows` of one micro-batch from its logits and label tuple (no graph)."""
+        targets, _, extras = self.unpack(labels)
         with torch.no_grad():
-            losses = self.token_losses(logits, targets, ctx)
-        return {"loss_sum": losses.sum(dim=1), "targets": (targets != IGNORE).sum(dim=1)}
+            return self.rows(self.token_losses(logits, targets, ctx), targets, extras)
 
     def bind(self, ctx: Any) -> "BoundLoss":
         """The ``loss_fn(logits, labels)`` the pipeline module hands DeepSpeed."""
@@ -158,14 +183,16 @@ class LossSpec:
 
 
 class BoundLoss:
-    """A spec bound to a stage's ``Ctx``: DeepSpeed's ``loss_fn(outputs, labels)``."""
+    """A spec bound to a stage's ``Ctx``: DeepSpeed's ``loss_fn(outputs, labels)``.  ``recorded``: the
+    :meth:`LossSpec.rows` of each call since the engine last cleared it (None: not recording)."""
 
     def __init__(self, spec: LossSpec, ctx: Any) -> None:
         self.spec, self.ctx = spec, ctx
+        self.recorded: list[dict[str, torch.Tensor]] | None = None
         self.__name__ = type(spec).__name__
 
     def __call__(self, logits: torch.Tensor, labels: Any) -> torch.Tensor:
-        return self.spec.micro_loss(logits, labels, self.ctx)
+        return self.spec.micro_loss(logits, labels, self.ctx, self.recorded)
 
     def token_losses(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.spec.token_losses(logits, targets, self.ctx)

@@ -68,7 +68,8 @@ class OuroborosSpec(ScheduleSpec):
 
 OUROBOROS = OuroborosSpec(
     timetable="ds_mp.schedules.ouroboros.timetable:OuroborosSchedule", runtime="ds_mp.engine.ouroboros:attach",
-    families=ALL_FAMILIES, noise_scale=False, param_groups="ds_mp.engine.ouroboros_modules:param_group_keys",
+    families=ALL_FAMILIES, noise_scale=False, delayed_gradients=True,
+    param_groups="ds_mp.engine.ouroboros_modules:param_group_keys",
     batch_ramp=("ds_mp.batch_ramp: not supported with the ouroboros schedule: its updates apply gradients computed "
                 "up to K-2 steps earlier, so a batch (and LR) change would mix batch sizes inside one update; use a "
                 "fixed batch or another schedule"),

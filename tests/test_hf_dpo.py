@@ -68,8 +68,21 @@ def model_dir(root: str, kind: str) -> str:
     return path
 
 
-def main(model: str, out: str, plain: bool, lora: bool = False, **kw: Any) -> Any:
-    """A TRL DPO script: ``from ds_mp.hf import DPOTrainer`` is its only ds_mp line (``plain``: TRL's)."""
+def reference(model: str) -> Any:
+    """A ``ref_model`` unlike the policy: the model with seeded noise (0.02) on every weight."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    return ref
+
+
+def main(model: str, out: str, plain: bool, lora: bool = False, ref: bool = False, **kw: Any) -> Any:
+    """A TRL DPO script: ``from ds_mp.hf import DPOTrainer`` is its only ds_mp line (``plain``: TRL's);
+    ``lora``: a LoRA adapter (r=4) on every projection; ``ref``: a ``ref_model`` (:func:`reference`)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import DPOConfig
@@ -88,7 +101,7 @@ def main(model: str, out: str, plain: bool, lora: bool = False, **kw: Any) -> An
         targets = ["c_attn", "c_proj", "c_fc"] if AutoConfig.from_pretrained(model).model_type == "gpt2" else \
             ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
-    trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(records[:16]),
+    trainer = DPOTrainer(model=model, ref_model=reference(model) if ref else None, args=args, train_dataset=Dataset.from_list(records[:16]),
                          eval_dataset=Dataset.from_list(records[16:]), processing_class=AutoTokenizer.from_pretrained(model),
                          peft_config=peft_config)
     trainer.train()

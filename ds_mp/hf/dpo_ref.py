@@ -61,6 +61,7 @@ def reference_engine(trainer: Any, ref_model: Any) -> Any:
 
     model, source = model_and_source(ref_model)
     raw = deepspeed_dict(trainer.args, model.config, trainer.ds_mp_rows_per_item)
+    raw.pop("optimizer")  # evaluated only: no optimizer, no master copies
     engine, _, _, _ = ds_mp.initialize(model=source, config=raw)
     return engine
 

@@ -80,11 +80,13 @@ def reference(model: str) -> Any:
     return ref
 
 
-def main(model: str, out: str, plain: bool, lora: bool = False, ref: bool = False, **kw: Any) -> Any:
+def main(model: str, out: str, plain: bool, lora: bool = False, ref: bool = False, resume_from: str | None = None,
+         **kw: Any) -> Any:
     """A TRL DPO script: ``from ds_mp.hf import DPOTrainer`` is its only ds_mp line (``plain``: TRL's);
-    ``lora``: a LoRA adapter (r=4) on every projection; ``ref``: a ``ref_model`` (:func:`reference`)."""
+    ``lora``: a LoRA adapter (r=4) on every projection; ``ref``: a ``ref_model`` (:func:`reference`);
+    ``resume_from``: ``train(resume_from_checkpoint=...)``."""
     from datasets import Dataset
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from trl import DPOConfig
 
     if plain:
@@ -96,26 +98,37 @@ def main(model: str, out: str, plain: bool, lora: bool = False, ref: bool = Fals
     peft_config = None
     if lora:
         from peft import LoraConfig
-        from transformers import AutoConfig
 
         targets = ["c_attn", "c_proj", "c_fc"] if AutoConfig.from_pretrained(model).model_type == "gpt2" else \
             ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
-    trainer = DPOTrainer(model=model, ref_model=reference(model) if ref else None, args=args, train_dataset=Dataset.from_list(records[:16]),
-                         eval_dataset=Dataset.from_list(records[16:]), processing_class=AutoTokenizer.from_pretrained(model),
-                         peft_config=peft_config)
-    trainer.train()
+    trainer = DPOTrainer(model=model, ref_model=reference(model) if ref else None, args=args,
+                         train_dataset=Dataset.from_list(records[:16]), eval_dataset=Dataset.from_list(records[16:]),
+                         processing_class=AutoTokenizer.from_pretrained(model), peft_config=peft_config)
+    trainer.train(resume_from_checkpoint=resume_from)
     trainer.save_model()
     return trainer
 
 
-def _run(rank: int, model: str, out: str, plain: bool, kw: dict) -> dict | None:
-    trainer = main(model, out, plain, **kw)
-    if rank:
-        return None
+def _history(trainer: Any) -> dict:
     history = trainer.state.log_history
     return {"train": [h for h in history if "loss" in h], "eval": [h for h in history if "eval_loss" in h][0],
             "keys": sorted({k for h in history for k in h})}
+
+
+def _run(rank: int, model: str, out: str, plain: bool, kw: dict) -> dict | None:
+    """:func:`main` on this rank; with ``kw["resume"]`` also a second run resumed from its
+    checkpoint-3 (``save_steps=3``), saved to ``<out>_resumed``."""
+    kw = dict(kw)
+    resume = kw.pop("resume", False)
+    if resume:
+        kw.update(save_strategy="steps", save_steps=3)
+    trainer = main(model, out, plain, **kw)
+    result = _history(trainer)
+    if resume:
+        again = main(model, out + "_resumed", plain, resume_from=os.path.join(out, "checkpoint-3"), **kw)
+        result["resumed"] = _history(again)
+    return None if rank else result
 
 
 def saved(out: str) -> dict[str, torch.Tensor]:
@@ -176,14 +189,50 @@ def root(tmp_path_factory: Any) -> str:
     return str(tmp_path_factory.mktemp("dpo"))
 
 
+def test_the_data_has_uneven_and_truncated_pairs(root: str) -> None:
+    """The pairs the layouts are compared on are what the docstring says: TRL's tokenization gives a
+    pair of very uneven lengths and one cut at max_length (48)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir(root, "gpt2"))
+    lengths = [(len(tok(r["prompt"])["input_ids"]), len(tok(r["chosen"])["input_ids"]),
+                len(tok(r["rejected"])["input_ids"])) for r in pairs(24)[:16]]
+    assert lengths[1][2] >= 20 * lengths[1][1]
+    assert lengths[3][0] < BASE["max_length"] < lengths[3][0] + lengths[3][1]
+
+
+# Pairwise coverage within the suite budget (three oracle runs, four ds_mp runs of two ranks):
+#   TP2, Qwen2, full fine-tune (initial weights precomputed), checkpoint at step 3 + resume;
+#   PP2 zb-v, GPT-2, LoRA with precompute_ref_log_probs (= TRL's adapter-off on the fly);
+#   DP2 × GA2 (1 pair per micro-batch: the oracle's 4 pairs per step), GPT-2, LoRA off per step;
+#   PP2 1f1b, GPT-2, a ref_model (a second engine).
+# TP2 × PP2 (Qwen2 full and LoRA), zb-h1 and interleaved: run by hand (docs/trainer.md), same checks.
+CASES = [
+    ("qwen2", 2, 2, 1, "1f1b", {"resume": True}, {}),
+    ("gpt2", 2, 1, 2, "zb-v", {"lora": True, "precompute_ref_log_probs": True}, {"lora": True}),
+    ("gpt2", 2, 1, 1, "1f1b", {"lora": True, "per_device_train_batch_size": 1}, {"lora": True}),
+    ("gpt2", 2, 1, 2, "1f1b", {"ref": True}, {"ref": True}),
+]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world, tp, pp, schedule", [(2, 2, 1, "1f1b"), (2, 1, 2, "1f1b")])
-def test_dpo_trainer_equals_plain_trl(tmp_path: Any, root: str, world: int, tp: int, pp: int, schedule: str) -> None:
-    model = model_dir(root, "gpt2")
-    ref = plain(root, model)
-    assert abs(ref[0]["train"][0]["loss"] - math.log(2)) <= 1e-6  # step 1: the reference is the policy
+@pytest.mark.parametrize("kind, world, tp, pp, schedule, kw, oracle_kw", CASES,
+                         ids=["tp2-qwen2-resume", "pp2-zbv-lora-precompute", "dp2-ga2-lora", "pp2-ref-model"])
+def test_dpo_trainer_equals_plain_trl(tmp_path: Any, root: str, kind: str, world: int, tp: int, pp: int,
+                                      schedule: str, kw: dict, oracle_kw: dict) -> None:
+    model = model_dir(root, kind)
+    ref = plain(root, model, **oracle_kw)
     out = str(tmp_path / "ds_mp")
     cfg = ds_json(str(tmp_path / "ds.json"), tp, pp, schedule)
-    res = run_ranks(_run, world, model, out, False, {"deepspeed": cfg}, timeout=600)[0]
-    assert abs(res["train"][0]["loss"] - math.log(2)) <= 1e-6
-    compare(ref, res, saved(out), f"TP{tp} PP{pp} {schedule}")
+    res = run_ranks(_run, world, model, out, False, {"deepspeed": cfg, **kw}, timeout=600)[0]
+    if "ref" not in kw:  # step 1: the reference is the policy
+        assert abs(ref[0]["train"][0]["loss"] - math.log(2)) <= 1e-6
+        assert abs(res["train"][0]["loss"] - math.log(2)) <= 1e-6
+    assert not {"entropy", "mean_token_accuracy", "logits/chosen"} & set(res["keys"])  # TRL's fused-head metrics
+    where = f"{kind} TP{tp} PP{pp} DP{world // (tp * pp)} {schedule} {kw}"
+    compare(ref, res, saved(out), where)
+    if "resumed" in res:  # from checkpoint-3 (its log history restored): steps 4-5 and the weights as TRL's
+        tail = [h for h in res["resumed"]["train"] if h["step"] > 3]
+        assert [h["step"] for h in tail] == [4, 5]
+        compare(ref, {**res["resumed"], "train": res["train"][:3] + tail}, saved(out + "_resumed"), where + " resumed")

@@ -40,18 +40,26 @@ def labels_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE)
 
 
-def trl_loss(policy: Any, ref: Any, batch: dict[str, torch.Tensor], beta: float = 0.1,
-             loss_type: tuple = ("sigmoid",), loss_weights: Any = None, label_smoothing: float = 0.0,
-             ) -> tuple[torch.Tensor, dict[str, float], Any]:
-    """TRL 1.16's ``DPOTrainer._compute_loss`` on ``batch`` (its own code, its fused LM head patched
-    onto copies of the HF ``policy`` and ``ref`` as its ``__init__`` does), reference log-probs from
-    ``ref`` on the fly: the loss, the logged metrics and the policy copy the loss has its graph into."""
-    from trl.trainer.dpo_trainer import DPOTrainer
+def trl_models(policy: Any, ref: Any) -> tuple[Any, Any]:
+    """Copies of the HF ``policy`` and ``ref`` with TRL's fused LM head, as its ``__init__`` patches them."""
     from trl.trainer.utils import add_fused_lm_head
 
     policy, ref = copy.deepcopy(policy), copy.deepcopy(ref)
     add_fused_lm_head(policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
     add_fused_lm_head(ref)
+    return policy, ref
+
+
+def trl_loss(policy: Any, ref: Any, batch: dict[str, torch.Tensor], beta: float = 0.1,
+             loss_type: tuple = ("sigmoid",), loss_weights: Any = None, label_smoothing: float = 0.0,
+             patched: bool = False) -> tuple[torch.Tensor, dict[str, float], Any]:
+    """TRL 1.16's ``DPOTrainer._compute_loss`` on ``batch`` (its own code, on :func:`trl_models`' copies
+    of ``policy`` and ``ref``, or on them as they are if ``patched``), reference log-probs from ``ref``
+    on the fly: the loss, the logged metrics and the policy the loss has its graph into."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    if not patched:
+        policy, ref = trl_models(policy, ref)
     gather = lambda x: x  # noqa: E731 - one process
     fake = SimpleNamespace(
         model=policy, ref_model=ref, accelerator=SimpleNamespace(device=torch.device("cpu"), gather=gather,
@@ -75,4 +83,4 @@ def row_logps(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * keep).sum(dim=1)
 
 
-__all__ = ["pairs", "collate", "labels_of", "trl_loss", "row_logps"]
+__all__ = ["pairs", "collate", "labels_of", "trl_models", "trl_loss", "row_logps"]

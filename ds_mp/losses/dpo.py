@@ -112,11 +112,12 @@ class DPOLossSpec(LossSpec):
                               "loss (its delayed gradients are not TRL's step); use a schedule without them")
 
     def units(self, targets: torch.Tensor) -> int:
-        """The micro-batch's pairs (half its rows; an odd row count is refused)."""
+        """The micro-batch's real pairs: those with a target in either row (a padding pair, both rows
+        all -100, counts 0 and adds 0); an odd row count is refused."""
         if targets.shape[0] % 2:
             raise ValueError(f"batch: the 'dpo' loss needs [chosen; rejected] rows, an even number per "
                              f"micro-batch; got {targets.shape[0]}")
-        return targets.shape[0] // 2
+        return int(real_pairs(targets).sum())
 
     def pair_losses(self, logps: torch.Tensor, ref_logps: torch.Tensor, token_losses: torch.Tensor,
                     targets: torch.Tensor) -> torch.Tensor:
@@ -139,15 +140,17 @@ class DPOLossSpec(LossSpec):
                 loss = (-(1 - s) * F.logsigmoid(beta * delta) + s * F.logsigmoid(-beta * delta)) / (1 - 2 * s)
             else:  # "sft": the micro-batch's mean over the chosen completion tokens, for every pair
                 mask = (targets != IGNORE).chunk(2)[0]
-                loss = token_losses.chunk(2)[0][mask].mean().expand_as(chosen)
+                loss = (token_losses.chunk(2)[0] * mask).sum() / mask.sum().clamp(min=1)
+                loss = loss.expand_as(chosen)
             total = total + weight * loss
         return total
 
     def numerator(self, token_losses: torch.Tensor, targets: torch.Tensor,
                   extras: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The sum of the micro-batch's pair losses."""
+        """The sum of the micro-batch's real pairs' losses."""
         logps = -token_losses.sum(dim=1)
-        return self.pair_losses(logps, extras["ref_logps"].to(logps.dtype), token_losses, targets).sum()
+        losses = self.pair_losses(logps, extras["ref_logps"].to(logps.dtype), token_losses, targets)
+        return (losses * real_pairs(targets)).sum()
 
     def rows(self, token_losses: torch.Tensor, targets: torch.Tensor,
              extras: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -158,14 +161,23 @@ class DPOLossSpec(LossSpec):
                 "chosen": chosen.float(), "targets": (targets != IGNORE).sum(dim=1).float()}
 
 
+def real_pairs(targets: torch.Tensor) -> torch.Tensor:
+    """``(b,)`` 1.0 for each pair of ``[chosen; rejected]`` rows with a target in either row, else 0."""
+    has = (targets != IGNORE).any(dim=1)
+    chosen, rejected = has.chunk(2)
+    return (chosen | rejected).float()
+
+
 def dpo_metrics(rows: dict[str, torch.Tensor], beta: float) -> dict[str, float]:
     """TRL's logged DPO metrics (``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
     ``rewards/margins``, ``logps/chosen``, ``logps/rejected``) from a step's rows (any number of
-    ``[chosen; rejected]`` micro-batches, in order: ``ds_mp.engine.rows.step_rows``)."""
+    ``[chosen; rejected]`` micro-batches, in order: ``ds_mp.engine.rows.step_rows``), padding pairs
+    (no target in either row) left out: TRL's mean over the pairs."""
     is_chosen = rows["chosen"] > 0.5
+    real = (rows["targets"][is_chosen] > 0) | (rows["targets"][~is_chosen] > 0)
     logps, ref = rows["logps"].double(), rows["ref_logps"].double()
-    c_logps, r_logps = logps[is_chosen], logps[~is_chosen]
-    c_rew, r_rew = beta * (c_logps - ref[is_chosen]), beta * (r_logps - ref[~is_chosen])
+    c_logps, r_logps = logps[is_chosen][real], logps[~is_chosen][real]
+    c_rew, r_rew = beta * (c_logps - ref[is_chosen][real]), beta * (r_logps - ref[~is_chosen][real])
     return {"rewards/chosen": float(c_rew.mean()), "rewards/rejected": float(r_rew.mean()),
             "rewards/accuracies": float((c_rew > r_rew).double().mean()),
             "rewards/margins": float((c_rew - r_rew).mean()),
@@ -174,4 +186,5 @@ def dpo_metrics(rows: dict[str, torch.Tensor], beta: float) -> dict[str, float]:
 
 DPO_LOSS = DPOLossSpec()
 
-__all__ = ["DPOLossSpec", "DPO_LOSS", "SUPPORTED", "TRL_ARGS", "refuse_trl_args", "check_loss_types", "dpo_metrics"]
+__all__ = ["DPOLossSpec", "DPO_LOSS", "SUPPORTED", "TRL_ARGS", "refuse_trl_args", "check_loss_types", "real_pairs",
+           "dpo_metrics"]

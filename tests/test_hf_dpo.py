@@ -236,3 +236,39 @@ def test_dpo_trainer_equals_plain_trl(tmp_path: Any, root: str, kind: str, world
         tail = [h for h in res["resumed"]["train"] if h["step"] > 3]
         assert [h["step"] for h in tail] == [4, 5]
         compare(ref, {**res["resumed"], "train": res["train"][:3] + tail}, saved(out + "_resumed"), where + " resumed")
+
+
+def _refusals(rank: int, model: str, root: str) -> dict[str, str]:
+    """Every refusal's message, from DPOTrainer's constructor (a TRL argument ds_mp does not compute, a
+    schedule the 'dpo' loss cannot run), with the trainer never built."""
+    from datasets import Dataset
+    from trl import DPOConfig
+
+    from ds_mp.config import ConfigError
+    from ds_mp.hf import DPOTrainer
+
+    data = Dataset.from_list(pairs(4))
+    cases = {"aot": ({"loss_type": ["sigmoid", "aot"]}, "1f1b"), "use_weighting": ({"use_weighting": True}, "1f1b"),
+             "ld_alpha": ({"ld_alpha": 0.5}, "1f1b"), "f_divergence_type": ({"f_divergence_type": "js_divergence"}, "1f1b"),
+             "sync_ref_model": ({"sync_ref_model": True}, "1f1b"), "padding_free": ({"padding_free": True}, "1f1b"),
+             "terapipe": ({}, "terapipe"), "ouroboros": ({}, "ouroboros")}
+    said = {}
+    for name, (kw, schedule) in cases.items():
+        cfg = ds_json(os.path.join(root, f"refuse-{rank}-{name}.json"), 1, 2, schedule)
+        args = DPOConfig(output_dir=root, report_to="none", bf16=False, deepspeed=cfg, **kw)
+        try:
+            DPOTrainer(model=model, args=args, train_dataset=data)
+        except ConfigError as err:
+            said[name] = str(err)
+    return said
+
+
+@pytest.mark.timeout(300)
+def test_what_ds_mp_does_not_compute_is_refused_in_one_line(tmp_path: Any, root: str) -> None:
+    said = run_ranks(_refusals, 2, model_dir(root, "gpt2"), str(tmp_path), timeout=240)[0]
+    words = {"aot": "'aot'", "use_weighting": "use_weighting", "ld_alpha": "ld_alpha", "f_divergence_type":
+             "f_divergence_type", "sync_ref_model": "sync_ref_model", "padding_free": "padding_free",
+             "terapipe": "terapipe", "ouroboros": "ouroboros"}
+    for name, word in words.items():
+        assert name in said, f"{name}: not refused"
+        assert word in said[name] and "\n" not in said[name], said[name]

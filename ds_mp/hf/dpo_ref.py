@@ -88,14 +88,15 @@ def _pass(engine: Any, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def fill_reference(trainer: Any, rows: list[dict]) -> None:
-    """Set ``ref_logps`` of this replica's step ``rows`` (in place) from a reference pass over them."""
-    topo = trainer.ds_mp_topology
+    """Set ``ref_logps`` of this replica's step ``rows`` (in place) from a reference pass over them
+    (:func:`ds_mp.engine.reference.ref_log_probs`)."""
+    from ds_mp.engine.reference import ref_log_probs
+
     with _reference_weights(trainer) as engine:
-        got = _pass(engine, rows)
+        got = ref_log_probs(engine, rows)
     R = rows[0]["labels"].shape[0]
-    mine = got["logps"][topo.dp_rank * len(rows) * R:(topo.dp_rank + 1) * len(rows) * R]
     for k, r in enumerate(rows):
-        r["ref_logps"] = mine[k * R:(k + 1) * R].to(r["ref_logps"].device, r["ref_logps"].dtype)
+        r["ref_logps"] = got[k * R:(k + 1) * R].to(r["ref_logps"].device, r["ref_logps"].dtype)
 
 
 @dataclass(frozen=True)

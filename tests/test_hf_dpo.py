@@ -144,7 +144,7 @@ _PLAIN: dict[tuple, tuple[dict, dict]] = {}
 
 def plain(root: str, model: str, **kw: Any) -> tuple[dict, dict]:
     """The oracle run (one process, trl.DPOTrainer, no DeepSpeed), once per argument set."""
-    key = (model, tuple(sorted(kw.items())))
+    key = (model, repr(sorted(kw.items())))
     if key not in _PLAIN:
         out = os.path.join(root, f"plain{len(_PLAIN)}")
         res = run_ranks(_run, 1, model, out, True, {**kw, "use_cpu": True}, timeout=600)[0]
@@ -202,16 +202,18 @@ def test_the_data_has_uneven_and_truncated_pairs(root: str) -> None:
 
 
 # Pairwise coverage within the suite budget (three oracle runs, four ds_mp runs of two ranks):
-#   TP2, Qwen2, full fine-tune (initial weights precomputed), checkpoint at step 3 + resume;
+#   TP2, Qwen2, full fine-tune (initial weights precomputed), 3 pairs per micro-batch (16 pairs: a short
+#     last batch of 1 pair, eval steps of 4 pairs cut 3 + 1), checkpoint at step 3 + resume;
 #   PP2 zb-v, GPT-2, LoRA with precompute_ref_log_probs (= TRL's adapter-off on the fly);
 #   DP2 × GA2 (1 pair per micro-batch: the oracle's 4 pairs per step), GPT-2, LoRA off per step;
-#   PP2 1f1b, GPT-2, a ref_model (a second engine).
+#   PP2 1f1b, GPT-2, a ref_model (a second engine), loss_type sigmoid + ipo + sft weighted.
 # TP2 × PP2 (Qwen2 full and LoRA), zb-h1 and interleaved: run by hand (docs/trainer.md), same checks.
+MIX = {"loss_type": ["sigmoid", "ipo", "sft"], "loss_weights": [1.0, 0.5, 0.2]}
 CASES = [
-    ("qwen2", 2, 2, 1, "1f1b", {"resume": True}, {}),
+    ("qwen2", 2, 2, 1, "1f1b", {"resume": True, "per_device_train_batch_size": 3}, {"per_device_train_batch_size": 3}),
     ("gpt2", 2, 1, 2, "zb-v", {"lora": True, "precompute_ref_log_probs": True}, {"lora": True}),
     ("gpt2", 2, 1, 1, "1f1b", {"lora": True, "per_device_train_batch_size": 1}, {"lora": True}),
-    ("gpt2", 2, 1, 2, "1f1b", {"ref": True}, {"ref": True}),
+    ("gpt2", 2, 1, 2, "1f1b", {"ref": True, **MIX}, {"ref": True, **MIX}),
 ]
 
 

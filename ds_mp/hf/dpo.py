@@ -58,8 +58,10 @@ def dpo_refusal(args: Any) -> None:
 
 
 def loss_block(args: Any) -> dict:
-    """The ``"ds_mp"`` block's ``"loss"`` for a ``DPOConfig``."""
-    return {"type": "dpo", "beta": float(args.beta), "loss_type": list(args.loss_type),
+    """The ``"ds_mp"`` block's ``"loss"`` for a ``DPOConfig``.  ``"micro_batch"`` normalisation: a
+    step's loss is the mean over its micro-batches (every replica's) of each one's mean over its
+    pairs, as TRL's ``per_sequence_loss.mean()`` divided by the accumulation steps on one process."""
+    return {"type": "dpo", "normalization": "micro_batch", "beta": float(args.beta), "loss_type": list(args.loss_type),
             "loss_weights": None if args.loss_weights is None else list(args.loss_weights),
             "label_smoothing": float(args.label_smoothing)}
 

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ds_mp.hf.preference import micro_batch_means, pair_stats, preference_rows
+from ds_mp.hf.preference import micro_batch_means, pair_stats, pairs_loss, preference_rows
 from ds_mp.hf.rows import empty_rows
 
 
@@ -158,26 +158,35 @@ def with_reference_columns(trainer: Any, dataset: Any) -> Any:
 
 def evaluate_pairs(trainer: Any, dataset: Any) -> tuple[dict[str, float], int]:
     """(``loss`` and TRL's DPO metrics over ``dataset``, this replica's eval steps).  As TRL on one
-    process: eval step i is ``per_device_eval_batch_size`` pairs, its loss the mean over its pairs,
-    ``loss`` the pair-weighted mean over steps, each metric the mean over steps of the step's pair
-    mean.  Collective."""
+    process: eval step i is ``per_device_eval_batch_size`` pairs, its loss the spec's mean over its
+    pairs (:func:`pairs_loss`, from the rows), ``loss`` the pair-weighted mean over steps, each metric
+    the mean over steps of the step's pair mean.  Collective."""
     topo, per_step = trainer.ds_mp_topology, trainer.args.per_device_eval_batch_size
-    R = 2 * trainer.args.per_device_train_batch_size
+    pairs = trainer.args.per_device_train_batch_size
     steps = -(-len(dataset) // per_step)
     stats = [torch.zeros(7, dtype=torch.float64) for _ in range(steps)]
-    loss_sum = pairs_total = 0.0
+    rows_of: list[list[torch.Tensor]] = [[] for _ in range(steps)]  # (chosen, rejected) × (logps, ref, count)
     for slots, rows in _passes(trainer, dataset, per_step):
         if trainer._ds_mp_per_step:
             fill_reference(trainer, rows)
-        got = _pass(trainer.ds_mp_engine, rows)
-        loss_sum, pairs_total = loss_sum + float(got["loss"]) * got["count"], pairs_total + got["count"]
+        trainer.ds_mp_engine.eval_batch(iter(rows), num_micro_batches=len(rows))
+        got = {k: v.double().cpu() for k, v in trainer.ds_mp_engine.step_rows().items()}
         for j, slot in enumerate(slots):
-            if slot.batch >= 0:
-                cut = slice(j * R, (j + 1) * R)
-                has = got["targets"][cut].cpu() > 0
-                stats[slot.batch] += pair_stats(got["logps"][cut], got["ref_logps"][cut],
-                                                has.chunk(2)[0] | has.chunk(2)[1], trainer.beta)
-    values = {"loss": loss_sum / pairs_total if pairs_total else float("nan"), **micro_batch_means(stats)}
+            if slot.batch < 0:
+                continue
+            cut = slice(j * 2 * pairs, (j + 1) * 2 * pairs)
+            has = got["targets"][cut] > 0
+            real = has.chunk(2)[0] | has.chunk(2)[1]
+            stats[slot.batch] += pair_stats(got["logps"][cut], got["ref_logps"][cut], real, trainer.beta)
+            rows_of[slot.batch].append(torch.stack([got[k][cut].view(2, pairs)[:, real] for k in
+                                                    ("logps", "ref_logps", "targets")]))
+    spec, total, weight = trainer.ds_mp_engine.module.loss_spec, 0.0, 0
+    for parts in rows_of:
+        if parts:
+            x = torch.cat(parts, dim=2)  # (3, 2, n): [logps, ref, count] × [chosen, rejected] × pairs
+            n = x.shape[2]
+            total, weight = total + n * pairs_loss(spec, x[0].reshape(-1), x[1].reshape(-1), x[2].reshape(-1)), weight + n
+    values = {"loss": total / weight if weight else float("nan"), **micro_batch_means(stats)}
     return values, len(range(topo.dp_rank, steps, topo.dp))
 
 

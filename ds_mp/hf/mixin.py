@@ -140,7 +140,10 @@ class PipelineTrainerMixin:
         shard, topo = getattr(loader, "batch_sampler", None), self.ds_mp_topology
         if hasattr(shard, "num_processes"):  # Accelerate's BatchSamplerShard: replicas, not processes
             shard.num_processes, shard.process_index = topo.dp, topo.dp_rank
-            if description == "Training" and topo.dp > 1 and keep_real_rows(shard, len(dataset)):
+            # with even_batches, Accelerate fills a short last batch with rows from the epoch's start even for
+            # one replica (TP/PP only: its shard was built for the world); the plain Trainer on one process
+            # has no shard and trains the short batch as it is
+            if description == "Training" and keep_real_rows(shard, len(dataset)):
                 self._ds_mp_repeats = Repeats(shard, self.args.gradient_accumulation_steps)
         sampler = getattr(getattr(shard, "batch_sampler", shard), "sampler", None)
         if hasattr(sampler, "initial_seed") and self.args.data_seed is None:

@@ -85,6 +85,21 @@ def pair_stats(logps: torch.Tensor, ref_logps: torch.Tensor, real: torch.Tensor,
     return torch.cat([real.sum().view(1), (values * real).sum(dim=1)])
 
 
+def pairs_loss(spec: Any, logps: torch.Tensor, ref_logps: torch.Tensor, counts: torch.Tensor) -> float:
+    """The mean over pairs of the loss ``spec`` (``ds_mp.losses.dpo.DPOLossSpec``) gives pairs whose
+    rows ``[chosen; rejected]`` have the completion log-prob sums ``logps``, ``ref_logps`` and
+    completion token counts ``counts`` (TRL's loss of a batch of these pairs; its ``sft`` term, the
+    mean token loss over the chosen completions, is Σ -logps / Σ counts over the chosen rows, so each
+    row's tokens are given its mean token loss)."""
+    counts = counts.long().cpu()
+    width = max(int(counts.max()), 1)
+    has = torch.arange(width)[None, :] < counts[:, None]
+    targets = torch.where(has, 0, -100)
+    per_token = (-logps.double().cpu() / counts.clamp(min=1)).unsqueeze(1)
+    token_losses = torch.where(has, per_token, 0.0)
+    return float(spec.pair_losses(logps.double().cpu(), ref_logps.double().cpu(), token_losses, targets).mean())
+
+
 def micro_batch_means(stats: list[torch.Tensor]) -> dict[str, float]:
     """TRL's logged value of each of :data:`METRICS` over micro-batches with :func:`pair_stats`
     ``stats`` (in reading order): the mean over the micro-batches with a pair of each one's pair
@@ -96,4 +111,4 @@ def micro_batch_means(stats: list[torch.Tensor]) -> dict[str, float]:
     return {name: float(v) for name, v in zip(METRICS, avg)}
 
 
-__all__ = ["METRICS", "REF_KEY", "preference_rows", "step_stats", "pair_stats", "micro_batch_means"]
+__all__ = ["METRICS", "REF_KEY", "preference_rows", "step_stats", "pair_stats", "pairs_loss", "micro_batch_means"]

@@ -11,8 +11,9 @@ labels are -100 (no target), so the per-token loss, its gradient and the target 
 the unpadded batch.  A step with fewer than ``gradient_accumulation_steps`` micro-batches (the end
 of an epoch) is filled with micro-batches without targets.
 
-At DP > 1, Accelerate's ``BatchSamplerShard`` (``even_batches``) fills the epoch's last round of
-batches with rows repeated from its start, so that every replica reads a full batch; the plain
+Under a launcher (any world > 1, one DP replica included), Accelerate's ``BatchSamplerShard``
+(``even_batches``) fills the epoch's last round of batches with rows repeated from its start, so that
+every replica reads a full batch (a short last batch is topped up even for one replica); the plain
 Trainer on one process trains those rows once.  :class:`RealRowsShard` drops the repeated rows of a
 partly filled batch (its padding then has no targets), and :func:`real_rows` tells which batches
 hold none (the mixin trains them as micro-batches without targets).

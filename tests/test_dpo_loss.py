@@ -119,3 +119,29 @@ def test_the_loss_blocks_options_and_refusals() -> None:
             load_config(ds_config(pp=2, schedule=schedule, loss={"type": "dpo"}), 2)
     with pytest.raises(ValueError, match="even number per micro-batch; got 3"):
         spec.units(torch.zeros(3, 4, dtype=torch.long))
+
+
+def test_a_padding_pair_counts_nothing() -> None:
+    """A short batch padded per half (a pair whose rows are all -100, as the Trainer pads its last
+    micro-batch): 0 units, 0 added, left out of the metrics -- the loss and metrics of the real pairs,
+    as TRL computes them on the batch without it."""
+    from ds_mp.losses.dpo import DPO_LOSS, dpo_metrics
+    from ds_mp.models.ctx import Ctx
+    from ds_mp.topology import Topology
+
+    policy, ref = models()
+    b = batch()
+    want, want_metrics, _ = trl_loss(policy, ref, b)
+    n = b["input_ids"].shape[0] // 2
+    padded = {k: torch.cat([v[:n], torch.zeros_like(v[:1]), v[n:], torch.zeros_like(v[:1])]) for k, v in b.items()}
+    targets = shift_labels(labels_of(padded))
+    assert DPO_LOSS.units(targets) == 4 and targets[n].eq(-100).all()
+    ctx = Ctx(Topology(tp=1, pp=1, dp=1, rank=0), policy.config, False, 1)
+    record: list = []
+    with torch.no_grad():
+        got = DPO_LOSS.micro_loss(policy(input_ids=padded["input_ids"]).logits,
+                                  DPO_LOSS.labels(targets, torch.tensor(4.0), {"ref_logps": row_logps(ref, padded)}),
+                                  ctx, record)
+    assert float(got) == pytest.approx(float(want.detach()), rel=1e-6)
+    for key, value in dpo_metrics(record[0], 0.1).items():
+        assert value == pytest.approx(want_metrics[key], abs=1e-5), key

@@ -161,7 +161,8 @@ class BatchRampConfig:
 
 @dataclass
 class LossConfig:
-    # the loss's registered name (ds_mp.config.losses: "lm", HF's per-token causal-LM loss; a user's
+    # the loss's registered name (ds_mp.config.losses: "lm", HF's per-token causal-LM loss; "dpo", TRL's DPO
+    # loss, whose options beta, loss_type, loss_weights, label_smoothing sit beside type: docs/dpo.md; a user's
     # register_loss adds more); its spec (ds_mp.losses.spec) states the normalisation below
     type: str = "lm"
     # "tokens": a step's loss is the sum of its token losses over every micro-batch and DP replica / the

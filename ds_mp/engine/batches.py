@@ -97,9 +97,9 @@ def batch_source(data_iter: Any, kept: Any, deepspeed_iter: Any, fed: Any) -> An
     return source
 
 
-def _read(engine: RuntimeEngine, source: Any, n: int) -> tuple[list[MicroBatch], list[int], str]:
-    """Parse ``n`` micro-batches (with the loss's extras) and count their units (``spec.units``); on
-    a refusal, the message (the step is refused on every rank)."""
+def _read(engine: RuntimeEngine, source: Any, n: int) -> tuple[list[MicroBatch], list[torch.Tensor], list[int], str]:
+    """Parse ``n`` micro-batches (with the loss's extras), their targets and units (``spec.units``);
+    on a refusal, the message (the step is refused on every rank)."""
     spec = engine.module.loss_spec
     extras = spec.extras
     try:
@@ -117,9 +117,10 @@ def _read(engine: RuntimeEngine, source: Any, n: int) -> tuple[list[MicroBatch],
         if seq_len is not None and T > seq_len:
             raise ValueError(f"batch: sequence length {T} exceeds ds_mp.data.seq_len={seq_len}; raise data.seq_len "
                              f"or cut the batches to {seq_len} tokens{flat}")
-        return mbs, [spec.units(mb.targets()) for mb in mbs], ""
+        targets = [mb.targets() for mb in mbs]
+        return mbs, targets, [spec.units(t) for t in targets], ""
     except ValueError as err:
-        return [], [], str(err)
+        return [], [], [], str(err)
 
 
 #: Appended to a shape refusal of one-row packed micro-batches (#43 item 14).
@@ -135,11 +136,10 @@ def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator |
     refused batch raises on every rank, after the collectives, so no rank is left waiting."""
     topo, dev = engine.topology, engine.device
     reads = engine.stage_id in engine.data_stages()
-    mbs, counts, error = _read(engine, source, n) if reads else ([], [], "")
+    mbs, targets, counts, error = _read(engine, source, n) if reads else ([], [], [], "")
     ctx = engine.module.ds_mp_ctx
     layouts = [mb.layout(ctx.window) for mb in mbs]
     spec = engine.module.loss_spec
-    targets = [mb.targets() for mb in mbs]
     head = torch.zeros(5, dtype=torch.long, device=dev)  # B, T, count, has layouts, refused
     if reads:
         head[4] = int(bool(error))

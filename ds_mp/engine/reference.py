@@ -40,11 +40,13 @@ def lora_disabled(engine: RuntimeEngine) -> Iterator[None]:
 
 
 @torch.no_grad()
-def ref_log_probs(engine: RuntimeEngine, micro_batches: list[dict[str, Any]]) -> torch.Tensor:
+def ref_log_probs(engine: RuntimeEngine, micro_batches: list[dict[str, Any]],
+                  every_replica: bool = False) -> torch.Tensor:
     """Each row's sum of completion-token log-probs under the engine's current forward, for this
     rank's DP replica's ``micro_batches`` (dicts with ``input_ids`` and ``labels``, ``[chosen;
     rejected]`` rows): ``(M · B,)`` float32 on ``engine.device``, micro-batch after micro-batch,
-    equal on every rank of the replica.  Collective (every rank calls it with its replica's
+    equal on every rank of the replica (``every_replica``: every replica's, ``(dp · M · B,)``
+    replica after replica, on every rank).  Collective (every rank calls it with its replica's
     micro-batches of one step; ``M`` may differ from the run's accumulation steps).  The spec must
     record ``logps`` rows (DPO's); its ``ref_logps`` extra is filled with zeros for this pass."""
     if "logps" not in engine.module.loss_spec.row_keys:
@@ -53,6 +55,8 @@ def ref_log_probs(engine: RuntimeEngine, micro_batches: list[dict[str, Any]]) ->
     fed = [{**mb, "ref_logps": torch.zeros(mb["input_ids"].shape[0])} for mb in micro_batches]
     engine.eval_batch(iter(fed), num_micro_batches=len(fed))
     logps = engine.step_rows()["logps"]
+    if every_replica:
+        return logps
     n = logps.numel() // engine.topology.dp
     d = engine.topology.dp_rank
     return logps[d * n:(d + 1) * n]

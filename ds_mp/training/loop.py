@@ -47,6 +47,7 @@ import torch
 from ds_mp.checkpoint.training import LATEST
 from ds_mp.config import ConfigError, load_config, read_json, resolve_model_source, validate_model
 from ds_mp.training.run import Started, build, restore_sampler
+from ds_mp.training.preference import run_dpo, wants_dpo
 from ds_mp.training.run_dir import RunDir, RunDirError
 from ds_mp.training.signals import StopFlag, StopRequested, stop_grace_s
 from ds_mp.training.steps import NonFiniteLoss, evaluate, finish, monitor_metrics, peak_memory_mib, train
@@ -107,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     """The run's four phases; ``run_dir`` holds global rank 0's lock on the output directory, ``stop``
-    the signals and launcher watch (:mod:`ds_mp.training.signals`)."""
+    the signals and launcher watch (:mod:`ds_mp.training.signals`).  A run of the ``"dpo"`` loss
+    is :mod:`ds_mp.training.preference`'s."""
+    raw = _apply_overrides(read_json(args.deepspeed_config), args)
+    if wants_dpo(raw):
+        return run_dpo(raw, args.resume)
     started = start_up(args, run_dir)  # checked, agreed by every rank, locked, one resume point
     run = build(started)  # engine, data, ramp, probe, log; a resume restored into them
     bar = train(run, stop)  # the steps, with their logs, checkpoints and stop after a signal

@@ -28,15 +28,14 @@ whose ``deepspeed=`` is the ds_mp JSON, ``train_dataset``, ``eval_dataset``, ``p
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import trl
 
 from ds_mp.config import ConfigError
 from ds_mp.hf import dpo_ref
-from ds_mp.hf.lora import is_peft_model, peft_model
+from ds_mp.hf.lora import peft_model
 from ds_mp.hf.mixin import PipelineTrainerMixin
 from ds_mp.hf.preference import micro_batch_means, preference_rows, step_stats
 from ds_mp.hf.rows import empty_rows
@@ -99,7 +98,8 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
         # the reference: TRL's, without its second full model on every rank (module docstring)
         self._ds_mp_reference = ("ref_model" if ref_model is not None else
                                  "adapters_off" if peft_config is not None else "initial")
-        self._ds_mp_per_step = self._ds_mp_reference == "adapters_off" and not args.precompute_ref_log_probs
+        self._ds_mp_per_step = (self._ds_mp_reference == "adapters_off"
+                                and not getattr(args, "precompute_ref_log_probs", False))
         self._ds_mp_stats: dict[str, list[torch.Tensor]] = {"train": []}
         with dpo_ref.trl_builds_no_reference(args):
             super().__init__(model, None, args, data_collator=data_collator, train_dataset=train_dataset,

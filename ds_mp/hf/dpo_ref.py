@@ -80,11 +80,11 @@ def _reference_weights(trainer: Any) -> Iterator[Any]:
         yield trainer.ds_mp_engine
 
 
-def _pass(engine: Any, micro_batches: list[dict]) -> dict[str, torch.Tensor]:
-    """One ``eval_batch`` over this replica's ``micro_batches``: (loss, every replica's rows)."""
-    loss = engine.eval_batch(iter(micro_batches), num_micro_batches=len(micro_batches))
-    rows = engine.step_rows()
-    return {"loss": torch.as_tensor(loss).float().cpu(), "count": int(engine.step_info.count), **rows}
+def _pass_logps(engine: Any, micro_batches: list[dict]) -> torch.Tensor:
+    """One ``eval_batch`` over this replica's ``micro_batches``: every replica's rows' completion
+    log-prob sums (``step_rows()["logps"]``, replica-major)."""
+    engine.eval_batch(iter(micro_batches), num_micro_batches=len(micro_batches))
+    return engine.step_rows()["logps"].cpu()
 
 
 def fill_reference(trainer: Any, rows: list[dict]) -> None:
@@ -144,7 +144,7 @@ def with_reference_columns(trainer: Any, dataset: Any) -> Any:
     ref = torch.zeros(len(dataset), 2, dtype=torch.float32)
     for slots, rows in _passes(trainer, dataset, pairs):
         with _reference_weights(trainer) as engine:
-            logps = _pass(engine, rows)["logps"].cpu()
+            logps = _pass_logps(engine, rows)
         for j, slot in enumerate(slots):
             got = logps[j * 2 * pairs:(j + 1) * 2 * pairs]
             ref[slot.start:slot.start + slot.count, 0] = got[:slot.count]

@@ -1,10 +1,10 @@
 """Preference data and the launcher's DPO run against TRL 1.16: the records tokenized as TRL's own
 ``DPOTrainer._prepare_dataset`` tokenizes them (plain and conversational, an over-long prompt
 dropped) and rowed as its ``DataCollatorForPreference`` rows them (a pair truncated at max_length);
-and a preference JSONL trained through the launcher's loop (``train_in_process``, PP 2, reference
-log-probs precomputed on the engine; 2 steps, then ``--resume`` for the third) equal to plain
-``trl.DPOTrainer`` on one process: the logged loss and reward / log-prob metrics of every step and
-the exported weights."""
+and a preference JSONL trained through the launcher's loop (``train_in_process``: 2 steps at DP 2,
+each replica its own pairs, reference log-probs precomputed on the engine; then ``--resume`` at
+PP 2 for the third, reading the stored references) equal to plain ``trl.DPOTrainer`` on one
+process: the logged loss and reward / log-prob metrics of every step and the exported weights."""
 from __future__ import annotations
 
 import json
@@ -110,9 +110,10 @@ def test_a_preference_file_trains_through_the_launcher_as_trl(model_dir: str, tm
            "ds_mp": {"model": model_dir, "pipeline": {"stages": 2}, "data": {"path": data, "seq_len": SEQ, "seed": 3},
                      "loss": {"type": "dpo", "beta": 0.1},
                      "training": {"steps": STEPS, "log_interval": 1, "output_dir": out}}}
-    printed = train_in_process(str(tmp_path), cfg, 2, args=("--steps", "2"))  # then resumed for the third
+    dp2 = {**cfg, "gradient_accumulation_steps": GAS // 2, "ds_mp": {**cfg["ds_mp"], "pipeline": {"stages": 1}}}
+    printed = train_in_process(str(tmp_path), dp2, 2, args=("--steps", "2"))  # DP 2: the same pairs a step
     assert f"{len(recs)} pairs (0 dropped" in printed[0]
-    train_in_process(str(tmp_path), cfg, 2, args=("--resume",))
+    train_in_process(str(tmp_path), cfg, 2, args=("--resume",))  # the third step at PP 2 (1F1B)
     assert {"step2", "step3"} <= set(os.listdir(os.path.join(out, "checkpoints")))
     with open(os.path.join(out, "dpo_log.jsonl")) as fh:
         got = [json.loads(line) for line in fh]

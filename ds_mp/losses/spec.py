@@ -37,8 +37,8 @@ micro-batch means).  A global batch with N = 0 skips the step (``warn_no_targets
 
 Writing the next loss is one spec, not an engine change:
 
-* a **per-sequence** loss (DPO: per-pair log-sigmoid of summed completion log-probs, each pair's
-  chosen and rejected rows inside one micro-batch) overrides :meth:`units` (pairs or rows with a
+* a **per-sequence** loss (DPO, ``ds_mp.losses.dpo``: per-pair log-sigmoid of summed completion
+  log-probs, each pair's chosen and rejected rows inside one micro-batch) overrides :meth:`units` (pairs or rows with a
   target instead of tokens), :meth:`numerator` (its sum over the micro-batch's pairs, from
   :meth:`token_losses` = -log p of each target, the vocab-parallel cross-entropy) and lists the
   reference log-probs in ``extras`` (``(B,)`` tensors that travel in the label tuple); it sets

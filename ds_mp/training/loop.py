@@ -110,7 +110,10 @@ def _run(args: argparse.Namespace, run_dir: RunDir, stop: StopFlag) -> int:
     """The run's four phases; ``run_dir`` holds global rank 0's lock on the output directory, ``stop``
     the signals and launcher watch (:mod:`ds_mp.training.signals`).  A run of the ``"dpo"`` loss
     is :mod:`ds_mp.training.preference`'s."""
-    raw = _apply_overrides(read_json(args.deepspeed_config), args)
+    try:
+        raw = _apply_overrides(read_json(args.deepspeed_config), args)
+    except ConfigError:  # an unreadable config: start_up reports it, agreed over the ranks
+        raw = {}
     if wants_dpo(raw):
         return run_dpo(raw, args.resume)
     started = start_up(args, run_dir)  # checked, agreed by every rank, locked, one resume point

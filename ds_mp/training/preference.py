@@ -40,7 +40,8 @@ from ds_mp.engine_view import RuntimeEngine
 
 def wants_dpo(raw: dict) -> bool:
     """True if the DeepSpeed JSON's ``"ds_mp"`` block picks the ``"dpo"`` loss."""
-    loss = raw.get("ds_mp", {}).get("loss", {})
+    block = raw.get("ds_mp") if isinstance(raw, dict) else None
+    loss = block.get("loss") if isinstance(block, dict) else None
     return isinstance(loss, dict) and loss.get("type") == "dpo"
 
 

@@ -15,7 +15,7 @@ to every rank.  A *reference pass* is such a pass on the reference weights:
   training still gets its reference; no optimizer state is ever allocated for it (it never steps).
 
 Passes are collective: every rank makes the same number, replica d reading batches d, d + DP, …
-(:func:`_replica_passes`).
+(:func:`plan`).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ds_mp from the Hugging Face Trainer: ``from ds_mp.hf import Trainer`` (and ``SFTTrainer`` for TRL).
+"""ds_mp from the Hugging Face Trainer: ``from ds_mp.hf import Trainer`` (``SFTTrainer``, ``DPOTrainer`` for TRL).
 
     from ds_mp.hf import Trainer            # instead of: from transformers import Trainer
     args = TrainingArguments(..., deepspeed="ds_configs/trainer_tp2_pp2.json")   # carries the "ds_mp" block
@@ -34,7 +34,11 @@ def __getattr__(name: str) -> Any:
         from ds_mp.hf.sft import SFTTrainer
 
         return SFTTrainer
+    if name == "DPOTrainer":
+        from ds_mp.hf.dpo import DPOTrainer
+
+        return DPOTrainer
     raise AttributeError(f"module 'ds_mp.hf' has no attribute {name!r}")
 
 
-__all__ = ["Trainer", "PipelineTrainerMixin", "SFTTrainer"]
+__all__ = ["Trainer", "PipelineTrainerMixin", "SFTTrainer", "DPOTrainer"]

@@ -89,10 +89,12 @@ def constructor_refusal(given: dict[str, Any]) -> str | None:
     return next((msg for bad, msg in checks if bad), None)
 
 
-def deepspeed_dict(args: Any, hf_config: Any) -> dict:
+def deepspeed_dict(args: Any, hf_config: Any, rows_per_item: int = 1) -> dict:
     """The DeepSpeed JSON (with its ``"ds_mp"`` block) for ``args``; raises :class:`ConfigError`
     with one line on anything the engine cannot honour.  ``hf_config``: the model's HF config
-    (its positions give ``ds_mp.data.seq_len`` when neither the JSON nor ``max_length`` does)."""
+    (its positions give ``ds_mp.data.seq_len`` when neither the JSON nor ``max_length`` does).
+    ``rows_per_item``: rows one dataset item becomes (a preference pair: 2, chosen and rejected), so
+    a micro-batch is ``per_device_train_batch_size × rows_per_item`` rows."""
     hf_ds = getattr(args, "hf_deepspeed_config", None)
     if hf_ds is None:
         raise ConfigError("TrainingArguments.deepspeed: ds_mp.hf needs a DeepSpeed JSON (path or dict) with a "
@@ -111,7 +113,7 @@ def deepspeed_dict(args: Any, hf_config: Any) -> dict:
         if raw.get(key, "auto") not in ("auto", value):
             raise ConfigError(f"{key}={raw[key]!r} in the DeepSpeed JSON but {name}={value!r}; make them equal or "
                               f"set \"{key}\": \"auto\"")
-        raw[key] = value
+        raw[key] = value * rows_per_item if key == "train_micro_batch_size_per_gpu" else value
     if not raw.get("optimizer"):
         raw["optimizer"] = optimizer_block(args)
     for flag, key in ((args.bf16, "bf16"), (args.fp16, "fp16")):
@@ -153,15 +155,16 @@ def check_train_batch_size(args: Any, raw: dict) -> None:
                           f"{world} / (TP × PP)) = {want}; set \"train_batch_size\": \"auto\" (or {want})")
 
 
-def check_layout(args: Any, source: Any, hf_config: Any) -> dict:
+def check_layout(args: Any, source: Any, hf_config: Any, rows_per_item: int = 1) -> dict:
     """Everything about the arguments and the layout that can be checked before the Trainer is built
     (no collective, no dataset work: TRL tokenizes and packs in its constructor): :func:`deepspeed_dict`'s
     refusals and ds_mp's own ``load_config`` of the result against the model (``source``: a directory,
     Hub id or model object) and the launcher's world size (heads by TP, layers by PP, the schedule's
-    own checks, world divisible by TP × PP).  Returns the DeepSpeed JSON; raises :class:`ConfigError`."""
+    own checks, world divisible by TP × PP; ``rows_per_item`` as :func:`deepspeed_dict`).  Returns the
+    DeepSpeed JSON; raises :class:`ConfigError`."""
     from ds_mp.engine.initialize import config_for
 
-    raw = deepspeed_dict(args, hf_config)
+    raw = deepspeed_dict(args, hf_config, rows_per_item)
     config_for(source, raw, None, None)
     return raw
 

@@ -49,7 +49,7 @@ class HfIncompatible(RuntimeError):
 
 @dataclass(frozen=True)
 class Assumption:
-    owner: str  # "Trainer" (transformers.Trainer), "SFTTrainer" (trl), "PartialState" / "AcceleratorState"
+    owner: str  # "Trainer" (transformers.Trainer), "SFTTrainer" / "DPOTrainer" (trl), "PartialState" / "AcceleratorState"
     # (accelerate.state), "BatchSamplerShard" (accelerate.data_loader), "PretrainedConfig" (transformers), or a
     # module named in full ("trl.trainer.utils", "transformers.trainer_utils") for a module-level function
     name: str
@@ -91,6 +91,13 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("SFTTrainer", "_skip_prepare_dataset", "set in __init__: whether TRL prepares datasets at all "
                "(dataset_kwargs skip_prepare_dataset)"),
     Assumption("SFTTrainer", "_formatting_func", "set in __init__: the formatting_func _prepare_dataset applies"),
+    Assumption("DPOTrainer", "_prepare_dataset", "evaluate(eval_dataset=<raw preference set>): TRL's own prompt "
+               "extraction / EOS / chat template / tokenization of a set, as its evaluate() does"),
+    Assumption("DPOTrainer", "_precompute_ref_logps", "TRL's constructor precomputes the reference log-probs through "
+               "it; ds_mp.hf.dpo defers that until its engine exists"),
+    Assumption("trl.trainer.dpo_trainer", "hash_module", "TRL's constructor hashes the model for its precompute cache "
+               "through this module global; ds_mp.hf.dpo_ref swaps it for a no-op while it runs (no cache, meta "
+               "weights)"),
     Assumption("trl.trainer.utils", "create_model_from_path", "SFTTrainer(model=<path>, peft_config=...): the model "
                "loaded as TRL loads it (model_init_kwargs) before PEFT wraps it"),
     Assumption("transformers.trainer_utils", "rotate_checkpoints", "ds_mp.hf.stop rotates checkpoints as "
@@ -145,8 +152,12 @@ def _owners(trainer_cls: type | None = None) -> dict[str, type]:
         else:
             import trl.trainer.utils
 
+            import trl.trainer.dpo_trainer
+
             owners["SFTTrainer"] = trl.SFTTrainer
+            owners["DPOTrainer"] = trl.DPOTrainer
             owners["trl.trainer.utils"] = trl.trainer.utils
+            owners["trl.trainer.dpo_trainer"] = trl.trainer.dpo_trainer
     return owners
 
 

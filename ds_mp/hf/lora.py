@@ -68,6 +68,33 @@ def set_lora_from_peft(model: Any, args: Any) -> None:
     raw["lora"] = block
 
 
+def peft_model(model: Any, args: Any, peft_config: Any) -> Any:
+    """The PEFT model TRL's SFT / DPO trainers build from ``peft_config``: a model given by name or
+    path loaded as TRL loads it (``from_pretrained`` with ``args.model_init_kwargs``), then
+    ``get_peft_model`` seeded by ``args.seed`` as TRL seeds it (same initial factors); the mixin sets
+    ``ds_mp.lora`` from its config.  What ds_mp's LoRA does not compute is refused first."""
+    from peft import get_peft_model
+    from transformers import set_seed
+
+    from ds_mp.hub import resolve_model
+
+    if args is None or getattr(args, "hf_deepspeed_config", None) is None:
+        raise ConfigError("TrainingArguments.deepspeed: ds_mp.hf needs a DeepSpeed JSON (path or dict) with a "
+                          "\"ds_mp\" block; pass deepspeed=... (e.g. ds_configs/trainer_tp2_pp2.json)")
+    if is_peft_model(model):
+        raise ConfigError("peft_config: the model is a PeftModel already; pass it without peft_config (its "
+                          "adapter trains) or pass the base model with peft_config")
+    lora_block(peft_config)  # refuse what ds_mp's LoRA does not compute before loading anything
+    set_seed(args.seed)  # as TRL's trainers do before loading the model and get_peft_model
+    if isinstance(model, str):
+        from trl.trainer.utils import create_model_from_path
+
+        kwargs = {**(args.model_init_kwargs or {}), "device_map": None}  # TRL's under DeepSpeed
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        model = create_model_from_path(resolve_model(model), **kwargs)
+    return get_peft_model(model, peft_config)
+
+
 def save_adapter(engine: EngineView, model: Any, tensors: dict[str, torch.Tensor], out: str) -> None:
     """Rank 0's part of ``save_model`` for a LoRA run: ``adapter_config.json`` +
     ``adapter_model.safetensors`` (PEFT's names and orientation) in ``out``, beside what it holds."""
@@ -94,4 +121,4 @@ def load_adapter(model: Any, tensors: dict[str, torch.Tensor]) -> None:
         raise ConfigError(f"model: the trained adapter has tensors the PeftModel lacks ({result.unexpected_keys[:3]})")
 
 
-__all__ = ["lora_block", "is_peft_model", "set_lora_from_peft", "save_adapter", "load_adapter"]
+__all__ = ["lora_block", "is_peft_model", "peft_model", "set_lora_from_peft", "save_adapter", "load_adapter"]

@@ -54,7 +54,10 @@ class PipelineTrainerMixin:
 
     The public surface beyond the Trainer's: ``ds_mp_engine`` (the engine), ``ds_mp_topology``
     (TP × PP × DP and this rank's place) and the hook :meth:`step_micro_batches`.
+    ``ds_mp_rows_per_item``: the engine's rows per dataset item (a preference pair: 2).
     """
+
+    ds_mp_rows_per_item: int = 1
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """Before any constructor runs (a subclass's own refusals included): :func:`compat.before_trainer`
@@ -79,10 +82,10 @@ class PipelineTrainerMixin:
         if is_peft_model(model):
             set_lora_from_peft(model, train_args)  # ds_mp.lora from the PeftModel's LoraConfig: train the adapter
         if getattr(train_args, "hf_deepspeed_config", None) is not None:
-            check_layout(train_args, source, model.config)  # refuse before any collective or dataset work
+            check_layout(train_args, source, model.config, self.ds_mp_rows_per_item)  # before any collective
         given["model"] = model
         super().__init__(*bound.args, **bound.kwargs)
-        raw = deepspeed_dict(self.args, model.config)
+        raw = deepspeed_dict(self.args, model.config, self.ds_mp_rows_per_item)
         import ds_mp
 
         engine, _, _, _ = ds_mp.initialize(model=source, config=raw, lr_scheduler=BoundLater)
@@ -137,7 +140,10 @@ class PipelineTrainerMixin:
         shard, topo = getattr(loader, "batch_sampler", None), self.ds_mp_topology
         if hasattr(shard, "num_processes"):  # Accelerate's BatchSamplerShard: replicas, not processes
             shard.num_processes, shard.process_index = topo.dp, topo.dp_rank
-            if description == "Training" and topo.dp > 1 and keep_real_rows(shard, len(dataset)):
+            # with even_batches, Accelerate fills a short last batch with rows from the epoch's start even for
+            # one replica (TP/PP only: its shard was built for the world); the plain Trainer on one process
+            # has no shard and trains the short batch as it is
+            if description == "Training" and keep_real_rows(shard, len(dataset)):
                 self._ds_mp_repeats = Repeats(shard, self.args.gradient_accumulation_steps)
         sampler = getattr(getattr(shard, "batch_sampler", shard), "sampler", None)
         if hasattr(sampler, "initial_seed") and self.args.data_seed is None:

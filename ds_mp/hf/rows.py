@@ -11,8 +11,9 @@ labels are -100 (no target), so the per-token loss, its gradient and the target 
 the unpadded batch.  A step with fewer than ``gradient_accumulation_steps`` micro-batches (the end
 of an epoch) is filled with micro-batches without targets.
 
-At DP > 1, Accelerate's ``BatchSamplerShard`` (``even_batches``) fills the epoch's last round of
-batches with rows repeated from its start, so that every replica reads a full batch; the plain
+Under a launcher (any world > 1, one DP replica included), Accelerate's ``BatchSamplerShard``
+(``even_batches``) fills the epoch's last round of batches with rows repeated from its start, so that
+every replica reads a full batch (a short last batch is topped up even for one replica); the plain
 Trainer on one process trains those rows once.  :class:`RealRowsShard` drops the repeated rows of a
 partly filled batch (its padding then has no targets), and :func:`real_rows` tells which batches
 hold none (the mixin trains them as micro-batches without targets).
@@ -56,8 +57,9 @@ def fixed_rows(batch: dict, rows: int, seq_len: int) -> dict[str, torch.Tensor]:
 
 
 def empty_rows(like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A micro-batch of the shape of ``like`` without a target (fills a short step)."""
-    out = {k: torch.full_like(v, _PAD[k]) for k, v in like.items() if k != "position_ids"}
+    """A micro-batch of the shape of ``like`` without a target (fills a short step); a loss's extra
+    tensor (a key beyond HF's, e.g. DPO's ``ref_logps``) is zeros."""
+    out = {k: torch.full_like(v, _PAD.get(k, 0)) for k, v in like.items() if k != "position_ids"}
     if "position_ids" in like:
         out["position_ids"] = torch.arange(like["input_ids"].shape[1], device=like["input_ids"].device).expand_as(
             like["input_ids"]).contiguous()

@@ -30,9 +30,8 @@ import trl
 
 from ds_mp.config import ConfigError
 from ds_mp.data.flatten import is_flattened, unflatten
-from ds_mp.hf.lora import is_peft_model, lora_block
+from ds_mp.hf.lora import lora_block, peft_model
 from ds_mp.hf.mixin import PipelineTrainerMixin
-from ds_mp.hub import resolve_model
 
 
 class FixedRowsCollator:
@@ -76,27 +75,8 @@ class SFTTrainer(PipelineTrainerMixin, trl.SFTTrainer):
 
     @staticmethod
     def _ds_mp_peft_model(model: Any, args: Any, peft_config: Any) -> Any:
-        """The PEFT model TRL would build: a model given by name or path loaded as TRL loads it
-        (``from_pretrained`` with ``args.model_init_kwargs``), then ``get_peft_model`` seeded by
-        ``args.seed`` as TRL seeds it; the mixin sets ``ds_mp.lora`` from its config."""
-        from peft import get_peft_model
-        from transformers import set_seed
-
-        if args is None or getattr(args, "hf_deepspeed_config", None) is None:
-            raise ConfigError("TrainingArguments.deepspeed: ds_mp.hf needs a DeepSpeed JSON (path or dict) with a "
-                              "\"ds_mp\" block; pass deepspeed=... (e.g. ds_configs/trainer_tp2_pp2.json)")
-        if is_peft_model(model):
-            raise ConfigError("peft_config: the model is a PeftModel already; pass it without peft_config (its "
-                              "adapter trains) or pass the base model with peft_config")
-        lora_block(peft_config)  # refuse what ds_mp's LoRA does not compute before loading anything
-        set_seed(args.seed)  # as trl.SFTTrainer.__init__ does before loading the model and get_peft_model
-        if isinstance(model, str):
-            from trl.trainer.utils import create_model_from_path
-
-            kwargs = {**(args.model_init_kwargs or {}), "device_map": None}  # TRL's under DeepSpeed
-            kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-            model = create_model_from_path(resolve_model(model), **kwargs)
-        return get_peft_model(model, peft_config)
+        """The PEFT model TRL would build (:func:`ds_mp.hf.lora.peft_model`)."""
+        return peft_model(model, args, peft_config)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
         """TRL's ``evaluate``: a raw text, chat or prompt/completion ``eval_dataset`` is prepared as

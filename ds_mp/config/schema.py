@@ -49,6 +49,14 @@ class TensorParallelConfig:
 
 
 @dataclass
+class ContextParallelConfig:
+    size: int = 1  # CP degree C: each rank holds seq_len/C tokens of every micro-batch (1 = off)
+    # "allgather": K/V all-gathered over the CP group, zigzag-balanced causal work, any head count (default:
+    # the one that takes every model); "ulysses": all-to-all to a head split, heads divisible by TP × C
+    impl: str = "allgather"
+
+
+@dataclass
 class PipelineConfig:
     stages: int = 1  # PP degree (number of pipeline stages)
     schedule: str = "1f1b"  # a name registered in ds_mp.SCHEDULES
@@ -174,6 +182,7 @@ class LossConfig:
 class DsMpConfig:
     model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir, Hub id, or inline shape
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     terapipe: TeraPipeConfig = field(default_factory=TeraPipeConfig)
     ouroboros: OuroborosConfig = field(default_factory=OuroborosConfig)
@@ -200,9 +209,9 @@ class DsMpConfig:
 
     @property
     def cp(self) -> int:
-        """The context-parallel degree: 1 until context parallelism is built (``parse_config`` refuses
-        ``context_parallel``); ``dp`` = world / (TP × PP × CP) counts the ranks that read distinct rows."""
-        return 1
+        """The context-parallel degree C; ``dp`` = world / (TP × PP × CP) counts the ranks that read
+        distinct rows (CP peers read the same rows)."""
+        return self.context_parallel.size
 
 
 def _type_name(tp: Any) -> str:
@@ -267,8 +276,5 @@ def parse_config(raw: dict) -> DsMpConfig:
     """Parse the ``"ds_mp"`` block (types and key names only; see :func:`validate`)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"ds_mp: expected an object {{...}}, got {raw!r}")
-    if "context_parallel" in raw:
-        raise ConfigError("ds_mp.context_parallel: context parallelism is not built yet; remove the key "
-                          "(every rank of a TP group holds whole sequences)")
     return _parse(DsMpConfig, raw, "")
 

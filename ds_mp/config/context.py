@@ -6,14 +6,16 @@ config: a known ``impl``; ``data.seq_len`` cut as the impl's shard layout needs 
 2·C equal chunks when the impl balances the causal work, C otherwise), and again by TP under
 sequence parallelism (each rank's seq_len/C rows are split over TP); heads the impl can split
 (``check_heads``: ulysses splits heads over TP × C); and a schedule whose spec carries it
-(``ScheduleSpec.context_parallel``).  The world-size arithmetic (TP × PP × CP × DP) is
+(``ScheduleSpec.context_parallel``); a loss summed over token positions (``LossSpec.token_sliceable``:
+a per-sequence loss needs every token of a row on one rank).  The world-size arithmetic (TP × PP × CP × DP) is
 ``ds_mp.config.checks.check_world_size``'s.
 """
 from __future__ import annotations
 
+from ds_mp.config.losses import loss_spec
 from ds_mp.config.registry import names_where, schedule_spec
 from ds_mp.config.schema import ConfigError, DsMpConfig, InlineModel, positive
-from ds_mp.context_parallel.shard import IMPLS, balanced_for, check_heads, check_seq_len
+from ds_mp.context_parallel.rules import IMPLS, balanced_for, check_heads, check_seq_len
 
 
 def check_context_parallel(cfg: DsMpConfig, shape: InlineModel) -> None:
@@ -25,22 +27,21 @@ def check_context_parallel(cfg: DsMpConfig, shape: InlineModel) -> None:
         raise ConfigError(f"ds_mp.context_parallel.impl: {cp.impl!r} is unknown; use one of {', '.join(IMPLS)}")
     if cp.size == 1:
         return
-    seq_len = cfg.data.seq_len
-    try:
-        check_seq_len(seq_len, cp.size, balanced_for(cp.impl))
-    except ValueError as err:
-        raise ConfigError(f"ds_mp.context_parallel.size: {err}") from None
     tp = cfg.tensor_parallel
-    if tp.sequence_parallel and tp.size > 1 and (seq_len // cp.size) % tp.size:
-        raise ConfigError(f"ds_mp.context_parallel.size: each rank's data.seq_len/{cp.size} = {seq_len // cp.size} "
-                          f"tokens are not divisible by tensor_parallel.size={tp.size} (sequence_parallel); pick a "
-                          f"seq_len that is a multiple of {cp.size * tp.size}")
-    if cp.impl == "ulysses":
-        kv = cfg.hf_config.get("num_key_value_heads") or shape.n_kv_head or shape.n_head
-        try:
-            check_heads(shape.n_head, kv, tp.size, cp.size)
-        except ValueError as err:
-            raise ConfigError(f"ds_mp.context_parallel.impl: {err}") from None
+    sp_tp = tp.size if tp.sequence_parallel else 1  # sequence parallelism cuts each shard again by TP
+    kv = cfg.hf_config.get("num_key_value_heads") or shape.n_kv_head or shape.n_head
+    try:
+        check_seq_len(cfg.data.seq_len, cp.size, balanced_for(cp.impl), sp_tp)
+    except ValueError as err:
+        raise ConfigError(f"ds_mp.data.seq_len: {err}") from None
+    try:
+        check_heads(shape.n_head, kv, tp.size, cp.size, cp.impl)
+    except ValueError as err:
+        raise ConfigError(f"ds_mp.context_parallel.impl: {err}") from None
+    loss = loss_spec(cfg.loss.type)
+    if not loss.token_sliceable:
+        raise ConfigError(f"ds_mp.context_parallel: the {loss.name!r} loss needs whole sequences, which a CP rank "
+                          "(holding 1/size of each row's tokens) does not see; set context_parallel.size to 1")
     carried = schedule_spec(cfg.pipeline.schedule).context_parallel
     if isinstance(carried, str):
         raise ConfigError(carried)

@@ -1,0 +1,120 @@
+"""Context-parallel attention ops (ds_mp.context_parallel) at CP = 2 against one-process SDPA over the
+full row with the same document/padding/window mask: outputs and the gradients of q, k and v, fp32,
+1e-5.  The layouts are users': a document crossing the shard border, a position restart inside a
+shard other than the first, left padding, a row whose real tokens all sit in one shard, a sliding
+window shorter than a shard; GQA with split and with replicated key/value heads; a leak probe."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_utils import run_ranks
+from ds_mp.context_parallel.rules import balanced_for, check_heads, check_seq_len
+from ds_mp.context_parallel.shard import shard_index, shard_order
+from ds_mp.models.batch import Layout, MicroBatch
+
+T, HD = 16, 8
+
+
+def _layout(window: int | None) -> Layout:
+    """Three rows: packed documents [0..5][0..7][0..1] (doc 2 crosses both zigzag borders, a restart at
+    14, in rank 0's second chunk); 5 left-padding tokens then one document; a row whose 4 real tokens
+    are all in the last chunk (right-padded after a long padding run: the skew case)."""
+    pos = torch.stack((torch.cat((torch.arange(6), torch.arange(8), torch.arange(2))),
+                       torch.cat((torch.zeros(5, dtype=torch.long), torch.arange(11))),
+                       torch.cat((torch.zeros(12, dtype=torch.long), torch.arange(4)))))
+    mask = torch.ones(3, T, dtype=torch.long)
+    mask[1, :5] = 0
+    mask[2, :12] = 0
+    lay = MicroBatch(torch.zeros(3, T, dtype=torch.long), torch.zeros(3, T, dtype=torch.long), pos, mask).layout(window)
+    assert lay is not None
+    return lay
+
+
+def _reference(q, k, v, lay: Layout, kv_index, g):
+    """One-process SDPA over the full row (HF's repeat_kv), and the grads of sum(y · g)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k.index_select(1, kv_index), v.index_select(1, kv_index),
+                                       attn_mask=lay.mask(T, T))
+    (y * g).sum().backward()
+    return y.detach(), q.grad, k.grad, v.grad
+
+
+def _ops_ranks(rank: int) -> None:
+    import torch.distributed as dist
+
+    from ds_mp.context_parallel.attention import allgather_attention, ulysses_attention, ulysses_kv_index
+
+    dist.init_process_group("gloo")
+    group = dist.new_group([0, 1])
+    for impl in ("allgather", "ulysses"):
+        for h, n_kv, window in ((4, 4, None), (4, 2, None), (4, 1, None), (4, 2, 3)):
+            gen = torch.Generator().manual_seed(h * 10 + n_kv + (window or 0))
+            q, g = (torch.randn(3, h, T, HD, generator=gen) for _ in range(2))
+            k, v = (torch.randn(3, n_kv, T, HD, generator=gen) for _ in range(2))
+            kv_index = torch.arange(h) // (h // n_kv)
+            lay = _layout(window)
+            ref = _reference(q, k, v, lay, kv_index, g)
+            idx = shard_index(T, 2, rank, balanced_for(impl))
+            mine = dataclasses.replace(lay, q_index=idx, masks={})
+            ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+            if impl == "allgather":
+                y = allgather_attention(ql, kl, vl, kv_index, mine.mask(T // 2, T, sharded=True), group=group, cp=2,
+                                        cp_rank=rank)
+            else:
+                split = ulysses_kv_index(kv_index, n_kv, 2, rank)
+                assert (split is None) == (n_kv == 1), (n_kv, split)  # 1 KV head: replicated to the query heads
+                y = ulysses_attention(ql, kl, vl, kv_index, split, mine.mask(T, T), group=group, cp=2, cp_rank=rank)
+            (y * g[:, :, idx]).sum().backward()
+            what = f"{impl} h={h} kv={n_kv} window={window}"
+            for name, got, want in (("y", y, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]),
+                                    ("dv", vl.grad, ref[3])):
+                torch.testing.assert_close(got, want[:, :, idx], rtol=1e-5, atol=1e-5, msg=f"{what} {name}")
+            # leak probe: change the key/value of one token of document 1 (row 0, index 3): outputs
+            # change only at document 1's queries, on both ranks
+            k2, v2 = k.clone(), v.clone()
+            k2[0, :, 3] += 1.0
+            v2[0, :, 3] -= 1.0
+            with torch.no_grad():
+                if impl == "allgather":
+                    y2 = allgather_attention(ql, k2[:, :, idx], v2[:, :, idx], kv_index,
+                                             mine.mask(T // 2, T, sharded=True), group=group, cp=2, cp_rank=rank)
+                else:
+                    y2 = ulysses_attention(ql, k2[:, :, idx], v2[:, :, idx], kv_index, split, mine.mask(T, T),
+                                           group=group, cp=2, cp_rank=rank)
+            changed = (y2 - y.detach()).abs().amax(dim=(1, 3)) > 0  # (B, T/2)
+            doc1 = torch.zeros(3, T, dtype=torch.bool)
+            doc1[0, 3:6] = True  # document 1's queries at or after the changed key
+            assert torch.equal(changed, doc1[:, idx]), (what, changed)
+    dist.destroy_process_group()
+
+
+def test_cp_attention_ops_match_full_row_sdpa() -> None:
+    run_ranks(_ops_ranks, 2, timeout=240)
+
+
+def test_shards_cover_the_row_once() -> None:
+    for cp in (1, 2, 3):
+        for balanced in (False, True):
+            order = shard_order(12, cp, balanced)
+            assert sorted(order.tolist()) == list(range(12))
+            for r in range(cp):
+                idx = shard_index(12, cp, r, balanced)
+                assert torch.equal(idx, idx.sort().values) and len(idx) == 12 // cp
+    assert shard_index(8, 2, 0, True).tolist() == [0, 1, 6, 7]  # zigzag: chunks 0 and 3
+
+
+def test_rules_refuse_in_one_line() -> None:
+    with pytest.raises(ValueError, match="seq_len 10 does not split into 2·cp = 4 chunks"):
+        check_seq_len(10, 2, True)
+    with pytest.raises(ValueError, match="sequence-parallel"):
+        check_seq_len(12, 2, False, tp=4)
+    check_seq_len(12, 2, False, tp=2)
+    with pytest.raises(ValueError, match="6 attention heads are not divisible by tp·cp = 4"):
+        check_heads(6, 2, 2, 2, "ulysses")
+    check_heads(6, 2, 2, 2, "allgather")
+    with pytest.raises(ValueError, match="unknown impl 'ring'"):
+        balanced_for("ring")

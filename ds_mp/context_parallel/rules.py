@@ -12,6 +12,11 @@ Which impl balances (:func:`balanced_for`):
 from __future__ import annotations
 
 IMPLS = ("ulysses", "allgather")
+#: The impl when ``"context_parallel"`` names none: ``allgather`` takes any head count (ulysses needs
+#: the heads divisible by TP·CP), gathers only the key/value heads (GQA: a fraction of ulysses' four
+#: all-to-alls of q, k, v and the output) and balances the causal work by the zigzag; docs/design.md
+#: ("Context parallelism") has the measurement.
+DEFAULT_IMPL = "allgather"
 
 
 def balanced_for(impl: str) -> bool:
@@ -48,4 +53,4 @@ def check_heads(n_head: int, n_kv: int, tp: int, cp: int, impl: str) -> None:
         raise ValueError(f"context_parallel: {n_head} attention heads are not a multiple of {n_kv} key/value heads")
 
 
-__all__ = ["IMPLS", "balanced_for", "check_heads", "check_seq_len"]
+__all__ = ["DEFAULT_IMPL", "IMPLS", "balanced_for", "check_heads", "check_seq_len"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_mp.context_parallel.rules import IMPLS, balanced_for, check_heads, check_seq_len
+from ds_mp.context_parallel.rules import DEFAULT_IMPL, IMPLS, balanced_for, check_heads, check_seq_len
 
 
 def shard_index(seq_len: int, cp: int, cp_rank: int, balanced: bool, device: torch.device | str | None = None
@@ -42,4 +42,4 @@ def shard_order(seq_len: int, cp: int, balanced: bool, device: torch.device | st
     return torch.cat([shard_index(seq_len, cp, r, balanced, device) for r in range(cp)])
 
 
-__all__ = ["IMPLS", "balanced_for", "check_heads", "check_seq_len", "shard_index", "shard_order"]
+__all__ = ["DEFAULT_IMPL", "IMPLS", "balanced_for", "check_heads", "check_seq_len", "shard_index", "shard_order"]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from ds_mp.config.families import FAMILIES
+from ds_mp.context_parallel.rules import DEFAULT_IMPL
 
 
 class ConfigError(ValueError):
@@ -53,7 +54,7 @@ class ContextParallelConfig:
     size: int = 1  # CP degree C: each rank holds seq_len/C tokens of every micro-batch (1 = off)
     # "allgather": K/V all-gathered over the CP group, zigzag-balanced causal work, any head count (default:
     # the one that takes every model); "ulysses": all-to-all to a head split, heads divisible by TP × C
-    impl: str = "allgather"
+    impl: str = DEFAULT_IMPL
 
 
 @dataclass

@@ -38,6 +38,8 @@ def test_context_parallel_degrees() -> None:
     ({"size": 2}, {"seq": 20, "tp": 2, "sp": True}, 4, "sequence-parallel slices"),
     ({"size": 4, "impl": "ulysses"}, {"tp": 2}, 8, "ds_mp.context_parallel.impl: context_parallel.impl 'ulysses': 4 "
                                                    "attention heads are not divisible by tp·cp = 8"),
+    ({"size": 2}, {"training": {"noise_scale_interval": 2}}, 4, "ds_mp.training.noise_scale_interval: the gradient "
+                                                                "noise scale is not measured under context parallelism"),
     ({"size": 2}, {"pp": 2, "schedule": "terapipe"}, 4, "ds_mp.context_parallel: not supported with the terapipe"),
     ({"size": 2}, {"pp": 2, "schedule": "ouroboros", "model": {**GPT2, "n_layer": 4}}, 4, "ds_mp.context_parallel: not supported with the ouroboros"),
 ])

@@ -7,7 +7,8 @@ config: a known ``impl``; ``data.seq_len`` cut as the impl's shard layout needs 
 sequence parallelism (each rank's seq_len/C rows are split over TP); heads the impl can split
 (``check_heads``: ulysses splits heads over TP × C); and a schedule whose spec carries it
 (``ScheduleSpec.context_parallel``); a loss summed over token positions (``LossSpec.token_sliceable``:
-a per-sequence loss needs every token of a row on one rank).  The world-size arithmetic (TP × PP × CP × DP) is
+a per-sequence loss needs every token of a row on one rank); no gradient-noise probe (it reads each
+replica's gradient before the reduction, a CP rank's is its shard's part).  The world-size arithmetic (TP × PP × CP × DP) is
 ``ds_mp.config.checks.check_world_size``'s.
 """
 from __future__ import annotations
@@ -42,6 +43,10 @@ def check_context_parallel(cfg: DsMpConfig, shape: InlineModel) -> None:
     if not loss.token_sliceable:
         raise ConfigError(f"ds_mp.context_parallel: the {loss.name!r} loss needs whole sequences, which a CP rank "
                           "(holding 1/size of each row's tokens) does not see; set context_parallel.size to 1")
+    if cfg.training.noise_scale_interval or cfg.batch_ramp.policy == "noise_scale":
+        raise ConfigError("ds_mp.training.noise_scale_interval: the gradient noise scale is not measured under context "
+                          "parallelism (a CP rank's gradient before the reduction is its shard's part); set "
+                          "noise_scale_interval to 0 and no noise_scale batch ramp, or context_parallel.size to 1")
     carried = schedule_spec(cfg.pipeline.schedule).context_parallel
     if isinstance(carried, str):
         raise ConfigError(carried)

@@ -118,3 +118,115 @@ def test_rules_refuse_in_one_line() -> None:
     check_heads(6, 2, 2, 2, "allgather")
     with pytest.raises(ValueError, match="unknown impl 'ring'"):
         balanced_for("ring")
+
+
+# ------------------------------------------------------------------ model level (vs HF, each document alone)
+
+def _hf_models() -> dict:
+    """Tiny HF models of every family the attention serves: Llama (GQA), Qwen2 (biases, tied, one
+    key/value head: ulysses replicates it), Mistral (a window of 3 < a shard of 8), Gemma 3 (sliding
+    and full layers), GPT-2 (absolute positions)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    from helpers import _perturb_norms, tiny_gemma3, tiny_gpt2
+
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=101,
+                  max_position_embeddings=64, bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    return {"llama": _perturb_norms(LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common)).eval()),
+            "qwen2": _perturb_norms(Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=1, tie_word_embeddings=True,
+                                                                 **common)).eval()),
+            "mistral": _perturb_norms(MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=3,
+                                                                       **common)).eval()),
+            "gemma3": tiny_gemma3(n_layer=2, window=3, vocab=101), "gpt2": tiny_gpt2(n_layer=2, vocab=101)}
+
+
+def _stack(model, ctx) -> tuple[list, list[tuple[str, torch.nn.Parameter]]]:
+    """ds_mp's layers of ``model`` in pipeline order (callables) and their parameters by HF name."""
+    from deepspeed.pipe import TiedLayerSpec
+
+    from ds_mp.models.weights import WeightSource
+
+    family, src = ctx.family, WeightSource.from_model(model)
+    calls, params, tied = [], {}, {}
+    for name in family.pipeline_layers(model.config):
+        spec = family.layer_spec(name, src, ctx)
+        if isinstance(spec, TiedLayerSpec):
+            first = spec.key not in tied
+            module = tied.setdefault(spec.key, spec.build())
+            calls.append(lambda x, m=module, f=spec.forward_fn: f(m, x))
+        else:
+            first, module = True, spec.build()
+            calls.append(module)
+        if first:
+            params.update({family.hf_name(name, n): p for n, p in module.named_parameters()})
+    return calls, sorted(params.items())
+
+
+def _model_ranks(rank: int) -> None:
+    import torch.distributed as dist
+
+    from ds_mp.engine.initialize import init_distributed
+    from ds_mp.models.ctx import Ctx
+    from ds_mp.topology import Topology, build_grid
+
+    init_distributed()
+    topology = build_grid(Topology(tp=1, pp=1, dp=1, cp=2, rank=rank))
+    base = _layout(None)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, 101, (3, T), generator=g)
+    errors: list[str] = []
+    segments = [(r, int(a), int(b)) for r in range(3) for a, b in _documents(base.docs[r])]
+    for family, model in _hf_models().items():
+        gout = torch.randn(3, T, 101, generator=g) * (base.docs >= 0)[..., None]  # no gradient from padding queries
+        model.zero_grad()
+        ref = torch.zeros(3, T, 101)
+        for r, a, b in segments:  # every document alone through HF's model
+            logits = model(input_ids=ids[r:r + 1, a:b]).logits[0]
+            (logits * gout[r, a:b]).sum().backward()
+            ref[r, a:b] = logits.detach()
+        want = {n: p.grad for n, p in model.named_parameters()}
+        for impl in ("allgather", "ulysses"):
+            ctx = Ctx(topology, model.config, False, 1, cp_impl=impl)
+            calls, params = _stack(model, ctx)
+            idx = shard_index(T, 2, rank, balanced_for(impl))
+            ctx.layout = dataclasses.replace(_layout(ctx.window), q_index=idx, masks={})
+            h = ids[:, idx]
+            for call in calls:
+                h = call(h)
+            real = base.docs[:, idx] >= 0
+            _close(errors, h[..., :101][real], ref[:, idx][real], f"{family} {impl} logits")
+            (h[..., :101] * gout[:, idx]).sum().backward()
+            for name, p in params:
+                grad = p.grad.clone()
+                dist.all_reduce(grad)  # the grad group's sum over the CP ranks
+                _close(errors, grad, want[name], f"{family} {impl} d{name}")
+    dist.destroy_process_group()
+    assert not errors, "\n".join(errors)
+
+
+def _close(errors: list[str], got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-5) -> None:
+    """Record ``what`` in ``errors`` unless ``got`` equals ``want`` to ``tol`` relative to the larger of 1
+    and ``want``'s largest entry (Gemma 3's gradients reach 1e2: fp32 sums of them differ by 1e-5 in
+    any order)."""
+    if not torch.allclose(got, want, rtol=tol, atol=tol * max(1.0, float(want.abs().max()))):
+        errors.append(f"{what}: max |diff| {(got - want).abs().max():.2e}, max |want| {want.abs().max():.2e}")
+
+
+def _documents(docs_row: torch.Tensor) -> list[tuple[int, int]]:
+    """The [start, end) of each document (docs >= 0) of one row."""
+    out, start = [], 0
+    for i in range(1, len(docs_row) + 1):
+        if i == len(docs_row) or docs_row[i] != docs_row[start]:
+            if docs_row[start] >= 0:
+                out.append((start, i))
+            start = i
+    return out
+
+
+def test_cp_models_match_hf_per_document() -> None:
+    """Every family's stack (embedding, 2 blocks, norm, head) at CP = 2 with both impls equals HF's model
+    run on each document alone: logits on every real token and every parameter's gradient summed over
+    the CP ranks, 1e-5."""
+    run_ranks(_model_ranks, 2, timeout=300)

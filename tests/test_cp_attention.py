@@ -230,3 +230,53 @@ def test_cp_models_match_hf_per_document() -> None:
     run on each document alone: logits on every real token and every parameter's gradient summed over
     the CP ranks, 1e-5."""
     run_ranks(_model_ranks, 2, timeout=300)
+
+
+def _tp_cp_ranks(rank: int) -> None:
+    """CP=2 × TP=2 (with and without sequence parallelism) against TP=2 at CP=1 on the same 4 ranks
+    (the TP=2 path is checked against HF in test_llama/test_gpt2): logits of this rank's tokens on its
+    vocab block, and every parameter shard's gradient summed over CP."""
+    import torch.distributed as dist
+
+    from ds_mp.engine.initialize import init_distributed
+    from ds_mp.models.ctx import Ctx
+    from ds_mp.topology import Topology, build_grid
+
+    init_distributed()
+    cp_topo = build_grid(Topology(tp=2, pp=1, dp=1, cp=2, rank=rank))
+    tp_topo = build_grid(Topology(tp=2, pp=1, dp=2, cp=1, rank=rank))
+    models, errors = _hf_models(), []
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 101, (3, T), generator=g)
+    for family, impl, sp in (("llama", "allgather", False), ("llama", "ulysses", True), ("qwen2", "ulysses", True),
+                             ("mistral", "allgather", True), ("gpt2", "ulysses", True), ("gpt2", "allgather", False)):
+        model = models[family]
+        results = []
+        for topo in (tp_topo, cp_topo):
+            ctx = Ctx(topo, model.config, sp, 1, cp_impl=impl)
+            calls, params = _stack(model, ctx)
+            idx = shard_index(T, topo.cp, topo.cp_rank, balanced_for(impl)) if topo.cp > 1 else None
+            ctx.layout = dataclasses.replace(_layout(ctx.window), q_index=idx, masks={})
+            h = ids if idx is None else ids[:, idx]
+            for call in calls:
+                h = call(h)
+            gout = torch.randn(3, T, h.shape[-1], generator=torch.Generator().manual_seed(rank % 2))
+            gout = gout * (_layout(None).docs >= 0)[..., None]
+            (h * (gout if idx is None else gout[:, idx])).sum().backward()
+            grads = {}
+            for name, p in params:
+                grads[name] = p.grad.clone()
+                if topo.cp > 1:
+                    dist.all_reduce(grads[name], group=topo.cp_group)
+            results.append((h.detach(), idx, grads))
+        (full, _, want), (mine, idx, got) = results
+        real = _layout(None).docs[:, idx] >= 0
+        _close(errors, mine[real], full[:, idx][real], f"{family} {impl} sp={sp} logits")
+        for name in want:
+            _close(errors, got[name], want[name], f"{family} {impl} sp={sp} d{name}")
+    dist.destroy_process_group()
+    assert not errors, "\n".join(errors)
+
+
+def test_cp_tp_models_match_tp_alone() -> None:
+    run_ranks(_tp_cp_ranks, 4, timeout=400)

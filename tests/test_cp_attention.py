@@ -89,7 +89,35 @@ def _ops_ranks(rank: int) -> None:
             doc1 = torch.zeros(3, T, dtype=torch.bool)
             doc1[0, 3:6] = True  # document 1's queries at or after the changed key
             assert torch.equal(changed, doc1[:, idx]), (what, changed)
+    _dropout_checks(rank, group)
     dist.destroy_process_group()
+
+
+def _dropout_checks(rank: int, group) -> None:
+    """Attention dropout under CP: every head holds the same q/k/v, so a head's output depends only on
+    its dropout mask.  CP peers share the RNG stream; each must still draw its own masks (ulysses:
+    rank 0's head chunk and rank 1's differ), the same again from the same stream state
+    (recomputation); the draw both impls make under ``_cp_rng`` differs by CP rank while the shared
+    stream advances alike."""
+    from ds_mp.context_parallel.attention import _cp_rng, ulysses_attention
+
+    one = torch.randn(3, 1, T, HD, generator=torch.Generator().manual_seed(5))
+    q = k = v = one.expand(3, 4, T, HD)[:, :, shard_index(T, 2, rank, False)]
+    kv_index, lay = torch.arange(4), dataclasses.replace(_layout(None), q_index=shard_index(T, 2, rank, False))
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(11)  # the same stream state on both ranks, and again for the second run
+        outs.append(ulysses_attention(q, k, v, kv_index, kv_index[:2], lay.mask(T, T), group=group, cp=2,
+                                      cp_rank=rank, dropout_p=0.5))
+    assert torch.equal(outs[0], outs[1])  # reproducible from the stream state
+    assert not torch.equal(outs[0][:, :2], outs[0][:, 2:])  # heads 0-1 (rank 0's) vs 2-3 (rank 1's): own masks
+    torch.manual_seed(11)
+    with _cp_rng(2, rank, torch.device("cpu"), True):
+        inside = torch.rand(8)
+    after = torch.rand(8)  # the shared stream advanced alike on both ranks
+    both = torch.empty(2, 2, 8)
+    torch.distributed.all_gather_single(both, torch.stack((inside, after))[None].contiguous(), group=group)
+    assert not torch.equal(both[0, 0], both[1, 0]) and torch.equal(both[0, 1], both[1, 1])
 
 
 def test_cp_attention_ops_match_full_row_sdpa() -> None:

@@ -49,14 +49,14 @@ from ds_mp.context_parallel.shard import shard_order
 def _all_gather(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
     """``(C·n, …)``: every rank's ``x`` ``(n, …)`` laid end to end along dim 0 in rank order."""
     out = torch.empty((cp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    dist.all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
 def _reduce_scatter(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
     """This rank's block ``(n, …)`` of ``Σ_ranks x`` (``x`` ``(C·n, …)``), the all-gather's adjoint."""
     out = torch.empty((x.shape[0] // cp, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    dist.reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 

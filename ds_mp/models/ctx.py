@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ds_mp.context_parallel.rules import balanced_for
+import torch
+
+from ds_mp.context_parallel.attention import allgather_attention, ulysses_attention
+from ds_mp.context_parallel.rules import DEFAULT_IMPL, balanced_for
 from ds_mp.models.family import Family, family_of
 from ds_mp.tensor_parallel import padded_vocab_size
 from ds_mp.tensor_parallel.random import parallel_region_rng
@@ -25,7 +28,7 @@ class Ctx:
     ``ds_mp.context_parallel.attention``).  At cp = 1 nothing changes."""
 
     def __init__(self, topology: Topology, hf_config: Any, sequence_parallel: bool,
-                 vocab_pad_multiple: int, cp_impl: str = "allgather") -> None:
+                 vocab_pad_multiple: int, cp_impl: str = DEFAULT_IMPL) -> None:
         self.topology, self.hf = topology, hf_config
         self.family: Family = family_of(hf_config)
         self.tp_rank, self.tp = topology.tp_rank, topology.tp
@@ -54,6 +57,24 @@ class Ctx:
     def cp_group(self) -> Any:
         """The ranks that split this rank's rows (None at cp = 1)."""
         return self.topology.cp_group if self.cp > 1 else None
+
+    def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
+                     kv_split: torch.Tensor | None, *, windowed: bool = True, dropout_p: float = 0.0,
+                     scale: float | None = None) -> torch.Tensor:
+        """Attention of this CP rank's tokens over the whole row (``ds_mp.context_parallel.attention``):
+        ``q`` ``(B, h, T/C, hd)`` and ``k``/``v`` ``(B, h_kv, T/C, hd)`` rotated at
+        ``layout.local_positions()``; query head j reads key/value head ``kv_index[j]`` (``kv_split``:
+        ``ulysses_kv_index``'s, for ulysses); the layout's mask (``windowed``: with its window).
+        Returns ``(B, h, T/C, hd)``."""
+        lay, Tl = self.layout, q.shape[2]
+        if lay is None or lay.q_index is None or len(lay.q_index) != Tl:
+            raise RuntimeError(f"context parallelism: the engine must set a Layout with q_index of this rank's "
+                               f"{Tl} tokens before the forward")
+        T, kw = lay.docs.shape[1], {"group": self.cp_group, "cp": self.cp, "cp_rank": self.cp_rank,
+                                    "dropout_p": dropout_p, "scale": scale}
+        if self.cp_impl == "allgather":
+            return allgather_attention(q, k, v, kv_index, lay.mask(Tl, T, windowed, sharded=True), **kw)
+        return ulysses_attention(q, k, v, kv_index, kv_split, lay.mask(T, T, windowed), **kw)
 
     def dropout_rng(self) -> Any:
         """Dropout on sequence-sharded activations must differ per TP rank."""

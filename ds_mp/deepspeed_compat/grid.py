@@ -42,12 +42,15 @@ coordinate.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
 from ds_mp.deepspeed_compat.pipeline import Assumption, DeepSpeedIncompatible, _fail
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
 #: DeepSpeed's axis names, slowest first: rank = ((pipe·DP + data)·CP + context)·TP + model.
 AXES: tuple[str, ...] = ("pipe", "data", "context", "model")
@@ -165,7 +168,7 @@ class ContextParallelGrid(PipelineParallelGrid):
         return self._topo.get_coord(self.global_rank).context
 
 
-def grad_group_mean(engine: Any, value: Any) -> Any:
+def grad_group_mean(engine: PipelineEngine, value: Any) -> Any:
     """``value`` (a tensor or a list of them, this rank's mean over its micro-batches) summed over
     dp × cp and divided by its size: the mean DeepSpeed takes over dp at cp = 1, where dp × cp is
     dp.  At cp > 1 each CP rank's micro-batch loss is its shard's S / D (``ds_mp.losses.spec``), so
@@ -179,7 +182,7 @@ def grad_group_mean(engine: Any, value: Any) -> Any:
     return value
 
 
-def grad_group_loss(engine: Any) -> Any:
+def grad_group_loss(engine: PipelineEngine) -> Any:
     """``train_batch``'s loss at cp > 1, on every stage (DeepSpeed's ``_aggregate_total_loss`` with
     :func:`grad_group_mean`): the last stage's summed micro-batch losses (``total_loss``) over the
     micro-batches (DeepSpeed's 1/GAS), averaged over dp × cp, broadcast from the last stage."""

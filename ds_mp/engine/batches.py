@@ -181,18 +181,29 @@ def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator |
     step = Step(count, (B, T), layouts if layouts else [None] * n)
     if not reads:
         return None, step
-    normalization = "tokens" if engine.ds_mp_config is None else engine.ds_mp_config.loss.normalization
-    denominators = spec.denominators(counts, count, topo.grad_size, normalization)
+    fed = _feed(engine, mbs, layouts, targets, spec.denominators(counts, count, topo.grad_size, _normalization(engine)))
+    step.layouts = [None if lay is None else Layout(lay.positions.to(dev), lay.docs.to(dev), lay.window, lay.q_index)
+                    for lay in layouts]
+    return iter(fed), step
+
+
+def _normalization(engine: RuntimeEngine) -> str:
+    return "tokens" if engine.ds_mp_config is None else engine.ds_mp_config.loss.normalization
+
+
+def _feed(engine: RuntimeEngine, mbs: list[MicroBatch], layouts: list[Layout | None], targets: list[torch.Tensor],
+          denominators: list[float]) -> list[tuple]:
+    """What DeepSpeed reads of each micro-batch: ``(input_ids or (input_ids, positions), labels)``,
+    the labels the loss spec's tuple; under CP this rank's tokens (:mod:`ds_mp.engine.context`)."""
+    spec, ctx, dev = engine.module.loss_spec, engine.module.ds_mp_ctx, engine.device
     fed = []
     for mb, lay, tgt, d in zip(mbs, layouts, targets, denominators):
         inputs, extras = (mb.input_ids if lay is None else (mb.input_ids, lay.positions)), mb.extras
         if ctx.cp > 1:
             inputs, tgt, extras = context.shard_micro_batch(mb, lay, tgt)
-            d = context.shard_denominators([d], normalization, ctx)[0]
+            d = context.shard_denominators([d], _normalization(engine), ctx)[0]
         fed.append((inputs, spec.labels(tgt, torch.tensor(d, device=dev), extras)))
-    step.layouts = [None if lay is None else Layout(lay.positions.to(dev), lay.docs.to(dev), lay.window, lay.q_index)
-                    for lay in layouts]
-    return iter(fed), step
+    return fed
 
 
 @contextlib.contextmanager

@@ -224,17 +224,15 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
 
     def reduce_outputs(self, outputs: Any, reduce: str | None = "avg", reduce_dp: bool = True,
                        micro_batches: int | None = None) -> Any:
-        """``eval_batch``'s reduction (DeepSpeed's); at cp > 1 its replica mean is over dp × cp
-        (``deepspeed_compat.grid.grad_group_mean``: the CP shards' losses are parts of one)."""
+        """``eval_batch``'s reduction (DeepSpeed's); at cp > 1 over dp × cp (``grid.grad_group_mean``)."""
         if self.topology.cp == 1 or not reduce_dp or reduce is None:
             return self.deepspeed_reduce_outputs(outputs, reduce, reduce_dp, micro_batches)
         return grad_group_mean(self, self.deepspeed_reduce_outputs(outputs, reduce, False, micro_batches))
 
     def aggregate_loss(self) -> torch.Tensor:
-        hook = getattr(self.schedule_support, "aggregate_loss", None)
-        if hook is not None:
-            return hook()
-        return grad_group_loss(self) if self.topology.cp > 1 else self.deepspeed_aggregate_loss()
+        hook = getattr(self.schedule_support, "aggregate_loss", None)  # at cp > 1 DeepSpeed's divides by dp only
+        own = grad_group_loss if self.topology.cp > 1 else PipelineEngineAdapter.deepspeed_aggregate_loss
+        return hook() if hook is not None else own(self)
 
     # --- schedule state that lives across steps (checkpointed per rank) -----------------
     def schedule_state_dict(self) -> dict | None:

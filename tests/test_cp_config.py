@@ -3,6 +3,7 @@ world / (TP·PP·CP)), and each bad input is refused in one line naming the key,
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ds_mp.config import ConfigError, load_config
 
@@ -55,3 +56,18 @@ def test_ulysses_takes_replicated_kv_heads_and_allgather_any_heads() -> None:
     """Ulysses at TP·CP = 4 with 2 KV heads (replicated), allgather with 3 heads at CP = 2."""
     load_config(_cfg({"size": 2, "impl": "ulysses"}, model=LLAMA, tp=2), world_size=4)
     load_config(_cfg({"size": 2}, model={**GPT2, "n_head": 2, "n_embd": 18}), world_size=2)
+
+
+def test_cp_ranks_draw_their_own_dropout_streams() -> None:
+    """CP peers hold different tokens of the same rows: their default and TP streams differ (else token
+    i of every shard would get the same dropout mask); cp_rank 0 keeps the seeds of a run without CP."""
+    from ds_mp.tensor_parallel.random import seed_everything
+
+    assert seed_everything(7, 1, 2, cp_rank=0) == seed_everything(7, 1, 2)
+    one = seed_everything(7, 1, 2, cp_rank=1)
+    assert set(one.values()).isdisjoint(seed_everything(7, 1, 2).values())
+    draws = []
+    for cp_rank in (0, 1):
+        seed_everything(7, 1, 2, cp_rank=cp_rank)
+        draws.append(torch.rand(4))
+    assert not torch.equal(*draws)

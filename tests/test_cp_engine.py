@@ -118,8 +118,9 @@ def _rank(rank: int, world: int, names: list[str] | None = None) -> dict:
     return out
 
 
-def check(world: int, results: list[dict]) -> None:
-    for case in cases(world):
+def check(cases: list[dict], results: list[dict]) -> None:
+    """Each rank's eval loss, losses and weights of each case in ``results`` against the oracle's."""
+    for case in cases:
         if case["name"] not in results[0]:
             continue
         ref_losses, ref_w = oracle(case)
@@ -135,4 +136,4 @@ def check(world: int, results: list[dict]) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_trains_hf_exactly(world: int) -> None:
-    check(world, run_ranks(_rank, world, world, timeout=600))
+    check(cases(world), run_ranks(_rank, world, world, timeout=600))

@@ -151,6 +151,9 @@ def embed_forward(module: TokenEmbedding, inputs: Any) -> tuple[torch.Tensor, to
     check_input_ids(ids, module.ctx.vocab)
     if pos is None and module.ctx.layout is not None:  # under CP: the positions of this rank's tokens
         pos = module.ctx.layout.local_positions()
+    if pos is not None and pos.shape[-1] != ids.shape[1]:
+        raise ValueError(f"GPT-2 embedding: {pos.shape[-1]} positions for {ids.shape[1]} tokens (under context "
+                         "parallelism both are this rank's: input_ids[:, q_index], layout.local_positions())")
     if pos is None:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     return module.wte(ids), pos

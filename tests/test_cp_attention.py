@@ -230,6 +230,7 @@ def _model_ranks(rank: int) -> None:
                 grad = p.grad.clone()
                 dist.all_reduce(grad)  # the grad group's sum over the CP ranks
                 _close(errors, grad, want[name], f"{family} {impl} d{name}")
+    _recompute_check(_hf_models()["llama"], topology, ids, rank, errors)
     dist.destroy_process_group()
     assert not errors, "\n".join(errors)
 
@@ -240,6 +241,32 @@ def _close(errors: list[str], got: torch.Tensor, want: torch.Tensor, what: str, 
     any order)."""
     if not torch.allclose(got, want, rtol=tol, atol=tol * max(1.0, float(want.abs().max()))):
         errors.append(f"{what}: max |diff| {(got - want).abs().max():.2e}, max |want| {want.abs().max():.2e}")
+
+
+def _recompute_check(model, topology, ids: torch.Tensor, rank: int, errors: list[str]) -> None:
+    """Attention dropout at CP = 2 under DeepSpeed's activation checkpointing (the pipeline's): the
+    recomputation in backward redraws the forward's masks, so outputs and gradients equal a run without
+    checkpointing from the same seeds, exactly."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    from ds_mp.models.ctx import Ctx
+    from ds_mp.tensor_parallel.random import seed_everything
+
+    model.config.attention_dropout = 0.3
+    runs = []
+    for recompute in (False, True):
+        ctx = Ctx(topology, model.config, False, 1, cp_impl="allgather")
+        calls, params = _stack(model, ctx)
+        ctx.layout = dataclasses.replace(_layout(None), q_index=shard_index(T, 2, rank, True), masks={})
+        seed_everything(0, tp_rank=0)
+        h = calls[0](ids[:, ctx.layout.q_index])
+        for call in calls[1:]:
+            h = checkpointing.checkpoint(call, h) if recompute and getattr(call, "is_block", False) else call(h)
+        h.square().sum().backward()
+        runs.append((h.detach(), [p.grad for _, p in params]))
+    model.config.attention_dropout = 0.0
+    if not (torch.equal(runs[0][0], runs[1][0]) and all(map(torch.equal, runs[0][1], runs[1][1]))):
+        errors.append("attention dropout under activation checkpointing: the recomputation drew other masks")
 
 
 def _documents(docs_row: torch.Tensor) -> list[tuple[int, int]]:

@@ -147,3 +147,19 @@ def test_rules_refuse_in_one_line() -> None:
     with pytest.raises(ValueError, match="unknown impl 'ring'"):
         balanced_for("ring")
 
+
+def test_ctx_refuses_an_unknown_impl_and_attention_without_q_index() -> None:
+    from ds_mp.models.ctx import Ctx
+    from ds_mp.topology import Topology
+    from helpers import tiny_gpt2
+
+    cfg, topology = tiny_gpt2(n_layer=1).config, Topology(tp=1, pp=1, dp=1, cp=2, rank=1)
+    with pytest.raises(ValueError, match="unknown impl 'ring'"):
+        Ctx(topology, cfg, False, 1, cp_impl="ring")
+    ctx = Ctx(topology, cfg, False, 1)
+    assert (ctx.cp, ctx.cp_rank, ctx.cp_impl, ctx.cp_balanced) == (2, 1, "allgather", True)
+    q = torch.zeros(1, 4, 8, 12)
+    ctx.layout = _layout(None)  # no q_index: the engine did not set this rank's tokens
+    with pytest.raises(RuntimeError, match="q_index of this rank's 8 tokens"):
+        ctx.cp_attention(q, q, q, torch.arange(4), None)
+

@@ -16,12 +16,12 @@ from test_cp_attention import T, _layout
 
 def _hf_models() -> dict:
     """Tiny HF models of every family the attention serves: Llama (GQA), Qwen2 (biases, tied, one
-    key/value head: ulysses replicates it), Mistral (a window of 3 < a shard of 8), Gemma 3 (sliding
-    and full layers), GPT-2 (absolute positions)."""
+    key/value head: ulysses replicates it), Mistral (a window of 3 < a shard of 8), Qwen3 (q/k norms,
+    head_dim 20 ≠ hidden/heads), Gemma 3 (sliding and full layers), GPT-2 (absolute positions)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM)
 
-    from helpers import _perturb_norms, tiny_gemma3, tiny_gpt2
+    from helpers import _perturb_norms, tiny_gemma3, tiny_gpt2, tiny_qwen3
 
     common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=101,
                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0, rms_norm_eps=1e-5)
@@ -31,7 +31,8 @@ def _hf_models() -> dict:
                                                                  **common)).eval()),
             "mistral": _perturb_norms(MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=3,
                                                                        **common)).eval()),
-            "gemma3": tiny_gemma3(n_layer=2, window=3, vocab=101), "gpt2": tiny_gpt2(n_layer=2, vocab=101)}
+            "qwen3": tiny_qwen3(n_layer=2, vocab=101), "gemma3": tiny_gemma3(n_layer=2, window=3, vocab=101),
+            "gpt2": tiny_gpt2(n_layer=2, vocab=101)}
 
 
 def _stack(model, ctx) -> tuple[list, list[tuple[str, torch.nn.Parameter]]]:

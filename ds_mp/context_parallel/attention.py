@@ -122,15 +122,19 @@ class _HeadToSeq(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _cp_rng(cp: int, cp_rank: int, device: torch.device, active: bool) -> Iterator[None]:
-    """Inside the block, the RNG draws this CP rank's own numbers (``active``): one seed per CP
-    rank is drawn from the caller's stream (equal on CP peers, so it advances equally) and this
-    rank's seeds a forked generator."""
+    """Inside the block, the RNG of ``device`` (SDPA's dropout draws from it) gives this CP rank's own
+    numbers (``active``): one seed per CP rank is drawn from the caller's stream on that device (the
+    model-parallel stream: equal on CP peers, so it advances equally, and restored by activation
+    checkpointing) and this rank's seeds that device's generator, forked around the block."""
     if not active:
         yield
         return
-    seeds = torch.randint(0, 2**62, (cp,), dtype=torch.long).tolist()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-        torch.manual_seed(seeds[cp_rank])
+    seeds = torch.randint(0, 2**62, (cp,), dtype=torch.long, device=device).tolist()
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type=device.type):
+        index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+        gen = torch.cuda.default_generators[index] if cuda else torch.random.default_generator
+        gen.manual_seed(seeds[cp_rank])  # this device's generator only
         yield
 
 

@@ -45,14 +45,12 @@ class AttentionBench:
         if world > 1:
             import torch.distributed as dist
 
-            from ds_mp.context_parallel.attention import ulysses_kv_index
-
             dist.init_process_group("gloo")
             self.group = dist.new_group(list(range(world)))
-            self.kv_split = ulysses_kv_index(self.kv_index, KV_HEADS, world, rank)
             q, k, v, self.g = (t[:, :, idx] for t in (q, k, v, self.g))
             tl = seq // world
-            self.mask = lay.mask(tl, seq, sharded=True) if impl == "allgather" else lay.mask(seq, seq)
+            add = torch.float32  # the additive mask Ctx.cp_attention passes
+            self.mask = lay.mask(tl, seq, sharded=True, dtype=add) if impl == "allgather" else lay.mask(seq, seq, dtype=add)
         else:
             self.mask = None if causal else lay.mask(seq, seq)
         self.q, self.k, self.v = (t.contiguous().requires_grad_() for t in (q, k, v))
@@ -65,11 +63,9 @@ class AttentionBench:
             kk, vv = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
             y = F.scaled_dot_product_attention(q, kk, vv, attn_mask=self.mask, is_causal=self.causal)
         elif self.impl == "allgather":
-            y = allgather_attention(q, k, v, self.kv_index, self.mask, group=self.group, cp=self.world,
-                                    cp_rank=self.rank)
+            y = allgather_attention(q, k, v, None, self.mask, group=self.group, cp=self.world, cp_rank=self.rank)
         else:
-            y = ulysses_attention(q, k, v, self.kv_index, self.kv_split, self.mask, group=self.group,
-                                  cp=self.world, cp_rank=self.rank)
+            y = ulysses_attention(q, k, v, None, self.mask, group=self.group, cp=self.world, cp_rank=self.rank)
         (y * self.g).sum().backward()
         for t in (q, k, v):
             t.grad = None

@@ -46,30 +46,34 @@ def _reference(q, k, v, lay: Layout, kv_index, g):
 def _ops_ranks(rank: int) -> None:
     import torch.distributed as dist
 
-    from ds_mp.context_parallel.attention import allgather_attention, ulysses_attention, ulysses_kv_index
+    from ds_mp.context_parallel.attention import allgather_attention, grouped_kv, ulysses_attention
 
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
+    # (query heads, key/value heads, window, kv_index): None = grouped as HF's repeat_kv (SDPA groups
+    # them; ulysses splits them when C divides them, else replicates); [1, 1, 2, 2] of 3 = a TP rank
+    # reading a slice of replicated key/value heads (picked per query head)
+    cases = ((4, 4, None, None), (4, 2, None, None), (4, 1, None, None), (4, 2, 3, None), (4, 3, None, [1, 1, 2, 2]))
     for impl in ("allgather", "ulysses"):
-        for h, n_kv, window in ((4, 4, None), (4, 2, None), (4, 1, None), (4, 2, 3)):
+        for h, n_kv, window, heads in cases:
             gen = torch.Generator().manual_seed(h * 10 + n_kv + (window or 0))
             q, g = (torch.randn(3, h, T, HD, generator=gen) for _ in range(2))
             k, v = (torch.randn(3, n_kv, T, HD, generator=gen) for _ in range(2))
-            kv_index = torch.arange(h) // (h // n_kv)
+            kv_index = torch.arange(h) // (h // n_kv) if heads is None else torch.tensor(heads)
+            assert grouped_kv(kv_index, n_kv) == (heads is None)
             lay = _layout(window)
             ref = _reference(q, k, v, lay, kv_index, g)
             idx = shard_index(T, 2, rank, balanced_for(impl))
             mine = dataclasses.replace(lay, q_index=idx, masks={})
-            ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-            if impl == "allgather":
-                y = allgather_attention(ql, kl, vl, kv_index, mine.mask(T // 2, T, sharded=True), group=group, cp=2,
+            dtype = None if n_kv == 2 else torch.float32  # the boolean and the additive mask
+            mask = mine.mask(T // 2, T, sharded=True, dtype=dtype) if impl == "allgather" else mine.mask(T, T, dtype=dtype)
+            op = allgather_attention if impl == "allgather" else ulysses_attention
+            run = lambda ql, kl, vl: op(ql, kl, vl, None if heads is None else kv_index, mask, group=group, cp=2,
                                         cp_rank=rank)
-            else:
-                split = ulysses_kv_index(kv_index, n_kv, 2, rank)
-                assert (split is None) == (n_kv == 1), (n_kv, split)  # 1 KV head: replicated to the query heads
-                y = ulysses_attention(ql, kl, vl, kv_index, split, mine.mask(T, T), group=group, cp=2, cp_rank=rank)
+            ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+            y = run(ql, kl, vl)
             (y * g[:, :, idx]).sum().backward()
-            what = f"{impl} h={h} kv={n_kv} window={window}"
+            what = f"{impl} h={h} kv={n_kv} window={window} kv_index={heads}"
             for name, got, want in (("y", y, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]),
                                     ("dv", vl.grad, ref[3])):
                 torch.testing.assert_close(got, want[:, :, idx], rtol=1e-5, atol=1e-5, msg=f"{what} {name}")
@@ -79,12 +83,7 @@ def _ops_ranks(rank: int) -> None:
             k2[0, :, 3] += 1.0
             v2[0, :, 3] -= 1.0
             with torch.no_grad():
-                if impl == "allgather":
-                    y2 = allgather_attention(ql, k2[:, :, idx], v2[:, :, idx], kv_index,
-                                             mine.mask(T // 2, T, sharded=True), group=group, cp=2, cp_rank=rank)
-                else:
-                    y2 = ulysses_attention(ql, k2[:, :, idx], v2[:, :, idx], kv_index, split, mine.mask(T, T),
-                                           group=group, cp=2, cp_rank=rank)
+                y2 = run(ql, k2[:, :, idx], v2[:, :, idx])
             changed = (y2 - y.detach()).abs().amax(dim=(1, 3)) > 0  # (B, T/2)
             doc1 = torch.zeros(3, T, dtype=torch.bool)
             doc1[0, 3:6] = True  # document 1's queries at or after the changed key
@@ -103,12 +102,12 @@ def _dropout_checks(rank: int, group) -> None:
 
     one = torch.randn(3, 1, T, HD, generator=torch.Generator().manual_seed(5))
     q = k = v = one.expand(3, 4, T, HD)[:, :, shard_index(T, 2, rank, False)]
-    kv_index, lay = torch.arange(4), dataclasses.replace(_layout(None), q_index=shard_index(T, 2, rank, False))
+    lay = dataclasses.replace(_layout(None), q_index=shard_index(T, 2, rank, False))
     outs = []
     for _ in range(2):
         torch.manual_seed(11)  # the same stream state on both ranks, and again for the second run
-        outs.append(ulysses_attention(q, k, v, kv_index, kv_index[:2], lay.mask(T, T), group=group, cp=2,
-                                      cp_rank=rank, dropout_p=0.5))
+        outs.append(ulysses_attention(q, k, v, None, lay.mask(T, T), group=group, cp=2, cp_rank=rank,
+                                      dropout_p=0.5))
     assert torch.equal(outs[0], outs[1])  # reproducible from the stream state
     assert not torch.equal(outs[0][:, :2], outs[0][:, 2:])  # heads 0-1 (rank 0's) vs 2-3 (rank 1's): own masks
     torch.manual_seed(11)
@@ -161,5 +160,5 @@ def test_ctx_refuses_an_unknown_impl_and_attention_without_q_index() -> None:
     q = torch.zeros(1, 4, 8, 12)
     ctx.layout = _layout(None)  # no q_index: the engine did not set this rank's tokens
     with pytest.raises(RuntimeError, match="q_index of this rank's 8 tokens"):
-        ctx.cp_attention(q, q, q, torch.arange(4), None)
+        ctx.cp_attention(q, q, q, None)
 

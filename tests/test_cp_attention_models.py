@@ -96,6 +96,7 @@ def _model_ranks(rank: int) -> None:
                 dist.all_reduce(grad)  # the grad group's sum over the CP ranks
                 _close(errors, grad, want[name], f"{family} {impl} d{name}")
     _recompute_check(_hf_models()["llama"], topology, ids, rank, errors)
+    _memory_check(_hf_models()["llama"], topology, ids, rank, errors)
     dist.destroy_process_group()
     assert not errors, "\n".join(errors)
 
@@ -132,6 +133,43 @@ def _recompute_check(model, topology, ids: torch.Tensor, rank: int, errors: list
     model.config.attention_dropout = 0.0
     if not (torch.equal(runs[0][0], runs[1][0]) and all(map(torch.equal, runs[0][1], runs[1][1]))):
         errors.append("attention dropout under activation checkpointing: the recomputation drew other masks")
+
+
+def _held_bytes(model, topology, impl: str, ids: torch.Tensor, q_index: torch.Tensor | None) -> int:
+    """Bytes of the activations autograd holds for backward through ``model``'s 2 blocks (every
+    distinct storage saved, parameters excluded), at ``topology``'s CP degree."""
+    from ds_mp.models.ctx import Ctx
+
+    ctx = Ctx(topology, model.config, False, 1, cp_impl=impl)
+    calls, params = _stack(model, ctx)
+    ctx.layout = dataclasses.replace(_layout(None), q_index=q_index, masks={})
+    weights = {p.untyped_storage().data_ptr() for _, p in params}
+    held: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            held[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    h = calls[0](ids if q_index is None else ids[:, q_index]).detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for call in calls[1:-2]:  # the blocks
+            h = call(h)
+    return sum(held.values())
+
+
+def _memory_check(model, topology, ids: torch.Tensor, rank: int, errors: list[str]) -> None:
+    """Each CP rank holds at most 0.55× the activations of one process (the issue's target): the
+    attention holds this rank's queries, the key/value heads unexpanded (SDPA groups them) and one
+    additive mask for every layer."""
+    from ds_mp.topology import Topology
+
+    one = _held_bytes(model, Topology(tp=1, pp=1, dp=1, rank=0), "allgather", ids, None)
+    for impl in ("allgather", "ulysses"):
+        mine = _held_bytes(model, topology, impl, ids, shard_index(T, 2, rank, balanced_for(impl)))
+        if mine > 0.55 * one:
+            errors.append(f"{impl}: rank {rank} holds {mine / one:.2f}x the activations of one process")
 
 
 def _documents(docs_row: torch.Tensor) -> list[tuple[int, int]]:

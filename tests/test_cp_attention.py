@@ -51,7 +51,7 @@ def _ops_ranks(rank: int) -> None:
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
     # (query heads, key/value heads, window, kv_index): None = grouped as HF's repeat_kv (SDPA groups
-    # them; ulysses splits them when C divides them, else replicates); [1, 1, 2, 2] of 3 = a TP rank
+    # them; ulysses splits them, repeated to lcm(h_kv, C) when C does not divide them); [1, 1, 2, 2] of 3 = a TP rank
     # reading a slice of replicated key/value heads (picked per query head)
     cases = ((4, 4, None, None), (4, 2, None, None), (4, 1, None, None), (4, 2, 3, None), (4, 3, None, [1, 1, 2, 2]))
     for impl in ("allgather", "ulysses"):

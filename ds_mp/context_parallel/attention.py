@@ -22,11 +22,11 @@ each query the keys of the whole row; both are exact (the same SDPA over the sam
     backward an all-to-all is a permutation of the group's data, so its adjoint is its inverse:
              the backward of sequence→head is head→sequence and vice versa; SDPA's backward is
              local (each rank owns whole rows for its heads).
-    Needs ``h`` divisible by C on each TP rank (``rules.check_heads``).  Key/value heads split the
-    same way when C divides this rank's and the heads are grouped (:func:`grouped_kv`: then chunk c
-    of the query heads reads chunk c of the key/value heads); otherwise they are replicated first
-    (expanded to the query heads, HF's ``repeat_kv``) — exact, at ``h/h_kv`` times the key/value
-    traffic.
+    Needs ``h`` divisible by C on each TP rank (``rules.check_heads``).  Grouped key/value heads
+    (:func:`grouped_kv`) split the same way, chunk c of the query heads reading chunk c of them —
+    repeated first to ``lcm(h_kv, C)`` heads when fewer than C or not divisible by it; heads TP
+    replicated in slices are expanded to the query heads (HF's ``repeat_kv``), at ``h/h_kv`` times
+    the key/value traffic.
 
 Grouped heads (GQA) are grouped by SDPA itself (``enable_gqa``), so the attention holds the
 ``h_kv`` key/value heads for backward, not ``h`` copies; the layout's mask may be additive (one
@@ -43,6 +43,7 @@ Every collective runs on the inputs' device (gloo on CPU, NCCL on GPU).
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator
 
 import torch
@@ -187,15 +188,17 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_inde
     ``q`` ``(B, h, Tl, hd)``, ``k``/``v`` ``(B, h_kv, Tl, hd)``: this rank's contiguous chunk
     (``shard_index(T, cp, cp_rank, balanced=False)``), rotated; ``kv_index`` as in
     :func:`allgather_attention`; ``mask`` ``(B, 1, T, T)``, the full row's (``Layout.mask(T, T)``).
-    With grouped heads (``kv_index`` None) and C dividing ``h_kv``, the all-to-all splits the
-    key/value heads as it splits the query heads (chunk c of each reads chunk c); otherwise each
-    query head's key/value head is replicated to it first.  Returns ``(B, h, Tl, hd)``."""
+    With grouped heads (``kv_index`` None) the all-to-all splits the key/value heads as it splits the
+    query heads (chunk c of each reads chunk c), each first repeated ``lcm(h_kv, C)/h_kv`` times when
+    C does not divide them (h divides ``lcm(h_kv, C)``, so the grouping holds); picked heads are
+    replicated to every query head first.  Returns ``(B, h, Tl, hd)``."""
     if q.shape[1] % cp:
         raise ValueError(f"ulysses: {q.shape[1]} query heads on this rank are not divisible by cp = {cp}")
-    if kv_index is not None or k.shape[1] % cp:  # replicated: every query head brings its own key/value head
-        index = kv_index if kv_index is not None else torch.arange(q.shape[1], device=q.device) // (
-            q.shape[1] // k.shape[1])
-        k, v = k.index_select(1, index), v.index_select(1, index)
+    if kv_index is not None:  # picked per query head: every query head brings its own key/value head
+        k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
+    elif k.shape[1] % cp:  # grouped, C does not divide them: each repeated to lcm(h_kv, C) heads, still grouped
+        r = math.lcm(k.shape[1], cp) // k.shape[1]
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
     qh = _SeqToHead.apply(q, group, cp)  # (B, h/C, T, hd)
     B, n_kv, Tl, hd = k.shape
     kv = torch.cat((k.reshape(B, cp, n_kv // cp, Tl, hd), v.reshape(B, cp, n_kv // cp, Tl, hd)), 2)  # chunk c: k's c, v's c

@@ -44,6 +44,7 @@ BENCHMARKS: dict[str, str] = {
     "context_parallel": "benchmarks.context_parallel",
     "hf_trainer": "benchmarks.hf_trainer",
     "hf_trainer_memory": "benchmarks.hf_trainer_memory",
+    "cp_attention": "benchmarks.cp_attention",
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -22,10 +22,16 @@ each query the keys of the whole row; both are exact (the same SDPA over the sam
     backward an all-to-all is a permutation of the group's data, so its adjoint is its inverse:
              the backward of sequence→head is head→sequence and vice versa; SDPA's backward is
              local (each rank owns whole rows for its heads).
-    Needs ``h`` divisible by C on each TP rank (``rules.check_heads``).  Key/value heads split the
-    same way when C divides this rank's and each query chunk reads only its own chunk of them
-    (:func:`ulysses_kv_index`); otherwise they are replicated first (expanded to the query heads,
-    HF's ``repeat_kv``) — exact, at ``h/h_kv`` times the key/value traffic.
+    Needs ``h`` divisible by C on each TP rank (``rules.check_heads``).  Grouped key/value heads
+    (:func:`grouped_kv`) split the same way, chunk c of the query heads reading chunk c of them —
+    repeated first to ``lcm(h_kv, C)`` heads when fewer than C or not divisible by it; heads TP
+    replicated in slices are expanded to the query heads (HF's ``repeat_kv``), at ``h/h_kv`` times
+    the key/value traffic.
+
+Grouped heads (GQA) are grouped by SDPA itself (``enable_gqa``), so the attention holds the
+``h_kv`` key/value heads for backward, not ``h`` copies; the layout's mask may be additive (one
+float tensor built per micro-batch and held once for every layer, where SDPA would convert a
+boolean one per call and hold each copy).
 
 Dropout on the attention probabilities keeps its semantics (each probability dropped
 independently with ``dropout_p``): CP peers share the caller's RNG stream (the same TP rank), so
@@ -37,6 +43,7 @@ Every collective runs on the inputs' device (gloo on CPU, NCCL on GPU).
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator
 
 import torch
@@ -122,75 +129,83 @@ class _HeadToSeq(torch.autograd.Function):
 
 @contextlib.contextmanager
 def _cp_rng(cp: int, cp_rank: int, device: torch.device, active: bool) -> Iterator[None]:
-    """Inside the block, the RNG draws this CP rank's own numbers (``active``): one seed per CP
-    rank is drawn from the caller's stream (equal on CP peers, so it advances equally) and this
-    rank's seeds a forked generator."""
+    """Inside the block, the RNG of ``device`` (SDPA's dropout draws from it) gives this CP rank's own
+    numbers (``active``): one seed per CP rank is drawn from the caller's stream on that device (the
+    model-parallel stream: equal on CP peers, so it advances equally, and restored by activation
+    checkpointing) and this rank's seeds that device's generator, forked around the block."""
     if not active:
         yield
         return
-    seeds = torch.randint(0, 2**62, (cp,), dtype=torch.long).tolist()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-        torch.manual_seed(seeds[cp_rank])
+    seeds = torch.randint(0, 2**62, (cp,), dtype=torch.long, device=device).tolist()
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type=device.type):
+        index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+        gen = torch.cuda.default_generators[index] if cuda else torch.random.default_generator
+        gen.manual_seed(seeds[cp_rank])  # this device's generator only
         yield
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor, mask: torch.Tensor,
-                        *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
+def grouped_kv(kv_index: torch.Tensor, n_kv: int) -> bool:
+    """Whether query head j reads key/value head ``j // (h / n_kv)`` (HF's ``repeat_kv`` order over
+    this rank's ``h`` query and ``n_kv`` key/value heads), so SDPA can group them itself
+    (``enable_gqa``: it holds the ``n_kv`` heads for backward, not ``h`` copies).  False where TP
+    replicated the key/value heads and this rank's query heads read a slice of them."""
+    h = kv_index.numel()
+    return h % n_kv == 0 and torch.equal(kv_index.cpu(), torch.arange(h) // (h // n_kv))
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None, mask: torch.Tensor,
+          cp: int, cp_rank: int, dropout_p: float, scale: float | None) -> torch.Tensor:
+    """SDPA with key/value heads grouped by SDPA (``kv_index`` None) or picked per query head, and
+    this CP rank's own dropout masks."""
+    if kv_index is not None:
+        k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
+    with _cp_rng(cp, cp_rank, q.device, dropout_p > 0):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,
+                        mask: torch.Tensor, *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
                         scale: float | None = None) -> torch.Tensor:
     """CP attention by all-gathering keys and values (module docstring).
 
     ``q`` ``(B, h, Tl, hd)``, ``k``/``v`` ``(B, h_kv, Tl, hd)``: this rank's tokens of the zigzag
     split (``shard_index(T, cp, cp_rank, balanced=True)``), rotated; query head j reads key/value
-    head ``kv_index[j]``; ``mask`` ``(B, 1, Tl, T)`` boolean, the rows of this rank's tokens
+    head ``kv_index[j]``, or ``j // (h / h_kv)`` when ``kv_index`` is None (:func:`grouped_kv`);
+    ``mask`` ``(B, 1, Tl, T)``, boolean or additive, the rows of this rank's tokens
     (``Layout.mask(Tl, T, sharded=True)``).  Returns ``(B, h, Tl, hd)``."""
-    Tl = q.shape[2]
-    order = shard_order(Tl * cp, cp, True, q.device)
+    order = shard_order(q.shape[2] * cp, cp, True, q.device)
     kv = _GatherSequence.apply(torch.stack((k, v)), group, cp, order)  # (2, B, h_kv, T, hd)
-    k_full, v_full = kv[0].index_select(1, kv_index), kv[1].index_select(1, kv_index)
-    with _cp_rng(cp, cp_rank, q.device, dropout_p > 0):
-        return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    return _sdpa(q, kv[0], kv[1], kv_index, mask, cp, cp_rank, dropout_p, scale)
 
 
-def ulysses_kv_index(kv_index: torch.Tensor, n_kv_local: int, cp: int, cp_rank: int) -> torch.Tensor | None:
-    """For :func:`ulysses_attention`: the key/value head each of CP rank ``cp_rank``'s ``h/C``
-    query heads reads among the ``n_kv_local/C`` key/value heads the all-to-all gives it, or None
-    when the key/value heads cannot be split so (C does not divide them, or a query chunk reads
-    another chunk's heads: TP replicated them) and are replicated to the query heads instead."""
-    h = kv_index.numel()
-    if n_kv_local % cp or h % cp:
-        return None
-    n_kv_chunk, mine = n_kv_local // cp, kv_index.view(cp, h // cp)
-    chunk_of = torch.arange(cp, device=kv_index.device)[:, None] * n_kv_chunk
-    if not bool(((mine >= chunk_of) & (mine < chunk_of + n_kv_chunk)).all()):
-        return None
-    return (mine[cp_rank] - cp_rank * n_kv_chunk).contiguous()
-
-
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
-                      kv_split: torch.Tensor | None, mask: torch.Tensor, *, group: Any, cp: int, cp_rank: int,
-                      dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,
+                      mask: torch.Tensor, *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
+                      scale: float | None = None) -> torch.Tensor:
     """CP attention by all-to-all between a sequence split and a head split (module docstring).
 
     ``q`` ``(B, h, Tl, hd)``, ``k``/``v`` ``(B, h_kv, Tl, hd)``: this rank's contiguous chunk
     (``shard_index(T, cp, cp_rank, balanced=False)``), rotated; ``kv_index`` as in
-    :func:`allgather_attention`; ``kv_split`` = :func:`ulysses_kv_index` (None: replicate the
-    key/value heads); ``mask`` ``(B, 1, T, T)`` boolean, the full row's (``Layout.mask(T, T)``).
-    Returns ``(B, h, Tl, hd)``."""
+    :func:`allgather_attention`; ``mask`` ``(B, 1, T, T)``, the full row's (``Layout.mask(T, T)``).
+    With grouped heads (``kv_index`` None) the all-to-all splits the key/value heads as it splits the
+    query heads (chunk c of each reads chunk c), each first repeated ``lcm(h_kv, C)/h_kv`` times when
+    C does not divide them (h divides ``lcm(h_kv, C)``, so the grouping holds); picked heads are
+    replicated to every query head first.  Returns ``(B, h, Tl, hd)``."""
     if q.shape[1] % cp:
         raise ValueError(f"ulysses: {q.shape[1]} query heads on this rank are not divisible by cp = {cp}")
-    if kv_split is None:  # replicated: every query head brings its own key/value head
+    if kv_index is not None:  # picked per query head: every query head brings its own key/value head
         k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
+    elif k.shape[1] % cp:  # grouped, C does not divide them: each repeated to lcm(h_kv, C) heads, still grouped
+        r = math.lcm(k.shape[1], cp) // k.shape[1]
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
     qh = _SeqToHead.apply(q, group, cp)  # (B, h/C, T, hd)
     B, n_kv, Tl, hd = k.shape
     kv = torch.cat((k.reshape(B, cp, n_kv // cp, Tl, hd), v.reshape(B, cp, n_kv // cp, Tl, hd)), 2)  # chunk c: k's c, v's c
     kvh = _SeqToHead.apply(kv.view(B, 2 * n_kv, Tl, hd), group, cp)  # (B, 2·h_kv/C, T, hd)
     n = n_kv // cp
-    kh, vh = kvh[:, :n], kvh[:, n:]
-    if kv_split is not None:
-        kh, vh = kh.index_select(1, kv_split), vh.index_select(1, kv_split)
-    with _cp_rng(cp, cp_rank, q.device, dropout_p > 0):
-        y = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    y = _sdpa(qh, kvh[:, :n], kvh[:, n:], None, mask, cp, cp_rank, dropout_p, scale)
     return _HeadToSeq.apply(y, group, cp)
 
 
-__all__ = ["allgather_attention", "ulysses_attention", "ulysses_kv_index"]
+__all__ = ["allgather_attention", "grouped_kv", "ulysses_attention"]

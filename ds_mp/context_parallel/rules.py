@@ -42,9 +42,9 @@ def check_seq_len(seq_len: int, cp: int, balanced: bool, tp: int = 1) -> None:
 def check_heads(n_head: int, n_kv: int, tp: int, cp: int, impl: str) -> None:
     """Raise ``ValueError`` (one line) unless ``impl`` can split the attention heads: ``ulysses``
     needs the query heads divisible by TP·CP (each CP rank of a TP rank takes ``n_head/(TP·CP)``
-    after the all-to-all); key/value heads are split the same way when TP·CP divides them, else
-    replicated (each CP rank gets the key/value head of each of its query heads).  ``allgather``
-    takes any head count."""
+    after the all-to-all); key/value heads of any count follow (split with their query heads, repeated
+    first where CP does not divide them: ``ds_mp.context_parallel.attention``).  ``allgather`` takes
+    any head count."""
     balanced_for(impl)
     if impl == "ulysses" and n_head % (tp * cp):
         raise ValueError(f"context_parallel.impl 'ulysses': {n_head} attention heads are not divisible by "

@@ -101,17 +101,22 @@ class Layout:
         CP, else ``positions``."""
         return self.positions if self.q_index is None else self.positions[:, self.q_index]
 
-    def mask(self, q_len: int, k_len: int, windowed: bool = True, sharded: bool = False) -> torch.Tensor:
+    def mask(self, q_len: int, k_len: int, windowed: bool = True, sharded: bool = False,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
         """Boolean SDPA mask ``(B, 1, q_len, k_len)`` (True = attend) for the queries at indices
         ``k_len - q_len … k_len - 1`` against the keys ``0 … k_len - 1`` (a TeraPipe slice attends
         to its sequence's earlier slices: the keys before its own); ``windowed`` False: without the
         window (Gemma 3's full-attention layers between its sliding-window ones).  ``sharded`` (CP's
         ``allgather``): the queries are this rank's tokens ``q_index`` (``q_len`` of them) against
         the full row's ``k_len`` = T keys: rows ``q_index`` of the full mask.  CP's ``ulysses``
-        attends over the full row: ``mask(T, T)``."""
-        key = (q_len, k_len, windowed and self.window is not None, sharded)
+        attends over the full row: ``mask(T, T)``.  ``dtype``: the additive form (0 = attend, -inf
+        = not) in that dtype, built once and passed to every layer's SDPA, which holds this one
+        tensor for backward (given the boolean one it converts and holds a copy per call)."""
+        key = (q_len, k_len, windowed and self.window is not None, sharded, dtype)
         if key not in self.masks:
-            self.masks[key] = self._mask(q_len, k_len, key[2], sharded)
+            allowed = self._mask(q_len, k_len, key[2], sharded)
+            self.masks[key] = allowed if dtype is None else torch.zeros(
+                allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
         return self.masks[key]
 
     def _mask(self, q_len: int, k_len: int, windowed: bool, sharded: bool) -> torch.Tensor:

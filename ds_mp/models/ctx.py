@@ -58,14 +58,13 @@ class Ctx:
         """The ranks that split this rank's rows (None at cp = 1)."""
         return self.topology.cp_group if self.cp > 1 else None
 
-    def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor,
-                     kv_split: torch.Tensor | None, *, windowed: bool = True, dropout_p: float = 0.0,
-                     scale: float | None = None) -> torch.Tensor:
+    def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None, *,
+                     windowed: bool = True, dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
         """Attention of this CP rank's tokens over the whole row (``ds_mp.context_parallel.attention``):
         ``q`` ``(B, h, T/C, hd)`` and ``k``/``v`` ``(B, h_kv, T/C, hd)`` rotated at
-        ``layout.local_positions()``; query head j reads key/value head ``kv_index[j]`` (``kv_split``:
-        ``ulysses_kv_index``'s, for ulysses); the layout's mask (``windowed``: with its window).
-        Returns ``(B, h, T/C, hd)``."""
+        ``layout.local_positions()``; query head j reads key/value head ``kv_index[j]``, or
+        ``j // (h / h_kv)`` when ``kv_index`` is None (``grouped_kv``); the layout's mask
+        (``windowed``: with its window), additive in q's dtype.  Returns ``(B, h, T/C, hd)``."""
         lay, Tl = self.layout, q.shape[2]
         if lay is None or lay.q_index is None or len(lay.q_index) != Tl:
             raise RuntimeError(f"context parallelism: the engine must set a Layout with q_index of this rank's "
@@ -73,8 +72,8 @@ class Ctx:
         T, kw = lay.docs.shape[1], {"group": self.cp_group, "cp": self.cp, "cp_rank": self.cp_rank,
                                     "dropout_p": dropout_p, "scale": scale}
         if self.cp_impl == "allgather":
-            return allgather_attention(q, k, v, kv_index, lay.mask(Tl, T, windowed, sharded=True), **kw)
-        return ulysses_attention(q, k, v, kv_index, kv_split, lay.mask(T, T, windowed), **kw)
+            return allgather_attention(q, k, v, kv_index, lay.mask(Tl, T, windowed, True, q.dtype), **kw)
+        return ulysses_attention(q, k, v, kv_index, lay.mask(T, T, windowed, dtype=q.dtype), **kw)
 
     def dropout_rng(self) -> Any:
         """Dropout on sequence-sharded activations must differ per TP rank."""

@@ -70,8 +70,6 @@ class Block(nn.Module):
         self.mlp_proj = _linear(src, index, "mlp.c_proj", ctx)
         self.act = ACT2FN[ctx.hf.activation_function]
         self.n_head_local = ctx.n_head // ctx.tp
-        # context parallelism: query head j reads key/value head j (MHA)
-        self.register_buffer("head_index", torch.arange(self.n_head_local) if ctx.cp > 1 else None, persistent=False)
         self.kv_extension: Any = None  # see attending_to
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +80,7 @@ class Block(nn.Module):
         if self.ctx.cp > 1:  # this rank's tokens of the row against the whole row's (the layout's mask)
             assert self.kv_extension is None, "TeraPipe with context parallelism (refused at load_config)"
             with parallel_region_rng():  # each rank's own heads (and, inside, each CP rank's own seed)
-                y = self.ctx.cp_attention(q, k, v, self.head_index, None, dropout_p=p)
+                y = self.ctx.cp_attention(q, k, v, None, dropout_p=p)  # MHA: head j reads head j
             return self.attn_proj(y.transpose(1, 2).reshape(B, T, -1))
         if self.kv_extension is not None:
             k, v, mask = self.kv_extension.extend(self.index, k, v)  # (B, nh_l, ctx+T, hs)
@@ -151,6 +149,9 @@ def embed_forward(module: TokenEmbedding, inputs: Any) -> tuple[torch.Tensor, to
     check_input_ids(ids, module.ctx.vocab)
     if pos is None and module.ctx.layout is not None:  # under CP: the positions of this rank's tokens
         pos = module.ctx.layout.local_positions()
+    if pos is not None and pos.shape[-1] != ids.shape[1]:
+        raise ValueError(f"GPT-2 embedding: {pos.shape[-1]} positions for {ids.shape[1]} tokens (under context "
+                         "parallelism both are this rank's: input_ids[:, q_index], layout.local_positions())")
     if pos is None:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     return module.wte(ids), pos

@@ -51,9 +51,12 @@ class CpBench:
         return float(self.engine.train_batch(iter(self._batch(self.shape["seq"]))))
 
     def held_at(self, seq: int) -> int:
-        """Peak held bytes of one step on rows of ``seq`` tokens (this rank)."""
+        """Peak held bytes of one step on rows of ``seq`` tokens (this rank), after one step at ``seq``
+        (steady state: what the previous step left, e.g. its layout's mask, is that of the same length,
+        not of the timed steps' longer rows)."""
         from ds_mp.engine.held import held_during
 
+        self.engine.train_batch(iter(self._batch(seq)))
         peak, _ = held_during(self.engine, lambda: self.engine.train_batch(iter(self._batch(seq))))
         return peak
 

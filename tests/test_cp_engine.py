@@ -137,3 +137,47 @@ def check(cases: list[dict], results: list[dict]) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_trains_hf_exactly(world: int) -> None:
     check(cases(world), run_ranks(_rank, world, world, timeout=600))
+
+
+def probed(step: list, docs: list, token: int = 5) -> tuple[list, list, int]:
+    """``step`` with token ``token`` of row 0 of its first micro-batch changed (allgather at CP = 2:
+    a token of rank 1's shard, tokens 4 … 11), the documents with that document changed the same
+    way, and the index of that document in ``docs``."""
+    (ids, pos), labels = step[0]
+    start = int(max(i for i in range(token + 1) if pos[0, i] == 0))
+    end = next((i for i in range(token + 1, SEQ) if pos[0, i] == 0), SEQ)
+    k = next(j for j, (d, _) in enumerate(docs) if len(d) == end - start and torch.equal(d, ids[0, start:end]))
+    new_ids = ids.clone()
+    new_ids[0, token] = (ids[0, token] + 1) % V or 1
+    new_docs = list(docs)
+    new_docs[k] = (new_ids[0, start:end].clone(), docs[k][1])
+    return [((new_ids, pos), labels), *step[1:]], new_docs, k
+
+
+def _probe_rank(rank: int) -> list[float]:
+    import ds_mp
+
+    case = _case("gpt2_cp2_probe", n=1)
+    engine, *_ = ds_mp.initialize(model=MODELS["gpt2"](), config=case["cfg"])
+    step = case["steps"][0]
+    changed, _, _ = probed(step, case["docs"][0])
+    return [float(engine.eval_batch(iter(s))) for s in (step, changed)]
+
+
+def test_leak_probe_one_token_changes_only_its_document() -> None:
+    """Change one token of one packed document (in CP rank 1's shard): the CP = 2 eval loss moves by
+    exactly that document's loss change as HF computes it on each document alone — every other
+    document's loss is unchanged, so nothing leaked across documents or shards."""
+    case = _case("gpt2_cp2_probe", n=1)
+    docs = case["docs"][0]
+    _, new_docs, k = probed(case["steps"][0], docs)
+    model, n = MODELS["gpt2"]().eval(), sum(int((lab[1:] != -100).sum()) for _, lab in docs)
+    with torch.no_grad():
+        per_doc = [float(model(input_ids=i[None], labels=lab[None]).loss) * int((lab[1:] != -100).sum()) / n
+                   if int((lab[1:] != -100).sum()) else 0.0 for i, lab in docs]
+        moved = (float(model(input_ids=new_docs[k][0][None], labels=new_docs[k][1][None]).loss)
+                 * int((docs[k][1][1:] != -100).sum()) / n if int((docs[k][1][1:] != -100).sum()) else 0.0)
+    for before, after in run_ranks(_probe_rank, 2, timeout=300):
+        assert abs(before - sum(per_doc)) <= TOL, (before, sum(per_doc))
+        assert abs((after - before) - (moved - per_doc[k])) <= TOL, (after - before, moved - per_doc[k])
+        assert after != before  # the probe reached a target of the changed document

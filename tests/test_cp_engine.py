@@ -2,7 +2,7 @@
 parallelism, × PP under each schedule that carries it) train the unmodified HF model on one process
 exactly (fp32, 1e-5): packed documents against HF on each document alone, padded rows against HF
 with the mask.  Both impls (allgather: zigzag shards; ulysses: contiguous), GPT-2 and the Llama
-family (Qwen2's GQA and biases, Mistral's window shorter than a shard, one KV head replicated).
+family (Qwen2's GQA and biases, Mistral's window shorter than a shard, one KV head replicated, Qwen3's q/k norms, Gemma 3's sliding and full layers).
 
 The data is the users': with seq_len 16 and CP = 2 a shard is 8 tokens (allgather: chunks 0-3 and
 12-15 on rank 0, 4-11 on rank 1), packed documents of 2-8 tokens cross the shard borders and restart
@@ -79,7 +79,9 @@ def cases(world: int) -> list[dict]:
                 _case("qwen2_cp2_skew", model="qwen2", data="skewed", n=1),
                 _case("kv1_cp2_ulysses", model="qwen2_kv1", impl="ulysses", n=1),
                 _case("gpt2_lora_cp2", model="gpt2_lora", lora=LORA),  # against PEFT: losses (its names differ)
-                _case("qwen2_cp2_zero1_bf16", model="qwen2", zero=1, bf16=True, n=1)]  # bf16: runs, HF's fp32 within 1e-2
+                _case("qwen2_cp2_zero1_bf16", model="qwen2", zero=1, bf16=True, n=1),
+                _case("gemma3_cp2_right", model="gemma3", data="right", n=1),  # sliding (window 4) and full layers
+                _case("qwen3_cp2_ulysses", model="qwen3", impl="ulysses", n=1)]  # q/k norms  # bf16: runs, HF's fp32 within 1e-2
     if world == 4:
         return [_case("gpt2_cp2_dp2", dp=2), _case("qwen2_cp2_dp2_ulysses_zero1", model="qwen2", dp=2, impl="ulysses",
                                                   zero=1, n=1),

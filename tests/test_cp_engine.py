@@ -2,7 +2,8 @@
 parallelism, × PP under each schedule that carries it) train the unmodified HF model on one process
 exactly (fp32, 1e-5): packed documents against HF on each document alone, padded rows against HF
 with the mask.  Both impls (allgather: zigzag shards; ulysses: contiguous), GPT-2 and the Llama
-family (Qwen2's GQA and biases, Mistral's window shorter than a shard, one KV head replicated, Qwen3's q/k norms, Gemma 3's sliding and full layers).
+family (Qwen2's GQA and biases, Mistral's window shorter than a shard, one KV head replicated,
+Qwen3's q/k norms, Gemma 3's sliding and full layers).
 
 The data is the users': with seq_len 16 and CP = 2 a shard is 8 tokens (allgather: chunks 0-3 and
 12-15 on rank 0, 4-11 on rank 1), packed documents of 2-8 tokens cross the shard borders and restart

@@ -62,6 +62,9 @@ def _case(name: str, *, model: str = "gpt2", impl: str = "allgather", tp: int = 
             docs.append(held)
         elif data == "skewed":
             mbs = skewed(dp * gas, seed)
+        elif data == "full":  # every label a target: "micro_batch" normalisation is "tokens"
+            mbs = [{"input_ids": ids, "labels": ids.clone()} for ids in
+                   torch.randint(1, V, (dp * gas, ROWS, SEQ), generator=torch.Generator().manual_seed(seed))]
         else:
             mbs = padded(dp * gas, ROWS, SEQ, V, seed, data)
         steps.append(mbs)
@@ -82,7 +85,8 @@ def cases(world: int) -> list[dict]:
                 _case("gpt2_lora_cp2", model="gpt2_lora", lora=LORA),  # against PEFT: losses (its names differ)
                 _case("qwen2_cp2_zero1_bf16", model="qwen2", zero=1, bf16=True, n=1),
                 _case("gemma3_cp2_right", model="gemma3", data="right", n=1),  # sliding (window 4) and full layers
-                _case("qwen3_cp2_ulysses", model="qwen3", impl="ulysses", n=1)]  # q/k norms  # bf16: runs, HF's fp32 within 1e-2
+                _case("qwen3_cp2_ulysses", model="qwen3", impl="ulysses", n=1),  # q/k norms
+                _case("gpt2_cp2_micro_batch_norm", data="full", n=1, loss={"normalization": "micro_batch"})]  # bf16: runs, HF's fp32 within 1e-2
     if world == 4:
         return [_case("gpt2_cp2_dp2", dp=2), _case("qwen2_cp2_dp2_ulysses_zero1", model="qwen2", dp=2, impl="ulysses",
                                                   zero=1, n=1),

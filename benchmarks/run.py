@@ -41,9 +41,11 @@ BENCHMARKS: dict[str, str] = {
     "sft": "benchmarks.sft",
     "peers": "benchmarks.peers",
     "zb_memory": "benchmarks.zb_memory",
+    "context_parallel": "benchmarks.context_parallel",
     "hf_trainer": "benchmarks.hf_trainer",
     "hf_trainer_memory": "benchmarks.hf_trainer_memory",
     "dpo_trainer": "benchmarks.dpo_trainer",
+    "cp_attention": "benchmarks.cp_attention",
 }
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

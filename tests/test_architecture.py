@@ -16,8 +16,8 @@ ROOT = os.path.dirname(ds_mp.__file__)
 
 # Floors, ground first.  A module may import from its own floor or below.
 FLOORS: list[tuple[str, ...]] = [
-    ("ds_mp", "ds_mp.config", "ds_mp.topology", "ds_mp.deepspeed_compat", "ds_mp.atomic"),
-    ("ds_mp.tensor_parallel", "ds_mp.losses"),
+    ("ds_mp", "ds_mp.config", "ds_mp.topology", "ds_mp.deepspeed_compat", "ds_mp.atomic", "ds_mp.context_parallel.rules"),
+    ("ds_mp.tensor_parallel", "ds_mp.context_parallel", "ds_mp.losses"),
     ("ds_mp.models",),
     ("ds_mp.data", "ds_mp.optim"),
     ("ds_mp.checkpoint",),

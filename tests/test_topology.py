@@ -73,20 +73,6 @@ def test_context_axis_layout_and_groups_by_name(tp: int, pp: int, dp: int, cp: i
     assert sum(t.grad_rank == 0 for t in tops) == tp * pp  # one writer per parameter shard
 
 
-def test_context_parallel_is_refused_in_one_line() -> None:
-    from ds_mp.config import ConfigError, load_config
-
-    base = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-            "ds_mp": {"model": {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 64, "n_positions": 32},
-                      "data": {"seq_len": 16}}}
-    cfg, _ = load_config(base, world_size=4)
-    assert (cfg.cp, cfg.dp) == (1, 4)
-    with pytest.raises(ConfigError) as err:
-        load_config({**base, "ds_mp": {**base["ds_mp"], "context_parallel": {"size": 2}}}, world_size=4)
-    msg = str(err.value)
-    assert msg.startswith("ds_mp.context_parallel: ") and "not built yet" in msg and "\n" not in msg
-
-
 def test_bad_degrees_and_missing_grid() -> None:
     with pytest.raises(ValueError, match="degrees must be >= 1"):
         Topology(tp=0, pp=1, dp=1, rank=0)

@@ -12,7 +12,7 @@ from ds_mp.engine_view import EngineView
 
 def layout_of(engine: EngineView) -> dict:
     t = engine.topology
-    return {"tp": t.tp, "pp": t.pp, "dp": t.dp}
+    return {"tp": t.tp, "pp": t.pp, "dp": t.dp, "cp": t.cp}
 
 
 def schedule_state(engine: EngineView) -> dict | None:

@@ -166,7 +166,7 @@ def _trainer_state(engine: EngineView, opt: torch.optim.Optimizer | None, client
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt else [],
             "lr_scheduler": sched.state_dict() if sched is not None else None,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps, "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp},
+            "skipped_steps": engine.skipped_steps, "layout": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "cp": topo.cp},
             "loss_scaler": compat.loss_scaler_state(engine.optimizer), "client_state": client_state,
             "optimizer_hparams": getattr(engine, "optimizer_hparams", None)}  # the JSON's (checkpoint.hparams)
 

@@ -17,11 +17,11 @@ from ds_mp.config.checks import (check_deepspeed_blocks, check_model_family, loa
                                  validate_model)
 from ds_mp.config.resolve import resolve_model_source, shape_of
 from ds_mp.config.schema import (LLAMA_LORA_TARGETS, LORA_TARGETS, MODEL_TYPES,
-                                 BatchRampConfig, ConfigError, DataConfig, DsMpConfig, InlineModel, LoraConfig,
+                                 BatchRampConfig, ConfigError, ContextParallelConfig, DataConfig, DsMpConfig, InlineModel, LoraConfig,
                                  OuroborosConfig, PipelineConfig, TensorParallelConfig, TeraPipeConfig,
                                  TrainingConfig, parse_config)
 
-__all__ = ["BatchRampConfig", "ConfigError", "DataConfig", "DsMpConfig", "InlineModel", "LLAMA_LORA_TARGETS",
+__all__ = ["BatchRampConfig", "ConfigError", "ContextParallelConfig", "DataConfig", "DsMpConfig", "InlineModel", "LLAMA_LORA_TARGETS",
            "LORA_TARGETS", "LoraConfig", "MODEL_TYPES", "OuroborosConfig", "PipelineConfig",
            "TensorParallelConfig", "TeraPipeConfig", "TrainingConfig", "check_deepspeed_blocks", "check_model_family",
            "load_config", "parse_config", "ramp_micro_multiple", "read_json", "resolve_model_source", "shape_of",

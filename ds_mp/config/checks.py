@@ -13,6 +13,7 @@ import warnings
 from typing import Callable
 
 from ds_mp.config.batching import check_batch_ramp, check_noise_scale
+from ds_mp.config.context import check_context_parallel
 from ds_mp.config.families import family_for
 from ds_mp.config.registry import SCHEDULES, names_where, schedule_spec
 from ds_mp.config.losses import LOSSES, configured_loss
@@ -210,12 +211,13 @@ def check_lora(cfg: DsMpConfig, shape: InlineModel) -> None:
 
 
 def check_world_size(cfg: DsMpConfig, world_size: int) -> None:
-    """World size = TP × PP × DP (Ouroboros' PP is its K − 1 ring ranks)."""
-    tp, pp = cfg.tensor_parallel, cfg.pipeline
-    model_ranks = tp.size * pp.stages
+    """World size = TP × PP × CP × DP (Ouroboros' PP is its K − 1 ring ranks)."""
+    tp, pp, cp = cfg.tensor_parallel, cfg.pipeline, cfg.context_parallel
+    model_ranks = tp.size * pp.stages * cp.size
     if world_size % model_ranks:
+        with_cp = f" × context_parallel.size ({cp.size})" if cp.size > 1 else ""
         raise ConfigError(f"ds_mp: world size {world_size} is not divisible by tensor_parallel.size "
-                          f"({tp.size}) × pipeline.stages ({pp.stages}) = {model_ranks}; launch a "
+                          f"({tp.size}) × pipeline.stages ({pp.stages}){with_cp} = {model_ranks}; launch a "
                           f"multiple of {model_ranks} ranks or change the degrees")
 
 
@@ -238,7 +240,7 @@ BLOCK_CHECKS: tuple[Callable[[DsMpConfig], None], ...] = (
     check_degrees_and_counts, check_run_length, check_choices, check_schedule_name, check_loss)
 SHAPE_CHECKS: tuple[Callable[[DsMpConfig, InlineModel], None], ...] = (
     check_shape, check_stage_layout, check_virtual_stages, check_schedule_options, check_terapipe_block,
-    check_zb_max_pending_w, check_lora, check_family)
+    check_zb_max_pending_w, check_lora, check_family, check_context_parallel)
 
 
 def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:

@@ -122,7 +122,9 @@ class ScheduleSpec:
     (its last stage computes the loss of token slices of a micro-batch, not of whole sequences: a
     loss that needs whole sequences, ``LossSpec.token_sliceable = False``, is refused);
     ``delayed_gradients`` (its updates apply gradients computed on older weights: a loss that must
-    match a one-process step, DPO, refuses it)."""
+    match a one-process step, DPO, refuses it); ``context_parallel``
+    (True: tested with ``context_parallel.size`` > 1, its p2p buffers carrying seq_len/C rows; False:
+    untested, refused with the tested ones named; a string: refused with that line)."""
 
     timetable: Union[str, type]
     runtime: Union[str, RuntimeFactory, None] = None
@@ -134,6 +136,7 @@ class ScheduleSpec:
     param_groups: Union[str, Callable[..., Any], None] = None
     token_slices: bool = False
     delayed_gradients: bool = False
+    context_parallel: Union[bool, str] = False
 
     # --- config: checked on every rank before any collective ---------------------------------
     def check_layout(self, cfg: DsMpConfig, shape: InlineModel) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from ds_mp.config.families import FAMILIES
+from ds_mp.context_parallel.rules import DEFAULT_IMPL
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,14 @@ class TensorParallelConfig:
     sequence_parallel: bool = False  # shard LayerNorm/dropout regions along the sequence
     vocab_pad_multiple: int = 128  # vocab is padded to a multiple of this × size
     overlap_comm: bool = True  # backward: all-reduce dX of column-parallel layers while computing dW
+
+
+@dataclass
+class ContextParallelConfig:
+    size: int = 1  # CP degree C: each rank holds seq_len/C tokens of every micro-batch (1 = off)
+    # "allgather": K/V all-gathered over the CP group, zigzag-balanced causal work, any head count (default:
+    # the one that takes every model); "ulysses": all-to-all to a head split, heads divisible by TP × C
+    impl: str = DEFAULT_IMPL
 
 
 @dataclass
@@ -179,6 +188,7 @@ class LossConfig:
 class DsMpConfig:
     model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir, Hub id, or inline shape
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     terapipe: TeraPipeConfig = field(default_factory=TeraPipeConfig)
     ouroboros: OuroborosConfig = field(default_factory=OuroborosConfig)
@@ -205,9 +215,9 @@ class DsMpConfig:
 
     @property
     def cp(self) -> int:
-        """The context-parallel degree: 1 until context parallelism is built (``parse_config`` refuses
-        ``context_parallel``); ``dp`` = world / (TP × PP × CP) counts the ranks that read distinct rows."""
-        return 1
+        """The context-parallel degree C; ``dp`` = world / (TP × PP × CP) counts the ranks that read
+        distinct rows (CP peers read the same rows)."""
+        return self.context_parallel.size
 
 
 def _type_name(tp: Any) -> str:
@@ -275,8 +285,5 @@ def parse_config(raw: dict) -> DsMpConfig:
     """Parse the ``"ds_mp"`` block (types and key names only; see :func:`validate`)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"ds_mp: expected an object {{...}}, got {raw!r}")
-    if "context_parallel" in raw:
-        raise ConfigError("ds_mp.context_parallel: context parallelism is not built yet; remove the key "
-                          "(every rank of a TP group holds whole sequences)")
     return _parse(DsMpConfig, raw, "")
 

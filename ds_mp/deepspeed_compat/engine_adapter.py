@@ -26,6 +26,7 @@ HANDLERS: dict[str, str] = {
     "_train_schedule": "train_schedule",           # train_batch builds its PipeSchedule here
     "_exec_schedule": "run_schedule",              # runs one schedule's instruction steps
     "_aggregate_total_loss": "aggregate_loss",     # train_batch's mean loss, broadcast from the loss stage
+    "_reduce_outputs": "reduce_outputs",           # eval_batch's mean over micro-batches and replicas
     "_exec_load_micro_batch": "load_micro_batch",  # next micro-batch into inputs/labels[buffer_id]
     "_exec_recv_activations": "recv_activations",  # previous stage's activations into a buffer
     "_exec_send_activations": "send_activations",  # a buffer's outputs to the next stage

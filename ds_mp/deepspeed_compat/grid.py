@@ -31,21 +31,26 @@ The pipe, slice (TP) and p2p groups are DeepSpeed's own (they vary one axis and 
 :meth:`~ContextParallelGrid.get_context_parallel_group` the CP group.  With ``context`` = 1 every
 group above is one DeepSpeed already built (no new process group is made).
 
-Left for context parallelism itself (cp > 1 is refused until then): DeepSpeed's
-``_aggregate_total_loss`` all-reduces over ``get_data_parallel_group()`` (dp × cp) but divides by
-``dp_world_size`` (dp), and ``PipelineModule._index_tied_modules`` builds the tied-weight groups
-over ``data`` × ``model`` keeping each rank's own ``context`` coordinate (ranks of different CP
-coordinates would call ``new_group`` with different ranks): both need ds_mp's own at cp > 1.
+Two DeepSpeed behaviours are wrong at cp > 1 and replaced here: ``_aggregate_total_loss``
+all-reduces over ``get_data_parallel_group()`` (dp × cp) but divides by ``dp_world_size`` (dp), and
+skips the all-reduce when dp = 1 (each CP rank's loss is its shard's part): :func:`grad_group_loss`
+is the mean over dp × cp instead, and :func:`grad_group_mean` replaces ``_reduce_outputs``' (``eval_batch``).  ``PipelineModule._index_tied_modules`` builds the tied-weight
+groups over ``data`` × ``model`` keeping each rank's own ``context`` coordinate (ranks of different CP
+coordinates would call ``new_group`` with different ranks): ``pipeline_module`` builds them per CP
+coordinate.
 """
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
 from ds_mp.deepspeed_compat.pipeline import Assumption, DeepSpeedIncompatible, _fail
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
 #: DeepSpeed's axis names, slowest first: rank = ((pipe·DP + data)·CP + context)·TP + model.
 AXES: tuple[str, ...] = ("pipe", "data", "context", "model")
@@ -163,6 +168,37 @@ class ContextParallelGrid(PipelineParallelGrid):
         return self._topo.get_coord(self.global_rank).context
 
 
+def grad_group_mean(engine: PipelineEngine, value: Any) -> Any:
+    """``value`` (a tensor or a list of them, this rank's mean over its micro-batches) summed over
+    dp × cp and divided by its size: the mean DeepSpeed takes over dp at cp = 1, where dp × cp is
+    dp.  At cp > 1 each CP rank's micro-batch loss is its shard's S / D (``ds_mp.losses.spec``), so
+    the shards' parts are summed with the replicas (DeepSpeed divides by dp, and skips the
+    all-reduce when dp = 1)."""
+    grid = engine.grid
+    values = value if isinstance(value, (list, tuple)) else [value]
+    for v in values:
+        dist.all_reduce(v, group=grid.get_data_parallel_group())
+        v /= grid.get_sequence_data_parallel_world_size()
+    return value
+
+
+def grad_group_loss(engine: PipelineEngine) -> Any:
+    """``train_batch``'s loss at cp > 1, on every stage (DeepSpeed's ``_aggregate_total_loss`` with
+    :func:`grad_group_mean`): the last stage's summed micro-batch losses (``total_loss``) over the
+    micro-batches (DeepSpeed's 1/GAS), averaged over dp × cp, broadcast from the last stage."""
+    import torch
+
+    grid = engine.grid
+    if engine.is_last_stage():
+        loss = grad_group_mean(engine, engine.total_loss.detach().clone().float() / engine.micro_batches)
+    else:
+        loss = torch.zeros((), device=engine.device)
+    if engine.num_stages > 1:
+        last = grid.stage_to_global(stage_id=engine.num_stages - 1)
+        dist.broadcast(loss, src=last, group=grid.get_pipe_parallel_group())
+    return loss
+
+
 def check_grid(grid: Any) -> None:
     """Raise :class:`DeepSpeedIncompatible` naming the first attribute of DeepSpeed's grid, or the
     first behaviour of its engine, that the table in this module's docstring relies on and is gone."""
@@ -182,4 +218,4 @@ def check_grid(grid: Any) -> None:
                                         "ds_mp.deepspeed_compat.grid needs updating")
 
 
-__all__ = ["AXES", "GRID_ATTRIBUTES", "ContextParallelGrid", "check_grid", "process_topology"]
+__all__ = ["AXES", "GRID_ATTRIBUTES", "ContextParallelGrid", "check_grid", "grad_group_loss", "grad_group_mean", "process_topology"]

@@ -91,6 +91,7 @@ ENGINE_ATTRIBUTES: tuple[Assumption, ...] = (
     Assumption("engine", "grad_layer", "the gradient the last RecvGrad wrote, what BackwardPass backpropagates "
                "on a non-last stage (one buffer, overwritten by every RecvGrad)"),
     Assumption("engine", "agg_train_loss", "train_batch's reported loss"),
+    Assumption("engine", "total_loss", "the last stage's sum of its micro-batch losses of the step (grid.grad_group_loss)"),
     Assumption("engine", "prev_stage", "the stage RecvActivation/SendGrad exchange with"),
     Assumption("engine", "next_stage", "the stage SendActivation/RecvGrad exchange with"),
     Assumption("module", "parts", "the first layer of every stage and the end (stages + 1 entries)"),

@@ -2,7 +2,8 @@
 
 DeepSpeed builds a pipeline stage through private hooks: ``_partition_layers`` (which layers this
 stage holds), ``_build`` (construct them, after creating the process grid) and
-``_synchronize_tied_weights`` (make the tied copies equal).  :class:`PipelineModuleAdapter`
+``_synchronize_tied_weights`` (make the tied copies equal), ``_index_tied_modules`` (their groups, per
+context-parallel coordinate too).  :class:`PipelineModuleAdapter`
 overrides exactly those and translates them into ds_mp's terms: the stage bounds it was given,
 ds_mp's grid (``ContextParallelGrid.adopt``: the mpu DeepSpeed's engine reads),
 :meth:`~PipelineModuleAdapter.grid_ready` (the model's subclass, ``ds_mp.models.pipeline.DsMpPipeline``,
@@ -18,6 +19,7 @@ list with that key (the embedding, in every layout ds_mp builds).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -55,6 +57,29 @@ class PipelineModuleAdapter(PipelineModule):
         self.parts = self._ds_mp_parts
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    def _index_tied_modules(self) -> dict:
+        """DeepSpeed's tied-weight groups (one per tied key and fiber of the stages owning it), over
+        every ``data`` × ``context`` × ``model`` fiber.  DeepSpeed's own loops over ``data`` × ``model``
+        and keeps each rank's own ``context`` coordinate, so at cp > 1 ranks of different CP
+        coordinates would call ``new_group`` (a collective) with different ranks; at cp = 1 it is
+        DeepSpeed's, unchanged."""
+        topo = self._topo
+        if topo.get_dim("context") == 1 or topo.get_dim("pipe") == 1:
+            return super()._index_tied_modules()
+        specs, tied_comms = self._layer_specs, {}
+        for key in sorted({s.key for s in specs if isinstance(s, TiedLayerSpec)}):
+            stages = sorted({self.stage_owner(i) for i, s in enumerate(specs)
+                             if isinstance(s, TiedLayerSpec) and s.key == key})
+            for d, c, m in itertools.product(*(range(topo.get_dim(a)) for a in ("data", "context", "model"))):
+                ranks = [topo.get_rank(pipe=s, data=d, context=c, model=m) for s in stages]
+                group = torch.distributed.new_group(ranks=ranks)
+                if self.global_rank in ranks:
+                    tied_comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
+                                       "module": self.tied_modules[key]}
+                    for p in self.tied_modules[key].parameters() if self.global_rank != ranks[0] else ():
+                        p.ds_pipe_replicated = True  # counted once by DeepSpeed's norm, as its own marks it
+        return tied_comms
 
     def _synchronize_tied_weights(self) -> None:
         """DeepSpeed broadcasts the tied embedding from its first owner when the module is built.

@@ -17,7 +17,9 @@ labels the spec's tuple ``(targets, denominator, *extras)`` (``spec.labels``) wh
 or a sliding window also have a :class:`~ds_mp.models.batch.Layout`; stage 0 broadcasts them (one
 ``(M, 2, B, T)`` tensor) to the stages that read no data, and the engine sets the running
 micro-batch's layout around each forward and backward (:meth:`DsMpPipelineEngine.micro_layout`).
-Shapes stay ``(B, T)``: the p2p buffers and their announced shapes are kept.
+Shapes stay ``(B, T)``: the p2p buffers and their announced shapes are kept.  Under context
+parallelism every micro-batch has a full-row layout and each CP rank is fed its ``T/C`` tokens
+(:mod:`ds_mp.engine.context`: targets and counts are made on the full row first).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from ds_mp.engine import context
 from ds_mp.models.batch import Layout, MicroBatch, parse_micro_batch
 from ds_mp.engine_view import RuntimeEngine
 
@@ -117,6 +120,8 @@ def _read(engine: RuntimeEngine, source: Any, n: int) -> tuple[list[MicroBatch],
         if seq_len is not None and T > seq_len:
             raise ValueError(f"batch: sequence length {T} exceeds ds_mp.data.seq_len={seq_len}; raise data.seq_len "
                              f"or cut the batches to {seq_len} tokens{flat}")
+        if engine.module.ds_mp_ctx.cp > 1:
+            context.check_rows(T, engine.module.ds_mp_ctx)
         targets = [mb.targets() for mb in mbs]
         return mbs, targets, [spec.units(t) for t in targets], ""
     except ValueError as err:
@@ -139,6 +144,8 @@ def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator |
     mbs, targets, counts, error = _read(engine, source, n) if reads else ([], [], [], "")
     ctx = engine.module.ds_mp_ctx
     layouts = [mb.layout(ctx.window) for mb in mbs]
+    if ctx.cp > 1:  # context parallelism: every micro-batch has a (full-row) layout
+        layouts = [context.full_layout(mb, lay) for mb, lay in zip(mbs, layouts)]
     spec = engine.module.loss_spec
     head = torch.zeros(5, dtype=torch.long, device=dev)  # B, T, count, has layouts, refused
     if reads:
@@ -169,18 +176,34 @@ def prepare_step(engine: RuntimeEngine, source: Any, n: int) -> tuple[Iterator |
         dist.broadcast(packed, src=topo.pp_ranks()[0], group=topo.pp_group)
         if not reads:
             layouts = [Layout(p[0], p[1], ctx.window) for p in packed]
+    if ctx.cp > 1:  # this CP rank's tokens of each (full-row) layout
+        layouts = [context.sharded(lay, ctx, dev) for lay in layouts]
     step = Step(count, (B, T), layouts if layouts else [None] * n)
     if not reads:
         return None, step
-    normalization = "tokens" if engine.ds_mp_config is None else engine.ds_mp_config.loss.normalization
-    denominators = spec.denominators(counts, count, topo.grad_size, normalization)
-    fed = []
-    for mb, lay, tgt, d in zip(mbs, layouts, targets, denominators):
-        inputs = mb.input_ids if lay is None else (mb.input_ids, lay.positions)
-        fed.append((inputs, spec.labels(tgt, torch.tensor(d, device=dev), mb.extras)))
-    step.layouts = [None if lay is None else Layout(lay.positions.to(dev), lay.docs.to(dev), lay.window)
+    fed = _feed(engine, mbs, layouts, targets, spec.denominators(counts, count, topo.grad_size, _normalization(engine)))
+    step.layouts = [None if lay is None else Layout(lay.positions.to(dev), lay.docs.to(dev), lay.window, lay.q_index)
                     for lay in layouts]
     return iter(fed), step
+
+
+def _normalization(engine: RuntimeEngine) -> str:
+    return "tokens" if engine.ds_mp_config is None else engine.ds_mp_config.loss.normalization
+
+
+def _feed(engine: RuntimeEngine, mbs: list[MicroBatch], layouts: list[Layout | None], targets: list[torch.Tensor],
+          denominators: list[float]) -> list[tuple]:
+    """What DeepSpeed reads of each micro-batch: ``(input_ids or (input_ids, positions), labels)``,
+    the labels the loss spec's tuple; under CP this rank's tokens (:mod:`ds_mp.engine.context`)."""
+    spec, ctx, dev = engine.module.loss_spec, engine.module.ds_mp_ctx, engine.device
+    fed = []
+    for mb, lay, tgt, d in zip(mbs, layouts, targets, denominators):
+        inputs, extras = (mb.input_ids if lay is None else (mb.input_ids, lay.positions)), mb.extras
+        if ctx.cp > 1:
+            inputs, tgt, extras = context.shard_micro_batch(mb, lay, tgt)
+            d = context.shard_denominators([d], _normalization(engine), ctx)[0]
+        fed.append((inputs, spec.labels(tgt, torch.tensor(d, device=dev), extras)))
+    return fed
 
 
 @contextlib.contextmanager

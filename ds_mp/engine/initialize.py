@@ -122,8 +122,8 @@ def build_engine(model: Any = None, config: Any = None, training_data: Any = Non
         check_deepspeed_blocks(raw, cfg)
     topology = Topology(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, cp=cfg.cp, rank=torch.distributed.get_rank())
     # Offset per pipeline stage (Megatron-LM: seed + 100·pp_rank) so stages (and Ouroboros' ring
-    # ranks) draw different dropout masks.
-    seed_everything(cfg.training.seed, topology.tp_rank, pp_rank=topology.pp_rank)
+    # ranks) draw different dropout masks; and per CP rank (different tokens of the same rows).
+    seed_everything(cfg.training.seed, topology.tp_rank, pp_rank=topology.pp_rank, cp_rank=topology.cp_rank)
     src = agreed_weight_source(model, cfg)
     ds_dict = deepspeed_dict(raw)
     net, costs = _pipeline(src, cfg, ds_dict, topology)
@@ -191,7 +191,7 @@ def _pipeline(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: Topol
                          activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
                          dynamic_shape=spec.dynamic_shape(), layout=layout,
                          lora=cfg.lora, seed=cfg.training.seed, virtual_stages=cfg.pipeline.virtual_stages,
-                         loss=configured_loss(cfg.loss))
+                         loss=configured_loss(cfg.loss), cp_impl=cfg.context_parallel.impl)
     return net, costs
 
 

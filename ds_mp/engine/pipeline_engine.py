@@ -20,6 +20,7 @@ from deepspeed.accelerator import get_accelerator
 from ds_mp import deepspeed_compat as compat
 from ds_mp.deepspeed_compat import stage_gate
 from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
+from ds_mp.deepspeed_compat.grid import grad_group_loss, grad_group_mean
 from ds_mp.engine import cpu_heap, grads, layerwise, rows, zero2
 from ds_mp.engine.checkpoint_api import LayoutFreeCheckpoints
 from ds_mp.engine.batches import MicroBook, Step, batch_source, micro_layout, prepare_step, warn_no_targets
@@ -227,9 +228,17 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
         (:func:`ds_mp.engine.batches.micro_layout`)."""
         return micro_layout(self, buffer_id, forward)
 
+    def reduce_outputs(self, outputs: Any, reduce: str | None = "avg", reduce_dp: bool = True,
+                       micro_batches: int | None = None) -> Any:
+        """``eval_batch``'s reduction (DeepSpeed's); at cp > 1 over dp × cp (``grid.grad_group_mean``)."""
+        if self.topology.cp == 1 or not reduce_dp or reduce is None:
+            return self.deepspeed_reduce_outputs(outputs, reduce, reduce_dp, micro_batches)
+        return grad_group_mean(self, self.deepspeed_reduce_outputs(outputs, reduce, False, micro_batches))
+
     def aggregate_loss(self) -> torch.Tensor:
-        hook = getattr(self.schedule_support, "aggregate_loss", None)
-        return hook() if hook is not None else self.deepspeed_aggregate_loss()
+        hook = getattr(self.schedule_support, "aggregate_loss", None)  # at cp > 1 DeepSpeed's divides by dp only
+        own = grad_group_loss if self.topology.cp > 1 else PipelineEngineAdapter.deepspeed_aggregate_loss
+        return hook() if hook is not None else own(self)
 
     # --- schedule state that lives across steps (checkpointed per rank) -----------------
     def schedule_state_dict(self) -> dict | None:

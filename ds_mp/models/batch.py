@@ -80,34 +80,60 @@ class MicroBatch:
 
 @dataclass
 class Layout:
-    """A micro-batch's positions and documents (module docstring), rows ``(B, T)``."""
+    """A micro-batch's positions and documents (module docstring), rows ``(B, T)``.
+
+    Under context parallelism (CP) ``positions`` and ``docs`` stay the FULL row's ``(B, T)`` (so
+    RoPE, GPT-2's position table, sliding windows and document masks are the full row's) and
+    ``q_index`` ``(T/C,)`` holds the ascending full-row indices of the tokens this CP rank holds
+    (``ds_mp.context_parallel.shard.shard_index``; the same for every row); None without CP."""
 
     positions: torch.Tensor  # (B, T) long
     docs: torch.Tensor  # (B, T) long, -1 = padding key
     window: int | None = None
-    masks: dict = field(default_factory=dict, repr=False)  # (q_len, k_len) -> mask: built once, read by every block
+    q_index: torch.Tensor | None = None  # (T/C,) long: this CP rank's full-row token indices, None = all
+    masks: dict = field(default_factory=dict, repr=False)  # (q_len, k_len, …) -> mask: built once, read by every block
 
     def rows(self, r0: int, r1: int) -> "Layout":
-        return Layout(self.positions[r0:r1], self.docs[r0:r1], self.window)
+        return Layout(self.positions[r0:r1], self.docs[r0:r1], self.window, self.q_index)
 
-    def mask(self, q_len: int, k_len: int, windowed: bool = True) -> torch.Tensor:
+    def local_positions(self) -> torch.Tensor:
+        """The positions of the tokens this rank holds: ``positions[:, q_index]`` ``(B, T/C)`` under
+        CP, else ``positions``."""
+        return self.positions if self.q_index is None else self.positions[:, self.q_index]
+
+    def mask(self, q_len: int, k_len: int, windowed: bool = True, sharded: bool = False,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
         """Boolean SDPA mask ``(B, 1, q_len, k_len)`` (True = attend) for the queries at indices
         ``k_len - q_len … k_len - 1`` against the keys ``0 … k_len - 1`` (a TeraPipe slice attends
         to its sequence's earlier slices: the keys before its own); ``windowed`` False: without the
-        window (Gemma 3's full-attention layers between its sliding-window ones)."""
-        key = (q_len, k_len, windowed and self.window is not None)
+        window (Gemma 3's full-attention layers between its sliding-window ones).  ``sharded`` (CP's
+        ``allgather``): the queries are this rank's tokens ``q_index`` (``q_len`` of them) against
+        the full row's ``k_len`` = T keys: rows ``q_index`` of the full mask.  CP's ``ulysses``
+        attends over the full row: ``mask(T, T)``.  ``dtype``: the additive form (0 = attend, -inf
+        = not) in that dtype, built once and passed to every layer's SDPA, which holds this one
+        tensor for backward (given the boolean one it converts and holds a copy per call)."""
+        key = (q_len, k_len, windowed and self.window is not None, sharded, dtype)
         if key not in self.masks:
-            self.masks[key] = self._mask(q_len, k_len, key[2])
+            allowed = self._mask(q_len, k_len, key[2], sharded)
+            self.masks[key] = allowed if dtype is None else torch.zeros(
+                allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
         return self.masks[key]
 
-    def _mask(self, q_len: int, k_len: int, windowed: bool) -> torch.Tensor:
-        q0, dev = k_len - q_len, self.docs.device
-        qi = torch.arange(q0, k_len, device=dev)[:, None]
-        kj = torch.arange(k_len, device=dev)[None, :]
+    def _mask(self, q_len: int, k_len: int, windowed: bool, sharded: bool) -> torch.Tensor:
+        dev = self.docs.device
+        if sharded:
+            if self.q_index is None or len(self.q_index) != q_len or k_len != self.docs.shape[1]:
+                raise ValueError(f"Layout.mask: sharded queries need q_index of {q_len} tokens and k_len = the full "
+                                 f"row {self.docs.shape[1]}, got q_index "
+                                 f"{None if self.q_index is None else len(self.q_index)} and k_len {k_len}")
+            q_idx = self.q_index.to(dev)
+        else:
+            q_idx = torch.arange(k_len - q_len, k_len, device=dev)
+        qi, kj = q_idx[:, None], torch.arange(k_len, device=dev)[None, :]
         allowed = kj <= qi  # (q, k)
         if windowed:
             allowed = allowed & (qi - kj < self.window)
-        dq, dk = self.docs[:, q0:k_len, None], self.docs[:, None, :k_len]  # (B, q, 1), (B, 1, k)
+        dq, dk = self.docs[:, q_idx, None], self.docs[:, None, :k_len]  # (B, q, 1), (B, 1, k)
         allowed = allowed & (dq == dk) & (dk >= 0)  # a padding query: no key (SDPA's output 0, HF's)
         return allowed.unsqueeze(1)
 

@@ -123,7 +123,8 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
                    sequence_parallel: bool = False, overlap_comm: bool = True, vocab_pad_multiple: int = 128,
                    activation_checkpoint_interval: int = 0, dynamic_shape: bool = False,
                    layout: tuple[list[str], list[int]] | None = None, lora: Any = None,
-                   seed: int = 0, virtual_stages: int = 1, loss: LossSpec = LM_LOSS) -> DsMpPipeline:
+                   seed: int = 0, virtual_stages: int = 1, loss: LossSpec = LM_LOSS,
+                   cp_impl: str = "allgather") -> DsMpPipeline:
     """Build this rank's stage of ``src.config``'s family (reading only its weights from ``src``).
 
     ``layout = (layer names, parts)`` replaces the default order (``Family.pipeline_layers``) and
@@ -143,12 +144,13 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
     the other; ``net.virtual_parts`` keeps the chunk boundaries over the family's table (None at v = 1).
 
     ``loss``: the run's :class:`~ds_mp.losses.spec.LossSpec` (``net.loss_spec``; ``net.loss_fn`` is it
-    bound to this stage's ``Ctx``).
+    bound to this stage's ``Ctx``).  ``cp_impl``: context parallelism's exchange (``topology.cp`` > 1;
+    ``ds_mp.context_parallel``).
     """
     cfg = src.config
     family = family_of(cfg)
     family.check(cfg)
-    ctx = Ctx(topology, cfg, sequence_parallel, vocab_pad_multiple)
+    ctx = Ctx(topology, cfg, sequence_parallel, vocab_pad_multiple, cp_impl=cp_impl)
     ctx.overlap_comm = overlap_comm
     ctx.lora, ctx.seed = (lora if lora is not None and lora.r > 0 else None), seed
     L, table = cfg.num_hidden_layers, family.pipeline_layers(cfg)

@@ -114,5 +114,5 @@ class GPipe(FillDrain):
 
 
 # Plain timetables of DeepSpeed's instructions: no runtime; tested with every family and a batch ramp.
-ONE_F_ONE_B = ScheduleSpec(timetable=OneFOneB, families=ALL_FAMILIES, batch_ramp=True)
-GPIPE = ScheduleSpec(timetable=GPipe, families=ALL_FAMILIES, batch_ramp=True)
+ONE_F_ONE_B = ScheduleSpec(timetable=OneFOneB, families=ALL_FAMILIES, batch_ramp=True, context_parallel=True)
+GPIPE = ScheduleSpec(timetable=GPipe, families=ALL_FAMILIES, batch_ramp=True, context_parallel=True)

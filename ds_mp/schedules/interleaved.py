@@ -154,7 +154,8 @@ class InterleavedSpec(ScheduleSpec):
 
 
 INTERLEAVED = InterleavedSpec(timetable=Interleaved1F1B, runtime="ds_mp.engine.interleaved:attach",
-                              families=ALL_FAMILIES, batch_ramp=True, virtual_stages=True)
+                              families=ALL_FAMILIES, batch_ramp=True, virtual_stages=True,
+                              context_parallel=True)
 
 __all__ = ["ChunkForward", "ChunkBackward", "ring_peer", "forward_only_timetable", "Interleaved1F1B",
            "chunk_weights", "InterleavedSpec", "INTERLEAVED"]

@@ -351,7 +351,7 @@ class ZeroBubbleVSpec(ZeroBubbleSpec):
 
 
 ZB_V = ZeroBubbleVSpec(timetable=ZeroBubbleV, runtime="ds_mp.engine.zb_v:attach", families=ALL_FAMILIES,
-                       batch_ramp=False)
+                       batch_ramp=False, context_parallel=True)
 
 
 __all__ = ["DEFERRALS", "unit_cost", "v_deps", "v_peer", "zb_v_timetable", "held_peak", "figure", "project",

@@ -109,6 +109,6 @@ class ZeroBubbleSpec(ScheduleSpec):
 
 
 ZB_H1 = ZeroBubbleSpec(timetable=ZeroBubbleH1, runtime="ds_mp.engine.zero_bubble:attach", families=ALL_FAMILIES,
-                       batch_ramp=True)
+                       batch_ramp=True, context_parallel=True)
 
 __all__ = ["BackwardInput", "BackwardWeight", "ZeroBubbleH1", "ZeroBubbleSpec", "ZB_H1", "stage_weights"]

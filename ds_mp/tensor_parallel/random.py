@@ -18,14 +18,16 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 TP_STREAM = "model-parallel-rng"  # DeepSpeed's name for the model-parallel stream
 
 
-def seed_everything(seed: int, tp_rank: int, pp_rank: int = 0) -> dict:
+def seed_everything(seed: int, tp_rank: int, pp_rank: int = 0, cp_rank: int = 0) -> dict:
     """Seed this rank's two streams, Megatron-LM style.
 
     Default stream: ``seed + 100·pp_rank`` — equal on the TP ranks of a stage (dropout
     outside parallel regions must agree over TP), different per pipeline stage (otherwise
     stage s would draw the same masks as stage 0 for its own layers).  TP stream:
     ``seed + 100·pp_rank + 2718 + tp_rank`` (differs over TP and over stages).  DP
-    replicas share the seeds (as in Megatron-LM; they see different data).
+    replicas share the seeds (as in Megatron-LM; they see different data).  Context-parallel
+    ranks hold different tokens of the same rows: ``+ 1_000_003·cp_rank`` on both streams, so
+    their dropout masks are independent (cp_rank 0: the seeds above, unchanged).
 
     Returns the seeds used (recorded in logs/checkpoints so runs reproduce).
     """
@@ -33,7 +35,7 @@ def seed_everything(seed: int, tp_rank: int, pp_rank: int = 0) -> dict:
 
     import numpy as np
 
-    base = seed + 100 * pp_rank
+    base = seed + 100 * pp_rank + 1_000_003 * cp_rank
     random.seed(base)
     np.random.seed(base % 2**32)
     torch.manual_seed(base)

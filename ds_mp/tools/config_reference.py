@@ -41,6 +41,7 @@ COMMAND = "python -m ds_mp.tools.config_reference --write"
 SECTION_PAGES: dict[str, str] = {
     "model": "fine-tuning.md#models-from-the-hub",
     "tensor_parallel": "layouts.md#tensor-parallelism",
+    "context_parallel": "layouts.md#context-parallelism",
     "pipeline": "layouts.md#pipeline-parallelism",
     "terapipe": "schedules.md#terapipe",
     "ouroboros": "schedules.md#ouroboros",

@@ -77,6 +77,11 @@ class Block(nn.Module):
         B, T, _ = qkv.shape
         q, k, v = qkv.view(B, T, 3, self.n_head_local, -1).permute(2, 0, 3, 1, 4)  # (B, nh_l, T, hs)
         p = self.ctx.attn_dropout if self.training else 0.0
+        if self.ctx.cp > 1:  # this rank's tokens of the row against the whole row's (the layout's mask)
+            assert self.kv_extension is None, "TeraPipe with context parallelism (refused at load_config)"
+            with parallel_region_rng():  # each rank's own heads (and, inside, each CP rank's own seed)
+                y = self.ctx.cp_attention(q, k, v, None, dropout_p=p)  # MHA: head j reads head j
+            return self.attn_proj(y.transpose(1, 2).reshape(B, T, -1))
         if self.kv_extension is not None:
             k, v, mask = self.kv_extension.extend(self.index, k, v)  # (B, nh_l, ctx+T, hs)
         else:
@@ -139,11 +144,14 @@ class TokenEmbedding(nn.Module):
 
 def embed_forward(module: TokenEmbedding, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """First stage: ``ids`` or ``(ids, positions)`` -> ``(wte(ids), positions)`` (without positions:
-    the running micro-batch's layout's, else 0 … T-1)."""
+    the running micro-batch's layout's, of this CP rank's tokens under CP, else 0 … T-1)."""
     ids, pos = inputs if isinstance(inputs, (tuple, list)) else (inputs, None)
     check_input_ids(ids, module.ctx.vocab)
-    if pos is None and module.ctx.layout is not None:
-        pos = module.ctx.layout.positions
+    if pos is None and module.ctx.layout is not None:  # under CP: the positions of this rank's tokens
+        pos = module.ctx.layout.local_positions()
+    if pos is not None and pos.shape[-1] != ids.shape[1]:
+        raise ValueError(f"GPT-2 embedding: {pos.shape[-1]} positions for {ids.shape[1]} tokens (under context "
+                         "parallelism both are this rank's: input_ids[:, q_index], layout.local_positions())")
     if pos is None:
         pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     return module.wte(ids), pos

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from ds_mp.context_parallel.attention import grouped_kv
 from ds_mp.models.family import lora_targeted
 from ds_mp.models.ctx import Ctx
 from ds_mp.models.token_ids import check_input_ids
@@ -144,6 +145,7 @@ class Attention(nn.Module):
         # local query head j reads local key/value head kv_index[j] (HF's repeat_kv, restricted to this rank)
         self.register_buffer("kv_index", (torch.arange(n_head_local) + first) // group_size, persistent=False)
         self.n_kv_local = n_kv if n_kv % p else n_kv // p  # the key/value heads this rank computes (and caches)
+        self.grouped = grouped_kv(self.kv_index, self.n_kv_local)  # HF's order over this rank's heads (CP: SDPA groups)
         self.q_norm = self.k_norm = None
         if ctx.family.qk_norm(cfg):
             name = f"model.layers.{index}.self_attn."
@@ -179,6 +181,15 @@ class Attention(nn.Module):
         v = self.v_proj(x_in, x_pre).view(B, T, -1, self.hd).transpose(1, 2)
         if self.q_norm is not None:  # per head, before the rotation (and before TeraPipe caches k)
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.ctx.cp > 1:  # this rank's tokens of the row; the layout's full-row positions and mask
+            assert kv_extension is None, "TeraPipe with context parallelism (refused at load_config)"
+            pos = self.ctx.layout.local_positions()
+            q, k = self.rotate(q, 0, pos), self.rotate(k, 0, pos)
+            p = self.ctx.attn_dropout if self.training else 0.0
+            with parallel_region_rng():  # each rank's own heads (and, inside, each CP rank's own seed)
+                y = self.ctx.cp_attention(q, k, v, None if self.grouped else self.kv_index, windowed=self.windowed,
+                                          dropout_p=p, scale=self.scale)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         mask = None
         if kv_extension is not None:  # TeraPipe: earlier slices' keys (cached before rotation) and values
             k, v, mask = kv_extension.extend(self.index, k, v)  # (B, nkv_l, c+T, hd): grouped heads

@@ -74,4 +74,7 @@ OUROBOROS = OuroborosSpec(
                 "up to K-2 steps earlier, so a batch (and LR) change would mix batch sizes inside one update; use a "
                 "fixed batch or another schedule"),
     lora=("ds_mp.lora: not supported with the ouroboros schedule (it assembles every module's gradients by hand); "
-          "use 1f1b, gpipe or terapipe"))
+          "use 1f1b, gpipe or terapipe"),
+    context_parallel=("ds_mp.context_parallel: not supported with the ouroboros schedule (its own module runner "
+                      "feeds and replays whole sequences, not CP shards); use 1f1b, gpipe, zb-h1, zb-v or "
+                      "interleaved"))

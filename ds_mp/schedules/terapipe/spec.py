@@ -25,4 +25,7 @@ class TeraPipeSpec(ScheduleSpec):
 
 TERAPIPE = TeraPipeSpec(timetable="ds_mp.schedules.terapipe.schedule:TeraPipeSchedule",
                         runtime="ds_mp.engine.terapipe:attach", families=ALL_FAMILIES, batch_ramp=True,
-                        token_slices=True)
+                        token_slices=True,
+                        context_parallel=("ds_mp.context_parallel: not supported with the terapipe schedule (its token "
+                                          "slices and key/value cache split the sequence along the pipeline "
+                                          "already); use 1f1b, gpipe, zb-h1, zb-v or interleaved"))

@@ -82,6 +82,10 @@ class EngineView(Protocol):
     def schedule_state_tp_free(self) -> bool:
         """The in-flight state is the same on every TP rank (resumes at another TP degree)."""
 
+    def step_rows(self) -> dict[str, torch.Tensor]:
+        """The last train/eval step's per-row loss values (``LossSpec.rows``), every DP replica's, on
+        every rank (collective)."""
+
 
 class StageView(Protocol):
     """What a timetable's ``from_engine`` reads: the step's size and this rank's place."""

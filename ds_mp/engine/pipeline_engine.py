@@ -9,7 +9,6 @@ DeepSpeed name appears here.  Everything else (p2p receive, optimizer, ZeRO, bf1
 from __future__ import annotations
 
 import functools
-import math
 import time
 from typing import Any
 
@@ -21,15 +20,16 @@ from ds_mp import deepspeed_compat as compat
 from ds_mp.deepspeed_compat import stage_gate
 from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
 from ds_mp.deepspeed_compat.grid import grad_group_loss, grad_group_mean
-from ds_mp.engine import cpu_heap, grads, layerwise, rows, zero2
+from ds_mp.engine import cpu_heap, layerwise, rows, zero2
 from ds_mp.engine.checkpoint_api import LayoutFreeCheckpoints
+from ds_mp.engine.grad_steps import GradientSteps
 from ds_mp.engine.batches import MicroBook, Step, batch_source, micro_layout, prepare_step, warn_no_targets
 from ds_mp.engine.p2p import PostedSends
 from ds_mp.config.registry import ScheduleRuntime, schedule_spec
 from ds_mp.config.schema import PipelineConfig
 
 
-class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
+class DsMpPipelineEngine(GradientSteps, LayoutFreeCheckpoints, PipelineEngineAdapter):
     """DeepSpeed's pipeline engine with a pluggable schedule (``ds_mp.pipeline.schedule``)."""
     #: Post activation/gradient sends (isend) and wait for them at the end of the schedule,
     #: instead of DeepSpeed's blocking send (a rendezvous with the receiver on gloo).  Every
@@ -219,8 +219,7 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
             return super().eval_batch(fed, *args, num_micro_batches=num_micro_batches, **kwargs)
 
     def step_rows(self) -> dict[str, torch.Tensor]:
-        """The loss's per-row values of the last train/eval step on every rank, DP replicas'
-        rows gathered (:func:`ds_mp.engine.rows.step_rows`; collective)."""
+        """The last step's per-row loss values, every DP replica's, on every rank (collective)."""
         return rows.step_rows(self)
 
     def micro_layout(self, buffer_id: int, forward: bool = False) -> Any:
@@ -231,9 +230,9 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
     def reduce_outputs(self, outputs: Any, reduce: str | None = "avg", reduce_dp: bool = True,
                        micro_batches: int | None = None) -> Any:
         """``eval_batch``'s reduction (DeepSpeed's); at cp > 1 over dp × cp (``grid.grad_group_mean``)."""
-        if self.topology.cp == 1 or not reduce_dp or reduce is None:
-            return self.deepspeed_reduce_outputs(outputs, reduce, reduce_dp, micro_batches)
-        return grad_group_mean(self, self.deepspeed_reduce_outputs(outputs, reduce, False, micro_batches))
+        cp = self.topology.cp > 1 and reduce_dp and reduce is not None
+        out = self.deepspeed_reduce_outputs(outputs, reduce, reduce_dp and not cp, micro_batches)
+        return grad_group_mean(self, out) if cp else out
 
     def aggregate_loss(self) -> torch.Tensor:
         hook = getattr(self.schedule_support, "aggregate_loss", None)  # at cp > 1 DeepSpeed's divides by dp only
@@ -301,99 +300,6 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
             self.deepspeed_run_backward(buffer_id)
         finally:
             self.loss = loss
-
-    # --- gradients --------------------------------------------------------------------
-    def reduce_tied_gradients(self) -> None:
-        """Sum the tied ``wte``'s gradient over its tied group (first and last stage).
-
-        DeepSpeed's own handler reads every tied weight's gradient (its fp32 master gradient
-        under bf16); LoRA freezes the embedding, which then has neither: skip a frozen weight."""
-        if zero2.partitions_gradients(self):  # ZeRO-2: in _exec_reduce_grads, after the partitions
-            return
-        bf16 = compat.uses_bf16_optimizer(self)
-        for _, weight, group, _ in compat.tied_weights(self.module):
-            if not weight.requires_grad:
-                continue
-            grad = compat.master_grad(weight) if bf16 else weight.grad
-            if grad is not None:
-                dist.all_reduce(grad, group=group)
-
-    def reduce_gradients(self) -> None:
-        """The DP gradient reduction of a step (ReduceGrads, with the SP sum and noise probe)."""
-        if zero2.partitions_gradients(self):  # reduced per backward; the step's partitions made final
-            zero2.close_step(self)
-            return
-        probe = self.noise_scale
-        measure = probe is not None and probe.due(self.global_steps + 1)
-        if measure:  # |G_small|² of this replica before the DP all-reduce, |G_big|² after (or the step's norm)
-            probe.before(self.reduction_grad_norm() ** 2, self.device)
-        if self.topology.grad_size > 1 or compat.uses_bf16_optimizer(self) or self.zero_optimization_stage() > 0:
-            self.deepspeed_reduce_gradients()
-        # else: one replica and the gradients already sit in p.grad: DeepSpeed's reduction would
-        # flatten every gradient into buckets, all-reduce over a group of one and copy back (two
-        # memcpys of the whole gradient per step, a no-op in value; gradient_predivide_factor
-        # scales by f and back by f / 1).  bf16 and ZeRO keep it: their reduce also moves the
-        # gradients into the optimizer's own buffers.
-        self._noise_b_small = None
-        if measure:
-            b_small = self.train_micro_batch_size_per_gpu() * self.gradient_accumulation_steps()
-            if self._fp32_grads() or compat.uses_bf16_optimizer(self):
-                probe.after(self.reduction_grad_norm() ** 2, b_small)
-            else:  # ZeRO: the reduced gradients sit in DP partitions; their norm is the step's (_exec_optimizer_step)
-                self._noise_b_small = b_small
-
-    def optimizer_step(self, lr_kwargs: Any = None) -> None:
-        """Skip the update (weights stay finite) when any gradient is NaN/Inf anywhere.
-
-        fp32 without ZeRO (``p.grad`` holds the reduced gradients): ds_mp's global norm is
-        computed every step (one all-reduce over TP × PP; DP replicas agree), reported through
-        DeepSpeed's ``get_global_grad_norm()`` also when clipping is off, reused for clipping,
-        and a non-finite norm is the NaN verdict.  bf16/ZeRO: one fused finiteness check over
-        every rank (their optimizers compute and report the norm themselves).  fp16 keeps
-        DeepSpeed's own loss-scaler overflow handling.
-        """
-        if self.fp16_enabled():
-            return self.deepspeed_optimizer_step(lr_kwargs)
-        if self._fp32_grads():
-            norm = self.global_grad_norm()
-            self.last_grad_norm = norm
-            compat.set_global_grad_norm(self, norm)
-            self.last_step_nonfinite = not math.isfinite(norm)
-        else:
-            if zero2.partitions_gradients(self):  # ZeRO-2 keeps no .grad: its partitions
-                held = zero2.partition_gradients(self)
-            elif compat.uses_bf16_optimizer(self):  # the fp32 master gradients: with bf16.immediate_grad_update
-                held = [compat.master_grad(p) for p in self.module.parameters()]  # .grad is gone by now
-            else:
-                held = [p.grad for p in self.module.parameters()]
-            self.last_step_nonfinite = grads.any_nonfinite_tensors(held, self.device)
-        if self.last_step_nonfinite:
-            self.nonfinite_steps += 1
-            self.zero_grad()
-            return
-        self.deepspeed_optimizer_step(lr_kwargs)
-        if self._noise_b_small:  # ZeRO's norm of the reduced gradients, before clipping
-            self.noise_scale.after(float(self.get_global_grad_norm()) ** 2, self._noise_b_small)
-
-    def _fp32_grads(self) -> bool:
-        """True when the optimizer steps ``p.grad`` directly (no bf16/fp16 master copy, no ZeRO)."""
-        return not (self.bfloat16_enabled() or self.fp16_enabled() or self.zero_optimization())
-
-    # --- norms ------------------------------------------------------------------------------
-    def reduction_grad_norm(self) -> float:
-        """:func:`ds_mp.engine.grads.reduction_grad_norm` of this engine's gradients."""
-        return grads.reduction_grad_norm(self.module, self.topology, self.optimizer, self.device,
-                                         bf16=compat.uses_bf16_optimizer(self), zero=bool(self.zero_optimization()))
-
-    def global_grad_norm(self) -> float:
-        """‖g‖₂ over the whole model: each TP shard once, each replicated or tied tensor
-        once, all stages (DP replicas hold identical reduced gradients)."""
-        return grads.global_grad_norm(self.module, self.topology, self.device)
-
-    def clip_fp32_gradients(self) -> None:
-        """fp32, no ZeRO: clip with ds_mp's global norm of this step (DeepSpeed's fp32
-        ``clip_grad_norm_`` counts untagged parameters on pipeline stage 0 only)."""
-        grads.clip_(self.module.parameters(), self.last_grad_norm, self.gradient_clipping())
 
     def instruction_times(self) -> dict[str, float]:
         """Seconds spent per instruction type since the trace was last cleared."""

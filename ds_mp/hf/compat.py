@@ -21,6 +21,7 @@ Measured against transformers 5.25.0, trl 1.16.0, accelerate 1.15.0 (``pyproject
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -29,7 +30,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -96,7 +97,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption("DPOTrainer", "_precompute_ref_logps", "TRL's constructor precomputes the reference log-probs through "
                "it; ds_mp.hf.dpo defers that until its engine exists"),
     Assumption("trl.trainer.dpo_trainer", "hash_module", "TRL's constructor hashes the model for its precompute cache "
-               "through this module global; ds_mp.hf.dpo_ref swaps it for a no-op while it runs (no cache, meta "
+               "through this module global; compat.trl_hash_module_off swaps it for a no-op while it runs (no cache, meta "
                "weights)"),
     Assumption("trl.trainer.utils", "create_model_from_path", "SFTTrainer(model=<path>, peft_config=...): the model "
                "loaded as TRL loads it (model_init_kwargs) before PEFT wraps it"),
@@ -235,6 +236,22 @@ def process_state_from_torch(args: Any) -> bool:
         if shared:
             shared.update(fix)
     return True
+
+
+@contextlib.contextmanager
+def trl_hash_module_off() -> Iterator[None]:
+    """Inside: TRL's DPO module hashes no model (``trl.trainer.dpo_trainer.hash_module`` answers "").
+    TRL's constructor hashes the model's weights for its precompute cache; ds_mp keeps no such cache,
+    and a model on the meta device has no weights to hash.  The one write into TRL's module state,
+    restored on exit."""
+    import trl.trainer.dpo_trainer as dpo_module
+
+    hasher = dpo_module.hash_module
+    dpo_module.hash_module = lambda module: ""
+    try:
+        yield
+    finally:
+        dpo_module.hash_module = hasher
 
 
 def under_launcher() -> bool:

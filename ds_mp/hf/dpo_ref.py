@@ -25,6 +25,8 @@ from typing import Any, Iterator
 
 import torch
 
+from ds_mp.engine_view import EngineView
+from ds_mp.hf.compat import trl_hash_module_off
 from ds_mp.hf.preference import micro_batch_means, pair_stats, pairs_loss, preference_rows
 from ds_mp.hf.rows import empty_rows
 
@@ -35,19 +37,16 @@ def trl_builds_no_reference(args: Any) -> Iterator[None]:
     (``precompute_ref_log_probs`` is True for its constructor, whose precompute ds_mp defers), and
     does not hash the model's weights for its precompute cache (``hash_module``: ds_mp keeps no
     cache, and a model on the meta device has no weights to hash).  Restored after."""
-    import trl.trainer.dpo_trainer as dpo_module
-
     if args is None:
         yield
         return
-    flag, hasher = args.precompute_ref_log_probs, dpo_module.hash_module
+    flag = args.precompute_ref_log_probs
     args.precompute_ref_log_probs = True
-    dpo_module.hash_module = lambda module: ""
     try:
-        yield
+        with trl_hash_module_off():
+            yield
     finally:
         args.precompute_ref_log_probs = flag
-        dpo_module.hash_module = hasher
 
 
 def reference_engine(trainer: Any, ref_model: Any) -> Any:
@@ -80,7 +79,7 @@ def _reference_weights(trainer: Any) -> Iterator[Any]:
         yield trainer.ds_mp_engine
 
 
-def _pass_logps(engine: Any, micro_batches: list[dict]) -> torch.Tensor:
+def _pass_logps(engine: EngineView, micro_batches: list[dict]) -> torch.Tensor:
     """One ``eval_batch`` over this replica's ``micro_batches``: every replica's rows' completion
     log-prob sums (``step_rows()["logps"]``, replica-major)."""
     engine.eval_batch(iter(micro_batches), num_micro_batches=len(micro_batches))

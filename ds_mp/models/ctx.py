@@ -33,6 +33,11 @@ class Ctx:
         # around each forward and backward; None = plain causal attention over positions 0 … T-1
         self.layout: Any = None
         self.window: int | None = self.family.sliding_window(hf_config)
+        # mixture-of-experts families: "whole" (E/TP experts per rank) or "split" (each expert's width cut
+        # over TP), set by build_pipeline from ds_mp.moe.expert_layout; and the routers' statistics of the
+        # running micro-batch for the aux loss (a ds_mp.models.router_stats.RouterLog; None: aux loss off)
+        self.expert_layout = "whole"
+        self.router_log: Any = self.family.router_log(hf_config)
 
     @property
     def group(self) -> Any:

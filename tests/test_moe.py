@@ -100,16 +100,17 @@ LAYOUTS = [("tp1", 1, "whole", False), ("tp1_aux", 1, "whole", True), ("tp2_spli
            ("tp2_whole", 2, "whole", False), ("tp2_whole_aux", 2, "whole", True), ("tp2_split", 2, "split", False)]
 
 
-def _routes(engine: Any) -> list:
-    """A forward hook on every router of this stage: the (N, k) experts it picks, appended per call."""
+def _routes(engine: Any) -> tuple[list, int]:
+    """A forward hook on every router of this stage: the (N, k) experts it picks, appended per call; and
+    the number of routers (a micro-batch's first that many entries are its routes)."""
     from ds_mp.models.moe.layers import SparseMLP
 
     seen: list = []
-    for m in engine.module.modules():
-        if isinstance(m, SparseMLP):
-            m.gate.register_forward_hook(
-                lambda mod, inp, out, k=m.k: seen.append(out.detach().float().topk(k, dim=-1).indices.sort(-1).values))
-    return seen
+    routers = [m for m in engine.module.modules() if isinstance(m, SparseMLP)]
+    for m in routers:
+        m.gate.register_forward_hook(
+            lambda mod, inp, out, k=m.k: seen.append(out.detach().float().topk(k, dim=-1).indices.sort(-1).values))
+    return seen, len(routers)
 
 
 def _train_rank(rank: int, model_type: str, world: int) -> dict:
@@ -121,12 +122,12 @@ def _train_rank(rank: int, model_type: str, world: int) -> dict:
             continue
         cfg = ds_config(tp=tp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, moe={"expert_layout": layout})
         engine, *_ = ds_mp.initialize(model=tiny_moe(model_type, aux=aux), config=cfg)
-        seen = _routes(engine)
+        seen, n_routers = _routes(engine)
         losses, norms = [], []
         for mbs in steps():
             losses.append(float(engine.train_batch(iter(mbs))))
             norms.append(float(engine.last_grad_norm))
-        out[name] = (losses, norms, gather_weights(engine)[0], seen[:2])  # the first micro-batch's routes
+        out[name] = (losses, norms, gather_weights(engine)[0], seen[:n_routers])  # the first micro-batch's routes
     return out
 
 
@@ -164,3 +165,74 @@ def test_layouts_train_as_hf(model_type: str, world: int) -> None:
             plain = copy.deepcopy(tiny_moe(model_type)).train()
             no_aux, _ = train_one_process(plain, steps(n=1), torch.optim.SGD(plain.parameters(), lr=LR), CLIP)
             assert abs(no_aux[0] - want_losses[0]) > 1e-3, name
+
+
+# --- checkpoints: the Hub's per-expert keys and transformers 5's fused tensors, in and out --------------
+def _fused_dir(model: Any, path: str) -> str:
+    """``model`` written with its state dict's own (fused) names, as transformers 5 holds them in memory."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{path}/model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_reader_fuses_per_expert_keys_reading_only_the_shard(model_type: str, tmp_path: Any) -> None:
+    """``save_pretrained`` writes the Hub's per-expert keys (checked); the reader serves the fused tensors
+    HF holds in memory, and each shard of both layouts reads exactly its own elements."""
+    from safetensors import safe_open
+
+    from ds_mp.checkpoint.hf import HFReader
+    from ds_mp.tensor_parallel.sharding import shard
+
+    model = tiny_moe(model_type)
+    model.save_pretrained(tmp_path / "hub")
+    with safe_open(str(tmp_path / "hub" / "model.safetensors"), "pt") as f:
+        assert not any(k.endswith("gate_up_proj") for k in f.keys()) and any(".experts.7." in k for k in f.keys())
+    sd = model.state_dict()
+    for path in (tmp_path / "hub", _fused_dir(model, str(tmp_path / "fused"))):
+        reader = HFReader(str(path))
+        for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"):
+            assert torch.equal(reader.get(name), sd[name])
+            kinds = ("experts", "experts_down" if name.endswith("down_proj") else "experts_gate_up")
+            for kind in kinds:
+                for r in range(2):
+                    before = reader.elements_read[0]
+                    got = reader.get_shard(name, kind, r, 2)
+                    assert torch.equal(got, shard(sd[name], kind, r, 2)), (path, name, kind, r)
+                    assert reader.elements_read[0] - before == got.numel(), (path, name, kind)
+
+
+def _checkpoint_rank(rank: int, path: str, layout: str, out: str) -> dict:
+    import ds_mp
+
+    cfg = ds_config(tp=2, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, moe={"expert_layout": layout})
+    engine, *_ = ds_mp.initialize(model=path, config=cfg)
+    losses = [float(engine.train_batch(iter(mbs))) for mbs in steps(n=2)]
+    ds_mp.save_hf(engine, out)
+    return {"losses": losses}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_checkpoint_in_and_out(model_type: str, tmp_path: Any) -> None:
+    """TP2 ``split`` from a Hub per-expert directory and TP2 ``whole`` from a fused one (aux loss on) train as
+    HF; ``save_hf`` loads in ``from_pretrained`` with the trained model's logits, and ``generate`` runs."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_moe(model_type, aux=True)
+    model.save_pretrained(tmp_path / "hub")
+    trained = copy.deepcopy(model).train()
+    want, _ = train_one_process(trained, steps(n=2), torch.optim.SGD(trained.parameters(), lr=LR), CLIP)
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = trained.eval()(input_ids=ids).logits
+    for src, layout in ((str(tmp_path / "hub"), "split"), (_fused_dir(model, str(tmp_path / "fused")), "whole")):
+        out = str(tmp_path / f"out_{layout}")
+        got = run_ranks(_checkpoint_rank, 2, src, layout, out, timeout=600)
+        _assert_close(got[0]["losses"], want, layout)
+        loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert type(loaded) is type(model)
+        with torch.no_grad():
+            assert float((loaded(input_ids=ids).logits - ref).abs().max()) < 1e-4, layout
+        assert loaded.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)

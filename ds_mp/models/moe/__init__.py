@@ -38,6 +38,9 @@ class MoEFamily(LlamaFamily):
     def param_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]:
         return param_shapes(cfg)
 
+    def expert_part(self, name: str) -> tuple[str, int, str] | None:
+        return hf_adapter.expert_part(name)
+
     def sliding_window(self, cfg: Any) -> int | None:
         """Mixtral's ``sliding_window`` (HF applies it whenever it is set; Qwen's is refused by check)."""
         return getattr(cfg, "sliding_window", None) if cfg.model_type == "mixtral" else None

@@ -55,8 +55,8 @@ def tiny_moe(model_type: str = "qwen3_moe", seed: int = 0, router_scale: float =
     else:
         extra = dict(head_dim=16) if model_type == "qwen3_moe" else dict(shared_expert_intermediate_size=48)
         cfg_cls = transformers.Qwen3MoeConfig if model_type == "qwen3_moe" else transformers.Qwen2MoeConfig
-        cfg = cfg_cls(**common, **extra, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                      decoder_sparse_step=1, **{"mlp_only_layers": [1], "norm_topk_prob": True, **config})
+        cfg = cfg_cls(**common, **extra, intermediate_size=96, moe_intermediate_size=32, decoder_sparse_step=1,
+                      **{"num_experts": 8, "mlp_only_layers": [1], "norm_topk_prob": True, **config})
         cls = transformers.Qwen3MoeForCausalLM if model_type == "qwen3_moe" else transformers.Qwen2MoeForCausalLM
     model = cls(cfg).eval()
     with torch.no_grad():
@@ -251,3 +251,39 @@ def test_checkpoint_in_and_out(model_type: str, tmp_path: Any) -> None:
         with torch.no_grad():
             assert float((loaded(input_ids=ids).logits - ref).abs().max()) < 1e-4, layout
         assert loaded.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
+# --- tables and refusals ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_tables_cover_hf_models(model_type: str) -> None:
+    """``param_shapes`` is exactly HF's state dict (experts fused, Qwen3-MoE's dense layer 1, Qwen2-MoE's
+    shared expert); every name has a TP kind and a pipeline layer."""
+    from ds_mp.models.family import family_of
+
+    model = tiny_moe(model_type)
+    fam, cfg = family_of(model.config), model.config
+    assert fam.name == "moe"
+    assert fam.param_shapes(cfg) == {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    layers = fam.pipeline_layers(cfg)
+    for name in fam.param_shapes(cfg):
+        fam.tp_kind(name)
+        assert 0 <= fam.layer_index(name, layers) < len(layers)
+    assert ("model.layers.1.mlp.gate_proj.weight" in model.state_dict()) == (model_type != "mixtral")
+
+
+def test_unbuilt_options_are_refused_in_one_line() -> None:
+    from ds_mp.config import ConfigError, load_config
+
+    def refused(raw: dict, match: str, tp: int = 1, **extra: Any) -> None:
+        with pytest.raises(ConfigError, match=match) as e:
+            load_config(ds_config(tp=tp, **extra), tp, raw)
+        assert "\n" not in str(e.value)
+
+    mixtral = tiny_moe("mixtral").config.to_dict()
+    refused({**mixtral, "router_jitter_noise": 0.1}, r"^ds_mp.model: mixtral option router_jitter_noise=0.1 .*set it 0")
+    qwen = tiny_moe(num_experts=6).config.to_dict()
+    refused(qwen, r"^ds_mp.moe.expert_layout: \"whole\" needs tensor_parallel.size=4 to divide the 6 experts; use "
+            r"\"split\"", tp=4)
+    refused(qwen, r"^ds_mp.moe.expert_layout: 'rows' is not a layout", moe={"expert_layout": "rows"})
+    refused(qwen, r"^ds_mp.lora.target_modules", lora={"r": 4, "target_modules": ["gate_proj"]})
+    load_config(ds_config(tp=2, moe={"expert_layout": "split"}), 2, tiny_moe(num_experts=6).config.to_dict())

@@ -96,8 +96,10 @@ def hf_topk(model: Any, ids: torch.Tensor, k: int) -> list[torch.Tensor]:
 
 
 # --- training against HF: TP1, TP2 split and whole, aux loss on and off ---------------------------------
-LAYOUTS = [("tp1", 1, "whole", False), ("tp1_aux", 1, "whole", True), ("tp2_split_aux", 2, "split", True),
-           ("tp2_whole", 2, "whole", False), ("tp2_whole_aux", 2, "whole", True), ("tp2_split", 2, "split", False)]
+# (name, TP, expert layout, aux loss, DeepSpeed extras)
+LAYOUTS = [("tp1", 1, "whole", False, {}), ("tp1_aux_zero1", 1, "whole", True, {"zero": 1}),
+           ("tp2_split_aux", 2, "split", True, {}), ("tp2_whole", 2, "whole", False, {}),
+           ("tp2_whole_aux_zero1", 2, "whole", True, {"zero": 1}), ("tp2_split", 2, "split", False, {})]
 
 
 def _routes(engine: Any) -> tuple[list, int]:
@@ -117,15 +119,16 @@ def _train_rank(rank: int, model_type: str, layouts: list, data: list) -> dict:
     import ds_mp
 
     out = {}
-    for name, tp, layout, aux in layouts:
+    for name, tp, layout, aux, extra in layouts:
         rows, seq = data[0][0][0].shape
-        cfg = ds_config(tp=tp, micro=rows, gas=len(data[0]), lr=LR, clip=CLIP, seq=seq, moe={"expert_layout": layout})
+        cfg = ds_config(tp=tp, micro=rows, gas=len(data[0]), lr=LR, clip=CLIP, seq=seq, moe={"expert_layout": layout},
+                        **extra)
         engine, *_ = ds_mp.initialize(model=tiny_moe(model_type, aux=aux), config=cfg)
         seen, n_routers = _routes(engine)
         losses, norms = [], []
         for mbs in data:
             losses.append(float(engine.train_batch(iter(mbs))))
-            norms.append(float(engine.last_grad_norm))
+            norms.append(float(engine.get_global_grad_norm()))
         out[name] = (losses, norms, gather_weights(engine)[0], seen[:n_routers])  # the first micro-batch's routes
     return out
 
@@ -136,7 +139,7 @@ def _assert_close(got: list[float], want: list[float], what: str) -> None:
 
 @pytest.mark.parametrize("model_type,world", [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 2)])
 def test_layouts_train_as_hf(model_type: str, world: int) -> None:
-    """Every layout of :data:`LAYOUTS` at TP = ``world`` trains as HF on one process: 3 SGD steps with
+    """Every layout of :data:`LAYOUTS` at TP = ``world`` (ZeRO-1 in two of them) trains as HF on one process: 3 SGD steps with
     clipping, losses and pre-clip grad norms within 1e-5 relative, every weight within 1e-5 of its
     tensor's largest entry; the first micro-batch's routing equals HF's token by token (margins
     asserted); with the aux loss on, HF's loss differs from its loss without it (the term is live)."""
@@ -146,7 +149,7 @@ def test_layouts_train_as_hf(model_type: str, world: int) -> None:
 
 def _assert_layouts_train_as_hf(model_type: str, world: int, layouts: list, data: list) -> None:
     results = run_ranks(_train_rank, world, model_type, layouts, data, timeout=600)
-    for name, tp, layout, aux in layouts:
+    for name, tp, layout, aux, _ in layouts:
         model = tiny_moe(model_type, aux=aux)
         want_topk = hf_topk(model, data[0][0][0], model.config.num_experts_per_tok)
         trained = copy.deepcopy(model).train()
@@ -178,8 +181,8 @@ def test_experts_without_tokens() -> None:
     for ids, _ in data[0]:
         for top in hf_topk(model, ids, 2):
             assert top.unique().numel() < 8
-    _assert_layouts_train_as_hf("qwen3_moe", 2, [("tp2_whole_idle", 2, "whole", True),
-                                                 ("tp2_split_idle", 2, "split", True)], data)
+    _assert_layouts_train_as_hf("qwen3_moe", 2, [("tp2_whole_idle", 2, "whole", True, {}),
+                                                 ("tp2_split_idle", 2, "split", True, {})], data)
 
 
 # --- checkpoints: the Hub's per-expert keys and transformers 5's fused tensors, in and out --------------
@@ -287,3 +290,41 @@ def test_unbuilt_options_are_refused_in_one_line() -> None:
     refused(qwen, r"^ds_mp.moe.expert_layout: 'rows' is not a layout", moe={"expert_layout": "rows"})
     refused(qwen, r"^ds_mp.lora.target_modules", lora={"r": 4, "target_modules": ["gate_proj"]})
     load_config(ds_config(tp=2, moe={"expert_layout": "split"}), 2, tiny_moe(num_experts=6).config.to_dict())
+
+
+# --- LoRA on attention against PEFT -----------------------------------------------------------------------
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _peft_moe() -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    from helpers import randomise_lora_b
+
+    cfg = LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules=ATTENTION, task_type="CAUSAL_LM")
+    return randomise_lora_b(get_peft_model(tiny_moe(aux=True), cfg), 7)
+
+
+def _lora_rank(rank: int, out: str) -> dict:
+    from test_lora import train_and_export_lora
+
+    lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ATTENTION}
+    return train_and_export_lora(_peft_moe(), ds_config(tp=2, lr=0.05, seq=SEQ, lora=lora), steps(n=2), out)
+
+
+def test_lora_on_attention_equals_peft(tmp_path: Any) -> None:
+    """PEFT's LoRA on q/k/v/o of a Qwen3-MoE (aux loss on, the router and experts frozen) at TP2 whole: PEFT's
+    losses, a frozen base, and the exported adapter loading in ``PeftModel`` with PEFT's trained logits."""
+    from peft import PeftModel
+
+    from helpers import hf_reference
+
+    want, trained = hf_reference(_peft_moe(), steps(n=2), lr=0.05)
+    got = run_ranks(_lora_rank, 2, str(tmp_path), timeout=600)
+    assert all(r["frozen_grads"] == [] and r["frozen_in_opt"] == [] for r in got)
+    _assert_close(got[0]["losses"], want, "lora")
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = trained.eval()(input_ids=ids).logits
+        loaded = PeftModel.from_pretrained(tiny_moe(aux=True), str(tmp_path / "adapter")).eval()
+        assert float((loaded(input_ids=ids).logits - ref).abs().max()) < 1e-4

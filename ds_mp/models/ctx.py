@@ -33,6 +33,10 @@ class Ctx:
         # around each forward and backward; None = plain causal attention over positions 0 … T-1
         self.layout: Any = None
         self.window: int | None = self.family.sliding_window(hf_config)
+        # the running micro-batch's carry (ds_mp.models.carry): side quantities its layers add to (MoE router
+        # statistics), passed across stage boundaries with the hidden state; None = nothing is carried
+        self.carry: Any = None
+        self.carry_weight = 1.0  # the carry's loss term's weight for this step (set by the engine)
 
     @property
     def group(self) -> Any:

@@ -13,7 +13,9 @@ oracle's smallest top-k margin) while the probabilities still carry the hidden s
 
 Losses, pre-clip gradient norms and every weight after 3 SGD steps within 1e-5 at PP=2 under 1F1B,
 ZB-H1, interleaved (v=2) and ZB-V, with activation checkpointing, with padded rows (the mask as HF
-masks), and with a stage boundary inside the pooled layers everywhere (4 blocks over 2 or 4 chunks).
+masks), TP=2 × PP=2 and DP=2 (each replica its own rows, uneven target counts: the step holds
+coef · Σ aux over every micro-batch of every replica, as HF's Trainer), and with a stage boundary
+inside the pooled layers everywhere (4 blocks over 2 or 4 chunks).
 """
 from __future__ import annotations
 
@@ -102,15 +104,16 @@ def hf_oracle(model, data: list[list[dict]], lr: float, clip: float) -> tuple[li
 
 
 def _engine_rank(rank: int, model, data: list[list[dict]], cfg: dict) -> tuple:
+    """Train on this replica's share of each step (replica d: micro-batches d·gas … (d+1)·gas − 1)."""
     import ds_mp
 
     engine, *_ = ds_mp.initialize(model=copy.deepcopy(model), config=cfg)
     assert engine.module.carry is not None
     for blk in engine.module.blocks():
         blk.register_forward_hook(ds_router_hook(engine.module.ds_mp_ctx, blk.index))
-    losses, norms = [], []
+    losses, norms, gas, d = [], [], cfg["gradient_accumulation_steps"], engine.topology.dp_rank
     for mbs in data:
-        losses.append(float(engine.train_batch(iter(mbs))))
+        losses.append(float(engine.train_batch(iter(mbs[d * gas:(d + 1) * gas]))))
         norms.append(engine.last_grad_norm)
     weights, _ = gather_weights(engine)
     return losses, norms, weights
@@ -123,23 +126,45 @@ CASES = {
     "zb-v": dict(schedule="zb-v"),
     "1f1b_ckpt_padded": dict(schedule="1f1b", checkpoint=1, padded=True),
     "zb-h1_ckpt": dict(schedule="zb-h1", checkpoint=1),
+    "pp1_dp2_padded": dict(schedule="1f1b", pp=1, dp=2, padded=True),  # each replica its own rows
+    "tp2_pp2": dict(schedule="1f1b", tp=2),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_aux_loss_pooled_across_stages_equals_hf(name: str) -> None:
     case = dict(CASES[name])
-    lr, clip = 0.1, 0.5
-    data = steps(padded=case.pop("padded", False))
+    lr, clip, gas = 0.1, 0.5, 4
+    tp, pp, dp = case.pop("tp", 1), case.pop("pp", 2), case.pop("dp", 1)
+    data = steps(gas=gas * dp, padded=case.pop("padded", False))
     model = moe_like_gpt2()
     ref_losses, ref_norms, ref_w, margin = hf_oracle(model, data, lr, clip)
     assert margin > 1e-3, f"a near-tie in the synthetic router's top-{K}: {margin}"
     ckpt, virtual = case.pop("checkpoint", 0), case.pop("virtual_stages", 1)
-    cfg = ds_config(pp=2, micro=2, gas=4, lr=lr, clip=clip, seq=SEQ, schedule=case["schedule"],
+    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=lr, clip=clip, seq=SEQ, schedule=case["schedule"],
                     pipeline={"virtual_stages": virtual, "activation_checkpoint_interval": ckpt})
-    out = run_ranks(_engine_rank, 2, model, data, cfg, timeout=300)
+    out = run_ranks(_engine_rank, tp * pp * dp, model, data, cfg, timeout=300)
     losses, norms, _ = out[0]
-    weights = {**out[0][2], **out[1][2]}
+    weights = {name: w for _, _, ws in out for name, w in ws.items()}
     assert losses == pytest.approx(ref_losses, rel=TOL)
     assert norms == pytest.approx(ref_norms, rel=TOL)
     assert max_diff(ref_w, weights) < TOL
+
+
+@pytest.mark.parametrize("schedule, extra, key", [
+    ("terapipe", {}, "output_router_logits: the MoE aux loss"),
+    ("ouroboros", {"ouroboros": {"modules": 3}}, "output_router_logits: the ouroboros schedule"),
+    ("1f1b", {"tensor_parallel": {"size": 2, "sequence_parallel": True}}, "ds_mp.tensor_parallel.sequence_parallel"),
+])
+def test_aux_loss_refused_where_nothing_carries_it(schedule: str, extra: dict, key: str) -> None:
+    from ds_mp.config.checks import load_config
+    from ds_mp.config.schema import ConfigError
+
+    hf = moe_like_gpt2().config.to_dict()
+    cfg = ds_config(pp=2, seq=SEQ, schedule=schedule, **extra)
+    world = 2 * cfg["ds_mp"]["tensor_parallel"]["size"]
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg, world, hf_config=hf)
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)
+    hf["output_router_logits"] = False  # the same run without the aux loss is accepted
+    load_config(cfg, world, hf_config=hf)

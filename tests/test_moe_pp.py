@@ -5,16 +5,17 @@ channels × 3 as gate logits, softmax, top-k) reports router statistics exactly 
 (``add_router_stats``); the config asks for the aux loss (``output_router_logits``).  The oracle is
 the unmodified HF model on one process with the same hook collecting each block's gate logits,
 and transformers' own ``load_balancing_loss_func`` pooling them over every layer of the micro-batch
-(with its attention mask), added as ``coef · aux`` per forward the way HF's Trainer adds it with
-``num_items_in_batch`` (each micro-batch's aux at full weight, the LM part per token over the step).
+(with its attention mask), each forward's ``coef · aux`` averaged over the step's micro-batches as TRL's
+SFTTrainer averages it (the engine's ``aux_reduction = "mean"``) or summed as HF's Trainer sums it
+(``"sum"``), the LM part per token over the step.
 The synthetic gate logits are a per-position permutation of 0 … E−1 plus a small multiple of the
 hidden state, so no two of a token's logits are within rounding of each other (checked: the
 oracle's smallest top-k margin) while the probabilities still carry the hidden state's gradient.
 
 Losses, pre-clip gradient norms and every weight after 3 SGD steps within 1e-5 at PP=2 under 1F1B,
 ZB-H1, interleaved (v=2) and ZB-V, with activation checkpointing, with padded rows (the mask as HF
-masks), TP=2 × PP=2 and DP=2 (each replica its own rows, uneven target counts: the step holds
-coef · Σ aux over every micro-batch of every replica, as HF's Trainer), and with a stage boundary
+masks), TP=2 × PP=2 and DP=2 (each replica its own rows, uneven target counts; "sum" there and under ZB-V's
+own loss aggregation), and with a stage boundary
 inside the pooled layers everywhere (4 blocks over 2 or 4 chunks).
 """
 from __future__ import annotations
@@ -75,9 +76,11 @@ def steps(n: int = 3, gas: int = 4, seed: int = 5, padded: bool = False) -> list
     return out
 
 
-def hf_oracle(model, data: list[list[dict]], lr: float, clip: float) -> tuple[list[float], list[float], dict, float]:
-    """HF on one process: per micro-batch ``lm · t_i / N + coef · load_balancing_loss_func(...)``
-    (transformers' pooling over the layers); returns losses, pre-clip norms, weights, min top-k margin."""
+def hf_oracle(model, data: list[list[dict]], lr: float, clip: float,
+              reduction: str = "mean") -> tuple[list[float], list[float], dict, float]:
+    """HF on one process: per micro-batch ``lm · t_i / N + w · coef · load_balancing_loss_func(...)``
+    (transformers' pooling over the layers), w = 1 ("sum": HF's Trainer) or 1 / the step's micro-batches
+    ("mean": TRL's SFTTrainer); returns losses, pre-clip norms, weights, the smallest top-k margin."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     model = copy.deepcopy(model).train()
@@ -92,7 +95,7 @@ def hf_oracle(model, data: list[list[dict]], lr: float, clip: float) -> tuple[li
             logits.clear()
             lm = model(input_ids=mb["input_ids"], labels=mb["labels"], attention_mask=mb["attention_mask"]).loss
             aux = load_balancing_loss_func(tuple(logits), E, K, mb["attention_mask"])
-            loss = lm * (targets(mb["labels"]) / count) + COEF * aux
+            loss = lm * (targets(mb["labels"]) / count) + COEF * aux / (1 if reduction == "sum" else len(mbs))
             loss.backward()
             total += float(loss.detach())
             top = torch.topk(torch.cat(logits), K + 1, dim=-1).values
@@ -103,11 +106,12 @@ def hf_oracle(model, data: list[list[dict]], lr: float, clip: float) -> tuple[li
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}, margin
 
 
-def _engine_rank(rank: int, model, data: list[list[dict]], cfg: dict) -> tuple:
+def _engine_rank(rank: int, model, data: list[list[dict]], cfg: dict, reduction: str) -> tuple:
     """Train on this replica's share of each step (replica d: micro-batches d·gas … (d+1)·gas − 1)."""
     import ds_mp
 
     engine, *_ = ds_mp.initialize(model=copy.deepcopy(model), config=cfg)
+    engine.aux_reduction = reduction
     assert engine.module.carry is not None
     for blk in engine.module.blocks():
         blk.register_forward_hook(ds_router_hook(engine.module.ds_mp_ctx, blk.index))
@@ -126,7 +130,8 @@ CASES = {
     "zb-v": dict(schedule="zb-v"),
     "1f1b_ckpt_padded": dict(schedule="1f1b", checkpoint=1, padded=True),
     "zb-h1_ckpt": dict(schedule="zb-h1", checkpoint=1),
-    "pp1_dp2_padded": dict(schedule="1f1b", pp=1, dp=2, padded=True),  # each replica its own rows
+    "pp1_dp2_padded_sum": dict(schedule="1f1b", pp=1, dp=2, padded=True, reduction="sum"),  # own rows per replica
+    "zb-v_sum": dict(schedule="zb-v", reduction="sum"),
     "tp2_pp2": dict(schedule="1f1b", tp=2),
 }
 
@@ -135,15 +140,15 @@ CASES = {
 def test_aux_loss_pooled_across_stages_equals_hf(name: str) -> None:
     case = dict(CASES[name])
     lr, clip, gas = 0.1, 0.5, 4
-    tp, pp, dp = case.pop("tp", 1), case.pop("pp", 2), case.pop("dp", 1)
+    tp, pp, dp, reduction = case.pop("tp", 1), case.pop("pp", 2), case.pop("dp", 1), case.pop("reduction", "mean")
     data = steps(gas=gas * dp, padded=case.pop("padded", False))
     model = moe_like_gpt2()
-    ref_losses, ref_norms, ref_w, margin = hf_oracle(model, data, lr, clip)
+    ref_losses, ref_norms, ref_w, margin = hf_oracle(model, data, lr, clip, reduction)
     assert margin > 1e-3, f"a near-tie in the synthetic router's top-{K}: {margin}"
     ckpt, virtual = case.pop("checkpoint", 0), case.pop("virtual_stages", 1)
     cfg = ds_config(tp=tp, pp=pp, micro=2, gas=gas, lr=lr, clip=clip, seq=SEQ, schedule=case["schedule"],
                     pipeline={"virtual_stages": virtual, "activation_checkpoint_interval": ckpt})
-    out = run_ranks(_engine_rank, tp * pp * dp, model, data, cfg, timeout=300)
+    out = run_ranks(_engine_rank, tp * pp * dp, model, data, cfg, reduction, timeout=300)
     losses, norms, _ = out[0]
     weights = {name: w for _, _, ws in out for name, w in ws.items()}
     assert losses == pytest.approx(ref_losses, rel=TOL)

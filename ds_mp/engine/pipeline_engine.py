@@ -58,6 +58,9 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
         self.step_info = Step()  # this step's target count, shape and per-micro-batch layouts (engine/batches.py)
         self.ds_mp_source: Any = None  # the data iterator steps read (train_batch's argument, kept)
         self.ds_mp_fed: Any = None  # the normalized micro-batches handed to DeepSpeed this step
+        # a MoE aux loss over the step's micro-batches and replicas (models/carry.py): "mean" (TRL's SFTTrainer),
+        # or "sum" (HF's Trainer, which leaves each forward's coef · aux whole); set by ds_mp.hf's trainers
+        self.aux_reduction = "mean"
         super().__init__(*args, **kwargs)
         stage_gate.disarm(self)
         compat.check_engine(self)
@@ -194,9 +197,8 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
             source = self.ds_mp_source = batch_source(data_iter, self.ds_mp_source, self.data_iterator, self.ds_mp_fed)
         fed, self.step_info = prepare_step(self, source, n)
         ctx = getattr(self.module, "ds_mp_ctx", None)
-        if ctx is not None:  # the carry's loss term, summed over micro-batches and replicas (models/carry.py)
-            tokens = self.ds_mp_config is None or self.ds_mp_config.loss.normalization == "tokens"
-            ctx.carry_weight = float(n * self.topology.grad_size) if tokens else 1.0
+        if ctx is not None:  # the carry's loss term (models/carry.py): "sum" undoes DeepSpeed's 1/M and DP mean
+            ctx.carry_weight = float(n * self.topology.grad_size) if self.aux_reduction == "sum" else 1.0
         if fed is not None:
             self.ds_mp_fed = fed
         if self.num_stages > 1 and not self.module.dynamic_shape:

@@ -128,12 +128,13 @@ def carrying_checkpoint(checkpoint: Callable, ctx: Any, function: Callable, *arg
 class CarriedLoss(BoundLoss):
     """The bound loss plus the carry's term: ``spec.micro_loss + weight · carry.loss(ctx.carry)``.
 
-    ``ctx.carry_weight`` (set by the engine for each step) undoes what DeepSpeed does to a micro-batch
-    loss, so the step's gradient and reported loss hold ``coef · Σ aux`` over the step's micro-batches
-    and DP replicas with ``loss.normalization = "tokens"`` (weight M · g: what HF's Trainer does with
-    ``num_items_in_batch``, each forward's ``loss + coef · aux`` neither divided by the accumulation nor
-    averaged over processes), and their mean with ``"micro_batch"`` (weight 1: the mean of HF's model
-    losses)."""
+    DeepSpeed scales a micro-batch loss by 1/M and averages it over the g gradient replicas.  With
+    ``ctx.carry_weight`` = 1 (the engine's ``aux_reduction = "mean"``) the step holds the *mean* of
+    ``coef · aux`` over its M · g micro-batches: TRL's SFTTrainer (``weighted_aux_loss / steps``, and DDP's
+    mean).  With M · g (``"sum"``) it holds their *sum*: HF's Trainer with ``num_items_in_batch``, which
+    adds each forward's ``coef · aux`` whole, neither divided by the accumulation nor averaged over
+    processes (it multiplies the loss by the process count before DDP's mean).  The LM part is the
+    loss spec's, unchanged."""
 
     def __init__(self, spec: LossSpec, ctx: Any, carry: Carry) -> None:
         super().__init__(spec, ctx)

@@ -191,7 +191,7 @@ def _pipeline(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: Topol
                          activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
                          dynamic_shape=spec.dynamic_shape(), layout=layout,
                          lora=cfg.lora, seed=cfg.training.seed, virtual_stages=cfg.pipeline.virtual_stages,
-                         loss=loss_spec(cfg.loss.type))
+                         loss=loss_spec(cfg.loss.type), expert_layout=cfg.moe.expert_layout)
     return net, costs
 
 

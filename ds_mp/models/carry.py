@@ -76,7 +76,21 @@ def carry_for(hf_config: Any) -> Carry | None:
     return RouterCarry(size=2 * experts + 1, experts=experts, coef=float(hf_config.router_aux_loss_coef))
 
 
-def add_router_stats(ctx: Any, routing_weights: torch.Tensor, selected: torch.Tensor) -> None:
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def add_router_stats(ctx: Any, routing_weights: torch.Tensor, selected: torch.Tensor,
+                     grad_scale: float = 1.0) -> None:
     """Add one MoE layer's router statistics to the running micro-batch's carry (``ctx.carry``;
     nothing when it is None: the aux loss is off).
 
@@ -84,11 +98,15 @@ def add_router_stats(ctx: Any, routing_weights: torch.Tensor, selected: torch.Te
     with its graph; ``selected``: ``(B·T, k)`` the top-k expert indices; tokens in the micro-batch's
     ``(B, T)`` row-major order.  Masked as HF masks: with an ``attention_mask`` (``ctx.layout``'s
     padding, ``docs < 0``) padding tokens count nowhere; packed ``position_ids`` without a mask count
-    every token (HF passes no mask then)."""
+    every token (HF passes no mask then).  ``grad_scale``: the probabilities' gradient is multiplied by
+    it (a MoE block under TP whose router input sums its gradient over the TP ranks, each of which adds
+    the same aux gradient, passes 1/TP)."""
     if ctx.carry is None:
         return
     E = routing_weights.shape[-1]
     probs = routing_weights.float()
+    if grad_scale != 1.0:
+        probs = _ScaleGrad.apply(probs, grad_scale)
     lay = ctx.layout
     keep = None if lay is None or bool((lay.docs >= 0).all()) else (lay.docs >= 0).reshape(-1).float()
     if keep is None:

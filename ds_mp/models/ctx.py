@@ -37,6 +37,9 @@ class Ctx:
         # statistics), passed across stage boundaries with the hidden state; None = nothing is carried
         self.carry: Any = None
         self.carry_weight = 1.0  # the carry's loss term's weight for this step (set by the engine)
+        # mixture-of-experts families: "whole" (E/TP experts per rank) or "split" (each expert's width cut
+        # over TP), set by build_pipeline from ds_mp.moe.expert_layout
+        self.expert_layout = "whole"
 
     @property
     def group(self) -> Any:

@@ -119,6 +119,11 @@ class Family(FamilyConfig):
         """HF names of the LM head and the token embedding (a tied head is the embedding)."""
         raise NotImplementedError
 
+    def expert_part(self, name: str) -> tuple[str, int, str] | None:
+        """A checkpoint key storing one expert's projection apart (the Hub's MoE layout) as (the fused
+        tensor it belongs to, expert, "gate"|"up"|"down"); None for every other key (every dense family)."""
+        return None
+
     def ignored(self, key: str) -> bool:
         """True for stored tensors every implementation recomputes (GPT-2's causal-mask buffers)."""
         return self.hf_adapter.ignored(key)
@@ -178,6 +183,11 @@ class Family(FamilyConfig):
     def block_parameters(self, cfg: Any) -> int:
         """Parameters of one block (``"partition": "parameters"``)."""
         raise NotImplementedError
+
+    def router_log(self, cfg: Any) -> Any:
+        """A mixture of experts with its aux loss on: the ``ds_mp.models.router_stats.RouterLog`` its
+        sparse layers record into (None: no routers, or ``output_router_logits`` off)."""
+        return None
 
 
 def lora_targeted(module: str, targets: list[str]) -> bool:

@@ -158,7 +158,8 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
                    sequence_parallel: bool = False, overlap_comm: bool = True, vocab_pad_multiple: int = 128,
                    activation_checkpoint_interval: int = 0, dynamic_shape: bool = False,
                    layout: tuple[list[str], list[int]] | None = None, lora: Any = None,
-                   seed: int = 0, virtual_stages: int = 1, loss: LossSpec = LM_LOSS) -> DsMpPipeline:
+                   seed: int = 0, virtual_stages: int = 1, loss: LossSpec = LM_LOSS,
+                   expert_layout: str = "whole") -> DsMpPipeline:
     """Build this rank's stage of ``src.config``'s family (reading only its weights from ``src``).
 
     ``layout = (layer names, parts)`` replaces the default order (``Family.pipeline_layers``) and
@@ -179,12 +180,14 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
 
     ``loss``: the run's :class:`~ds_mp.losses.spec.LossSpec` (``net.loss_spec``; ``net.loss_fn`` is it
     bound to this stage's ``Ctx``).
+
+    ``expert_layout``: a mixture of experts' ``"whole"`` or ``"split"`` experts over TP (``ds_mp.moe``).
     """
     cfg = src.config
     family = family_of(cfg)
     family.check(cfg)
     ctx = Ctx(topology, cfg, sequence_parallel, vocab_pad_multiple)
-    ctx.overlap_comm = overlap_comm
+    ctx.overlap_comm, ctx.expert_layout = overlap_comm, expert_layout
     ctx.lora, ctx.seed = (lora if lora is not None and lora.r > 0 else None), seed
     L, table = cfg.num_hidden_layers, family.pipeline_layers(cfg)
     names, parts = layout or (table, stage_parts(L, topology.pp * virtual_stages, partition, cfg.hidden_size,

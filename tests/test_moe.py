@@ -1,0 +1,238 @@
+"""Mixture-of-experts families (``qwen3_moe``, ``mixtral``, ``qwen2_moe``) against the unmodified HF model
+on one process (fp32, SGD with clipping).
+
+Routing margins: the tiny models' routers are scaled (:func:`tiny_moe`'s ``router_scale``, 10) so their
+logits spread over a few units, and every test that compares routing first asserts, on HF's own router
+logits, that every token's k-th and (k+1)-th largest logit (equivalently log-probability) differ by more
+than :data:`MARGIN` (1e-3, three orders above the ~1e-6 by which two fp32 implementations' logits of this
+size differ): a top-k choice then cannot flip between them, so "the same experts token by token" is a
+property of the implementation, not of luck.  (A margin in probabilities would not do: with a dominant
+expert the 2nd and 3rd probabilities are both small and close although their logits are far apart.)
+
+* :func:`test_routing_equals_hf_token_by_token`: per sparse layer, every token's top-k experts equal HF's
+  (TP1 and TP2 in both expert layouts), on rows with padding;
+* :func:`test_layouts_train_as_hf`: TP1, TP2 ``split`` and TP2 ``whole``, aux loss on and off, a model
+  with a dense layer (``mlp_only_layers``): losses, pre-clip grad norms and weights after 3 steps within
+  1e-5 relative of HF's; a micro-batch of 3 tokens leaves experts without any token (asserted);
+* checkpoints: a transformers-5 (fused) directory and a Hub-style per-expert directory (written by un-fusing)
+  both load as HF loads them; ``save_hf`` of a TP2 ``whole`` run loads in ``from_pretrained`` with the
+  trained logits and generates;
+* refusals in one line: ``router_jitter_noise``, E not divisible by TP for ``whole``, an unknown layout,
+  LoRA on experts.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from helpers import ds_config, train_one_process
+from test_tensor_parallel import gather_weights
+
+VOCAB, SEQ, LR, CLIP = 1003, 16, 0.1, 1.0
+MARGIN = 1e-3  # the smallest gap between a token's k-th and (k+1)-th router logit the tests accept
+RTOL = 1e-5
+
+
+def tiny_moe(model_type: str = "qwen3_moe", seed: int = 0, router_scale: float = 10.0, aux: bool = False,
+             **config: Any) -> Any:
+    """A tiny HF mixture of experts: hidden 64, 4 heads (2 KV) of head_dim 16, 8 experts of width 32, top-2,
+    3 layers; Qwen3-MoE's layer 1 dense (``mlp_only_layers``, width 96); routers scaled by ``router_scale``
+    (clear routing margins: module docstring); ``aux``: ``output_router_logits`` with coef 0.3."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0,
+                  eos_token_id=0, rms_norm_eps=1e-5, num_experts_per_tok=2, output_router_logits=aux,
+                  router_aux_loss_coef=0.3)
+    if model_type == "mixtral":
+        cfg = transformers.MixtralConfig(**common, head_dim=16, intermediate_size=32, num_local_experts=8, **config)
+        cls = transformers.MixtralForCausalLM
+    else:
+        extra = dict(head_dim=16) if model_type == "qwen3_moe" else dict(shared_expert_intermediate_size=48)
+        cfg_cls = transformers.Qwen3MoeConfig if model_type == "qwen3_moe" else transformers.Qwen2MoeConfig
+        cfg = cfg_cls(**common, **extra, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                      decoder_sparse_step=1, **{"mlp_only_layers": [1], "norm_topk_prob": True, **config})
+        cls = transformers.Qwen3MoeForCausalLM if model_type == "qwen3_moe" else transformers.Qwen2MoeForCausalLM
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(router_scale)
+            elif name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def steps(n: int = 3, seed: int = 7) -> list[list]:
+    """``n`` steps of two micro-batches of 2 rows × :data:`SEQ`, some labels ignored, the second micro-batch's
+    second row right-padded (5 pad ids, labels ignored)."""
+    g, out = torch.Generator().manual_seed(seed), []
+    for _ in range(n):
+        step = []
+        for _ in range(2):
+            ids = torch.randint(1, VOCAB, (2, SEQ), generator=g)
+            step.append((ids, ids.clone()))
+        step[0][1][0, :3] = -100
+        step[1][0][1, -5:], step[1][1][1, -5:] = 0, -100
+        out.append(step)
+    return out
+
+
+def hf_topk(model: Any, ids: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """HF's top-k experts per sparse layer (N, k), after asserting every token's routing margin > MARGIN."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, output_router_logits=True).router_logits
+    out = []
+    for layer in logits:
+        top = layer.float().topk(k + 1, dim=-1).values
+        assert float((top[:, k - 1] - top[:, k]).min()) > MARGIN, "routing margin too small: rescale the router"
+        out.append(layer.float().topk(k, dim=-1).indices.sort(dim=-1).values)
+    return out
+
+
+# --- training against HF: TP1, TP2 split and whole, aux loss on and off ---------------------------------
+LAYOUTS = [("tp1", 1, "whole", False), ("tp1_aux", 1, "whole", True), ("tp2_split_aux", 2, "split", True),
+           ("tp2_whole", 2, "whole", False), ("tp2_whole_aux", 2, "whole", True), ("tp2_split", 2, "split", False)]
+
+
+def _routes(engine: Any) -> tuple[list, int]:
+    """A forward hook on every router of this stage: the (N, k) experts it picks, appended per call; and
+    the number of routers (a micro-batch's first that many entries are its routes)."""
+    from ds_mp.models.moe.layers import SparseMLP
+
+    seen: list = []
+    routers = [m for m in engine.module.modules() if isinstance(m, SparseMLP)]
+    for m in routers:
+        m.gate.register_forward_hook(
+            lambda mod, inp, out, k=m.k: seen.append(out.detach().float().topk(k, dim=-1).indices.sort(-1).values))
+    return seen, len(routers)
+
+
+def _train_rank(rank: int, model_type: str, world: int) -> dict:
+    import ds_mp
+
+    out = {}
+    for name, tp, layout, aux in LAYOUTS:
+        if tp != world:
+            continue
+        cfg = ds_config(tp=tp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, moe={"expert_layout": layout})
+        engine, *_ = ds_mp.initialize(model=tiny_moe(model_type, aux=aux), config=cfg)
+        seen, n_routers = _routes(engine)
+        losses, norms = [], []
+        for mbs in steps():
+            losses.append(float(engine.train_batch(iter(mbs))))
+            norms.append(float(engine.last_grad_norm))
+        out[name] = (losses, norms, gather_weights(engine)[0], seen[:n_routers])  # the first micro-batch's routes
+    return out
+
+
+def _assert_close(got: list[float], want: list[float], what: str) -> None:
+    assert all(abs(a - b) <= RTOL * abs(b) + 1e-7 for a, b in zip(got, want)), (what, got, want)
+
+
+@pytest.mark.parametrize("model_type,world", [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 2)])
+def test_layouts_train_as_hf(model_type: str, world: int) -> None:
+    """Every layout of :data:`LAYOUTS` at TP = ``world`` trains as HF on one process: 3 SGD steps with
+    clipping, losses and pre-clip grad norms within 1e-5 relative, every weight within 1e-5 of its
+    tensor's largest entry; the first micro-batch's routing equals HF's token by token (margins
+    asserted); with the aux loss on, HF's loss differs from its loss without it (the term is live)."""
+    results = run_ranks(_train_rank, world, model_type, world, timeout=600)
+    for name, tp, layout, aux in LAYOUTS:
+        if tp != world:
+            continue
+        model = tiny_moe(model_type, aux=aux)
+        want_topk = hf_topk(model, steps()[0][0][0], model.config.num_experts_per_tok)
+        trained = copy.deepcopy(model).train()
+        want_losses, want_norms = train_one_process(trained, steps(),
+                                                    torch.optim.SGD(trained.parameters(), lr=LR), CLIP)
+        want = dict(trained.named_parameters())
+        got: dict = {}
+        for losses, norms, weights, seen in (r[name] for r in results):
+            _assert_close(losses, want_losses, f"{name} losses")
+            _assert_close(norms, want_norms, f"{name} grad norms")
+            assert len(seen) == len(want_topk) and all(torch.equal(a, b) for a, b in zip(seen, want_topk)), name
+            got.update(weights)
+        assert set(got) == set(want), (name, set(got) ^ set(want))
+        for n, w in want.items():
+            scale = float(w.detach().abs().max())
+            assert float((got[n] - w.detach()).abs().max()) <= RTOL * scale, (name, n)
+        if aux:
+            plain = copy.deepcopy(tiny_moe(model_type)).train()
+            no_aux, _ = train_one_process(plain, steps(n=1), torch.optim.SGD(plain.parameters(), lr=LR), CLIP)
+            assert abs(no_aux[0] - want_losses[0]) > 1e-3, name
+
+
+# --- checkpoints: the Hub's per-expert keys and transformers 5's fused tensors, in and out --------------
+def _fused_dir(model: Any, path: str) -> str:
+    """``model`` written with its state dict's own (fused) names, as transformers 5 holds them in memory."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{path}/model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_reader_fuses_per_expert_keys_reading_only_the_shard(model_type: str, tmp_path: Any) -> None:
+    """``save_pretrained`` writes the Hub's per-expert keys (checked); the reader serves the fused tensors
+    HF holds in memory, and each shard of both layouts reads exactly its own elements."""
+    from safetensors import safe_open
+
+    from ds_mp.checkpoint.hf import HFReader
+    from ds_mp.tensor_parallel.sharding import shard
+
+    model = tiny_moe(model_type)
+    model.save_pretrained(tmp_path / "hub")
+    with safe_open(str(tmp_path / "hub" / "model.safetensors"), "pt") as f:
+        assert not any(k.endswith("gate_up_proj") for k in f.keys()) and any(".experts.7." in k for k in f.keys())
+    sd = model.state_dict()
+    for path in (tmp_path / "hub", _fused_dir(model, str(tmp_path / "fused"))):
+        reader = HFReader(str(path))
+        for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"):
+            assert torch.equal(reader.get(name), sd[name])
+            kinds = ("experts", "experts_down" if name.endswith("down_proj") else "experts_gate_up")
+            for kind in kinds:
+                for r in range(2):
+                    before = reader.elements_read[0]
+                    got = reader.get_shard(name, kind, r, 2)
+                    assert torch.equal(got, shard(sd[name], kind, r, 2)), (path, name, kind, r)
+                    assert reader.elements_read[0] - before == got.numel(), (path, name, kind)
+
+
+def _checkpoint_rank(rank: int, path: str, layout: str, out: str) -> dict:
+    import ds_mp
+
+    cfg = ds_config(tp=2, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, moe={"expert_layout": layout})
+    engine, *_ = ds_mp.initialize(model=path, config=cfg)
+    losses = [float(engine.train_batch(iter(mbs))) for mbs in steps(n=2)]
+    ds_mp.save_hf(engine, out)
+    return {"losses": losses}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_checkpoint_in_and_out(model_type: str, tmp_path: Any) -> None:
+    """TP2 ``split`` from a Hub per-expert directory and TP2 ``whole`` from a fused one (aux loss on) train as
+    HF; ``save_hf`` loads in ``from_pretrained`` with the trained model's logits, and ``generate`` runs."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_moe(model_type, aux=True)
+    model.save_pretrained(tmp_path / "hub")
+    trained = copy.deepcopy(model).train()
+    want, _ = train_one_process(trained, steps(n=2), torch.optim.SGD(trained.parameters(), lr=LR), CLIP)
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = trained.eval()(input_ids=ids).logits
+    for src, layout in ((str(tmp_path / "hub"), "split"), (_fused_dir(model, str(tmp_path / "fused")), "whole")):
+        out = str(tmp_path / f"out_{layout}")
+        got = run_ranks(_checkpoint_rank, 2, src, layout, out, timeout=600)
+        _assert_close(got[0]["losses"], want, layout)
+        loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert type(loaded) is type(model)
+        with torch.no_grad():
+            assert float((loaded(input_ids=ids).logits - ref).abs().max()) < 1e-4, layout
+        assert loaded.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)

@@ -120,7 +120,9 @@ class ScheduleSpec:
     ``pipeline.virtual_stages`` > 1); ``param_groups`` (``(net, cfg, pp_rank) -> keys`` or its
     ``"module:function"``: one optimizer group per key; None: the default groups); ``token_slices``
     (its last stage computes the loss of token slices of a micro-batch, not of whole sequences: a
-    loss that needs whole sequences, ``LossSpec.token_sliceable = False``, is refused)."""
+    loss that needs whole sequences, ``LossSpec.token_sliceable = False``, is refused); ``carry`` (True:
+    its stages pass a micro-batch's carry, ``ds_mp.models.carry``, with the hidden state, so a MoE's
+    aux loss is pooled over all its layers; a string: the line refusing ``output_router_logits``)."""
 
     timetable: Union[str, type]
     runtime: Union[str, RuntimeFactory, None] = None
@@ -131,6 +133,7 @@ class ScheduleSpec:
     virtual_stages: bool = False
     param_groups: Union[str, Callable[..., Any], None] = None
     token_slices: bool = False
+    carry: Union[bool, str] = True
 
     # --- config: checked on every rank before any collective ---------------------------------
     def check_layout(self, cfg: DsMpConfig, shape: InlineModel) -> None:

@@ -15,6 +15,7 @@ hooks into :meth:`DsMpPipeline.grid_ready` and decodes DeepSpeed's parameter nam
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -22,9 +23,9 @@ import torch.nn as nn
 from deepspeed import checkpointing
 
 from ds_mp.deepspeed_compat.pipeline_module import PipelineModuleAdapter, is_tied_param
+from ds_mp.models.carry import CarriedLoss, Carry, carry_for, carrying_checkpoint
 from ds_mp.models.ctx import Ctx
 from ds_mp.models.family import family_of
-from ds_mp.models.router_stats import bind_loss
 from ds_mp.models.partition import LayerCosts, interleaved_layout, stage_parts, v_layout
 from ds_mp.models.weights import WeightSource
 from ds_mp.losses import LM_LOSS, LossSpec
@@ -55,13 +56,46 @@ class DsMpPipeline(PipelineModuleAdapter):
     ``Ctx``); DeepSpeed's module protocol is the adapter's (``ds_mp.deepspeed_compat.pipeline_module``)."""
 
     def __init__(self, layers: list, layer_names: list[str], parts: list[int], topology: Topology, ctx: Ctx,
-                 loss: LossSpec = LM_LOSS, **kw: Any) -> None:
+                 loss: LossSpec = LM_LOSS, carry: Carry | None = None, **kw: Any) -> None:
         self.ds_mp_topology, self.ds_mp_ctx = topology, ctx
         self.family = ctx.family
         self.layer_names = layer_names  # the family's pipeline_layers() entries in this pipeline's order
         self.loss_spec = loss
-        super().__init__(layers, parts, topology.topo, bind_loss(loss, ctx),
+        self.carry = carry  # what travels with the hidden state (ds_mp.models.carry), or None
+        self._head: Any = None  # the forward function of the table's last layer, if on this stage
+        loss_fn = loss.bind(ctx) if carry is None else CarriedLoss(loss, ctx, carry)
+        super().__init__(layers, parts, topology.topo, loss_fn,
                          activation_checkpoint_func=inputs_carry_grad(checkpointing.checkpoint), **kw)
+        if carry is not None:
+            table_end = layer_names.index(self.family.pipeline_layers(ctx.hf)[-1])
+            start, stop = parts[topology.pp_rank], parts[topology.pp_rank + 1]
+            self._head = self.forward_funcs[table_end - start] if start <= table_end < stop else None
+
+    # DeepSpeed's forward checkpoints each segment with this; with a carry it is also a segment input/output
+    @property
+    def activation_checkpoint_func(self) -> Callable:
+        return functools.partial(carrying_checkpoint, self._checkpoint_func, self.ds_mp_ctx)
+
+    @activation_checkpoint_func.setter
+    def activation_checkpoint_func(self, checkpoint: Callable) -> None:
+        self._checkpoint_func = checkpoint
+
+    def forward(self, inputs: Any) -> Any:
+        """This stage's (or interleaved chunk's) layers; with a carry, the activation between stages
+        is ``(h, carry)``: a stage that receives one continues its carry, the first starts it at zero,
+        and every stage but the one ending with the head sends ``(h, carry)`` on (the head's stage
+        leaves the carry in ``ctx.carry`` for the loss)."""
+        if self.carry is None:
+            return super().forward(inputs)
+        ctx = self.ds_mp_ctx
+        if isinstance(inputs, tuple) and inputs[0].is_floating_point():  # (h, carry) from the previous stage
+            inputs, ctx.carry = inputs
+        else:  # token ids (and positions): the micro-batch enters
+            ctx.carry = self.carry.zeros(inputs[0].device if isinstance(inputs, tuple) else inputs.device)
+        out = super().forward(inputs)
+        if self._head is not None and self.forward_funcs[-1] is self._head:
+            return out
+        return out, ctx.carry
 
     def grid_ready(self, grid: Any) -> None:
         self.ds_mp_topology.attach(grid)  # layers need the TP group at construction
@@ -168,7 +202,8 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
     layers = [family.layer_spec(prefix, src, ctx) for prefix in names]
     net = DsMpPipeline(layers, names, parts, topology, ctx, loss, activation_checkpoint_interval=activation_checkpoint_interval,
                        dynamic_shape=dynamic_shape,
-                       checkpointable_layers=list(family.checkpointable) if family.checkpointable else None)
+                       checkpointable_layers=list(family.checkpointable) if family.checkpointable else None,
+                       carry=carry_for(cfg))
     net.virtual_parts = virtual_parts
     if ctx.lora is not None:
         for name, param in net.named_parameters():

@@ -58,8 +58,7 @@ class MoEFamily(LlamaFamily):
                              "multiplier on the router input in training); set it 0")
 
     def check_run(self, cfg: Any) -> None:
-        """The expert layout against TP (whole: TP divides E; split: TP divides each expert's width), and
-        activation checkpointing refused with the aux loss (its recompute would record the routers twice)."""
+        """The expert layout against TP (whole: TP divides E; split: TP divides each expert's width)."""
         super().check_run(cfg)
         hf = self.config_from_dict(self.text_config(cfg.hf_config))
         layout, E, inner = cfg.moe.expert_layout, n_experts(hf), expert_width(hf)
@@ -71,10 +70,6 @@ class MoEFamily(LlamaFamily):
         if layout == "split" and inner % cfg.tp:
             raise ConfigError(f"ds_mp.moe.expert_layout: \"split\" needs tensor_parallel.size={cfg.tp} to divide the "
                               f"experts' width {inner}; use \"whole\" or a TP size dividing {inner}")
-        if hf.output_router_logits and cfg.pipeline.activation_checkpoint_interval:
-            raise ConfigError("ds_mp.pipeline.activation_checkpoint_interval: activation checkpointing with the "
-                              "router aux loss (output_router_logits) is not supported; set it 0 or turn "
-                              "output_router_logits off")
 
     def router_log(self, cfg: Any) -> Any:
         return RouterLog(cfg.router_aux_loss_coef) if getattr(cfg, "output_router_logits", False) else None

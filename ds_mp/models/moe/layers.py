@@ -33,7 +33,7 @@ from transformers.activations import ACT2FN
 from ds_mp.models.ctx import Ctx
 from ds_mp.models.llama import layers as llama_layers
 from ds_mp.models.llama.layers import RMSNorm, _linear
-from ds_mp.models.router_stats import layer_stats
+from ds_mp.models.carry import add_router_stats
 from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel import copy_to_tp, reduce_from_tp
 from ds_mp.tensor_parallel.layers import tp_parameter
@@ -137,9 +137,7 @@ class SparseMLP(nn.Module):
         B, T, H = x_in.shape
         ctx, x = self.ctx, x_in.reshape(-1, H)
         probs, weights, index = route(self.gate(x), self.k, self.renormalise, self.cast)  # (N, E), (N, k), (N, k)
-        if ctx.router_log is not None:
-            keep = None if ctx.layout is None else (ctx.layout.docs >= 0)
-            ctx.router_log.record(layer_stats(probs, index, keep, ctx.tp))
+        add_router_stats(ctx, probs, index, grad_scale=1.0 / ctx.tp)  # the aux loss's sums (models/carry.py)
         y = self.experts(x, index, weights).view(B, T, H)
         if hasattr(self, "shared_expert"):
             y = y + torch.sigmoid(self.shared_expert_gate(x_in)) * self.shared_expert(x_in, x_pre)

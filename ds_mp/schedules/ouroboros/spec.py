@@ -73,4 +73,6 @@ OUROBOROS = OuroborosSpec(
                 "up to K-2 steps earlier, so a batch (and LR) change would mix batch sizes inside one update; use a "
                 "fixed batch or another schedule"),
     lora=("ds_mp.lora: not supported with the ouroboros schedule (it assembles every module's gradients by hand); "
-          "use 1f1b, gpipe or terapipe"))
+          "use 1f1b, gpipe or terapipe"),
+    carry=("output_router_logits: the ouroboros schedule's delayed modules do not pass a MoE's router statistics "
+           "along its ring; use another pipeline.schedule or set output_router_logits to false"))

@@ -25,4 +25,7 @@ class TeraPipeSpec(ScheduleSpec):
 
 TERAPIPE = TeraPipeSpec(timetable="ds_mp.schedules.terapipe.schedule:TeraPipeSchedule",
                         runtime="ds_mp.engine.terapipe:attach", families=ALL_FAMILIES, batch_ramp=True,
-                        token_slices=True)
+                        token_slices=True,
+                        carry=("output_router_logits: the MoE aux loss pools each micro-batch's router statistics over "
+                               "whole sequences, which the terapipe schedule's token slices do not see; use another "
+                               "pipeline.schedule or set output_router_logits to false"))

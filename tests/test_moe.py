@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from helpers import ds_config, train_one_process
+from helpers import ds_config, targets
 from test_tensor_parallel import gather_weights
 
 VOCAB, SEQ, LR, CLIP = 1003, 16, 0.1, 1.0
@@ -81,6 +81,29 @@ def steps(n: int = 3, seed: int = 7) -> list[list]:
         step[1][0][1, -5:], step[1][1][1, -5:] = 0, -100
         out.append(step)
     return out
+
+
+def hf_train(model: Any, data: list, lr: float = LR, clip: float = CLIP) -> tuple[list[float], list[float], Any]:
+    """HF on one process over each step's micro-batches, trained in place with SGD: per micro-batch its LM
+    loss weighted by its share of the step's targets plus ``router_aux_loss_coef`` · its aux loss / M (the
+    mean over the step's M micro-batches: TRL's ``SFTTrainer``, and ds_mp's ``aux_reduction = "mean"``);
+    per step the loss and the pre-clip gradient norm.  Returns (losses, norms, model)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    coef = model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
+    losses, norms = [], []
+    for micro_batches in data:
+        opt.zero_grad()
+        total, count = 0.0, sum(targets(labels) for _, labels in micro_batches)
+        for ids, labels in micro_batches:
+            out = model(input_ids=ids, labels=labels)
+            lm = out.loss - coef * out.aux_loss if coef else out.loss
+            loss = lm * (targets(labels) / count) + (coef * out.aux_loss / len(micro_batches) if coef else 0.0)
+            loss.backward()
+            total += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip > 0 else 0.0)
+        opt.step()
+        losses.append(total)
+    return losses, norms, model
 
 
 def hf_topk(model: Any, ids: torch.Tensor, k: int) -> list[torch.Tensor]:
@@ -152,8 +175,7 @@ def _assert_layouts_train_as_hf(model_type: str, world: int, layouts: list, data
     for name, tp, layout, aux, _ in layouts:
         model = tiny_moe(model_type, aux=aux)
         want_topk = hf_topk(model, data[0][0][0], model.config.num_experts_per_tok)
-        trained = copy.deepcopy(model).train()
-        want_losses, want_norms = train_one_process(trained, data, torch.optim.SGD(trained.parameters(), lr=LR), CLIP)
+        want_losses, want_norms, trained = hf_train(copy.deepcopy(model).train(), data)
         want = dict(trained.named_parameters())
         got: dict = {}
         for losses, norms, weights, seen in (r[name] for r in results):
@@ -166,8 +188,7 @@ def _assert_layouts_train_as_hf(model_type: str, world: int, layouts: list, data
             scale = float(w.detach().abs().max())
             assert float((got[n] - w.detach()).abs().max()) <= RTOL * scale, (name, n)
         if aux:
-            plain = copy.deepcopy(tiny_moe(model_type)).train()
-            no_aux, _ = train_one_process(plain, data[:1], torch.optim.SGD(plain.parameters(), lr=LR), CLIP)
+            no_aux, _, _ = hf_train(tiny_moe(model_type).train(), data[:1])
             assert abs(no_aux[0] - want_losses[0]) > 1e-3, name
 
 
@@ -240,8 +261,7 @@ def test_checkpoint_in_and_out(model_type: str, tmp_path: Any) -> None:
 
     model = tiny_moe(model_type, aux=True)
     model.save_pretrained(tmp_path / "hub")
-    trained = copy.deepcopy(model).train()
-    want, _ = train_one_process(trained, steps(n=2), torch.optim.SGD(trained.parameters(), lr=LR), CLIP)
+    want, _, trained = hf_train(copy.deepcopy(model).train(), steps(n=2))
     ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = trained.eval()(input_ids=ids).logits
@@ -317,9 +337,7 @@ def test_lora_on_attention_equals_peft(tmp_path: Any) -> None:
     losses, a frozen base, and the exported adapter loading in ``PeftModel`` with PEFT's trained logits."""
     from peft import PeftModel
 
-    from helpers import hf_reference
-
-    want, trained = hf_reference(_peft_moe(), steps(n=2), lr=0.05)
+    want, _, trained = hf_train(_peft_moe().train(), steps(n=2), lr=0.05, clip=0.0)
     got = run_ranks(_lora_rank, 2, str(tmp_path), timeout=600)
     assert all(r["frozen_grads"] == [] and r["frozen_in_opt"] == [] for r in got)
     _assert_close(got[0]["losses"], want, "lora")

@@ -83,12 +83,13 @@ def steps(n: int = 3, seed: int = 7) -> list[list]:
     return out
 
 
-def hf_train(model: Any, data: list, lr: float = LR, clip: float = CLIP) -> tuple[list[float], list[float], Any]:
+def hf_train(model: Any, data: list, lr: float = LR, clip: float = CLIP,
+             momentum: float = 0.0) -> tuple[list[float], list[float], Any]:
     """HF on one process over each step's micro-batches, trained in place with SGD: per micro-batch its LM
     loss weighted by its share of the step's targets plus ``router_aux_loss_coef`` · its aux loss / M (the
     mean over the step's M micro-batches: TRL's ``SFTTrainer``, and ds_mp's ``aux_reduction = "mean"``);
     per step the loss and the pre-clip gradient norm.  Returns (losses, norms, model)."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     coef = model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
     losses, norms = [], []
     for micro_batches in data:
@@ -346,3 +347,33 @@ def test_lora_on_attention_equals_peft(tmp_path: Any) -> None:
         ref = trained.eval()(input_ids=ids).logits
         loaded = PeftModel.from_pretrained(tiny_moe(aux=True), str(tmp_path / "adapter")).eval()
         assert float((loaded(input_ids=ids).logits - ref).abs().max()) < 1e-4
+
+
+# --- resume at another layout -----------------------------------------------------------------------------
+def _resume_rank(rank: int, path: str, tp: int, layout: str, data: list, root: str, resume: bool) -> list[float]:
+    import ds_mp
+    from ds_mp.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = ds_config(tp=tp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, moe={"expert_layout": layout})
+    cfg["optimizer"]["params"]["momentum"] = 0.9
+    engine, *_ = ds_mp.initialize(model=path, config=cfg)
+    if resume:
+        load_checkpoint(engine, root)
+    losses = [float(engine.train_batch(iter(mbs))) for mbs in data]
+    if not resume:
+        save_checkpoint(engine, root, "step2")
+    return losses
+
+
+def test_resume_at_another_expert_layout(tmp_path: Any) -> None:
+    """2 SGD-momentum steps at TP2 ``whole`` (aux loss on), checkpoint; resumed at TP1 and at TP2 ``split``
+    (the experts' weights and momenta re-cut along another dim), 1 more step each: HF's uninterrupted losses."""
+    model = tiny_moe(aux=True)
+    model.save_pretrained(tmp_path / "base")
+    data, base, root = steps(n=3), str(tmp_path / "base"), str(tmp_path / "ckpt")
+    want, _, _ = hf_train(copy.deepcopy(model).train(), data, momentum=0.9)
+    first = run_ranks(_resume_rank, 2, base, 2, "whole", data[:2], root, False, timeout=600)[0]
+    _assert_close(first, want[:2], "before the checkpoint")
+    for tp, layout in ((1, "whole"), (2, "split")):
+        again = run_ranks(_resume_rank, tp, base, tp, layout, data[2:], root, True, timeout=600)[0]
+        _assert_close(again, want[2:], f"resumed at TP{tp} {layout}")

@@ -4,7 +4,7 @@
 
 A Qwen3-MoE-shaped model (``Qwen3MoeForCausalLM``: :data:`SHAPE`, every layer sparse, 16 experts
 of width 128, top-4 renormalised, as Qwen3-30B-A3B's 128 experts / top-8 scaled down), the same
-``ROWS × seq`` tokens per step, SGD, no aux loss, configurations interleaved
+``ROWS × seq`` tokens per step, SGD, configurations interleaved
 (``benchmarks.common.run_side_by_side``):
 
     hf_1x1           1 process × 1 thread, plain HF + torch SGD        (baseline)
@@ -12,9 +12,12 @@ of width 128, top-4 renormalised, as Qwen3-30B-A3B's 128 experts / top-8 scaled 
     ds_mp_tp2_whole  TP=2, each rank 8 whole experts, 2 ranks × 1 thread
     ds_mp_tp2_split  TP=2, every expert's width cut in 2, 2 ranks × 1 thread
     ds_mp_pp2        PP=2 (1F1B over 4 micro-batches of 1 row), 2 ranks × 1 thread
+    hf_1x1_aux       hf_1x1 with HF's aux loss on (output_router_logits, coefficient 0.001)
+    ds_mp_pp2_aux    ds_mp_pp2 with the aux loss: its router sums travel between the stages (the carry)
 
 TP2 × PP2 needs 4 ranks and is not run on this 2-core machine.  Reported: tokens/s ratios with 90%
-bootstrap intervals, and per-rank parameter + gradient bytes and peak RSS.
+bootstrap intervals, and per-rank parameter + gradient bytes and peak RSS.  The other rows run without
+the aux loss.
 """
 from __future__ import annotations
 
@@ -34,12 +37,14 @@ SHAPE = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "
 QUICK = {**SHAPE, "num_hidden_layers": 2, "seq": 128}
 
 
-def moe_model(shape: dict) -> Any:
-    """The fresh HF model of ``shape`` (seed 0: the same on every rank)."""
+def moe_model(shape: dict, aux: bool = False) -> Any:
+    """The fresh HF model of ``shape`` (seed 0: the same on every rank); ``aux``: HF's load-balancing loss on
+    (``output_router_logits``, coefficient 0.001)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(**{k: v for k, v in shape.items() if k != "seq"}, norm_topk_prob=True,
+                         output_router_logits=aux, router_aux_loss_coef=0.001,
                          max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
     return Qwen3MoeForCausalLM(cfg).train()
 
@@ -50,8 +55,8 @@ def _batch(shape: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class HFMoE(Bench):
-    def __init__(self, rank: int, world: int, shape: dict) -> None:
-        self.model = moe_model(shape)
+    def __init__(self, rank: int, world: int, shape: dict, aux: bool = False) -> None:
+        self.model = moe_model(shape, aux)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
         self.ids, self.labels = _batch(shape, ROWS)
 
@@ -67,7 +72,8 @@ class HFMoE(Bench):
 
 
 class DsMpMoE(Bench):
-    def __init__(self, rank: int, world: int, shape: dict, tp: int = 1, pp: int = 1, layout: str = "whole") -> None:
+    def __init__(self, rank: int, world: int, shape: dict, tp: int = 1, pp: int = 1, layout: str = "whole",
+                 aux: bool = False) -> None:
         import ds_mp
 
         micro, gas = (ROWS, 1) if pp == 1 else (1, ROWS)
@@ -75,7 +81,7 @@ class DsMpMoE(Bench):
                "optimizer": {"type": "SGD", "params": {"lr": LR}}, "gradient_clipping": 0.0, "steps_per_print": 10**9,
                "ds_mp": {"tensor_parallel": {"size": tp}, "pipeline": {"stages": pp}, "moe": {"expert_layout": layout},
                          "data": {"seq_len": shape["seq"]}}}
-        self.engine, self.opt, _, _ = ds_mp.initialize(model=moe_model(shape), config=cfg)
+        self.engine, self.opt, _, _ = ds_mp.initialize(model=moe_model(shape, aux), config=cfg)
         ids, labels = _batch(shape, ROWS)
         self.micro = [(ids[i:i + micro], labels[i:i + micro]) for i in range(0, ROWS, micro)]
 
@@ -101,7 +107,9 @@ def run(quick: bool, out_dir: str) -> dict:
             Config("hf_1x2", f"{here}:setup_hf", 1, 2, {"shape": shape}),
             Config("ds_mp_tp2_whole", f"{here}:setup_ds_mp", 2, 1, {"shape": shape, "tp": 2, "layout": "whole"}),
             Config("ds_mp_tp2_split", f"{here}:setup_ds_mp", 2, 1, {"shape": shape, "tp": 2, "layout": "split"}),
-            Config("ds_mp_pp2", f"{here}:setup_ds_mp", 2, 1, {"shape": shape, "pp": 2})]
+            Config("ds_mp_pp2", f"{here}:setup_ds_mp", 2, 1, {"shape": shape, "pp": 2}),
+            Config("hf_1x1_aux", f"{here}:setup_hf", 1, 1, {"shape": shape, "aux": True}),
+            Config("ds_mp_pp2_aux", f"{here}:setup_ds_mp", 2, 1, {"shape": shape, "pp": 2, "aux": True})]
     repeats, steps = (2, 1) if quick else (8, 2)
     mem: dict[str, Any] = {}
     times, _ = run_side_by_side(cfgs, repeats, steps, extra=lambda groups: mem.update(
@@ -121,6 +129,8 @@ def run(quick: bool, out_dir: str) -> dict:
     summary = [f"{n} tokens/s vs 1 × 1: {tokens_ratio(res, n, 'hf_1x1')}, vs 1 × 2 threads: "
                f"{tokens_ratio(res, n, 'hf_1x2')}" for n in ("ds_mp_tp2_whole", "ds_mp_tp2_split", "ds_mp_pp2")]
     summary.append(f"TP=2 whole vs split experts: {tokens_ratio(res, 'ds_mp_tp2_whole', 'ds_mp_tp2_split')}")
+    summary.append(f"PP=2 with the aux loss (the carry) vs without: {tokens_ratio(res, 'ds_mp_pp2_aux', 'ds_mp_pp2')}; "
+                   f"HF 1 × 1 with vs without: {tokens_ratio(res, 'hf_1x1_aux', 'hf_1x1')}")
     summary.append("intervals are 90% bootstrap intervals over the timed steps; 2-core machine shared with other jobs")
     for line in summary:
         print("  " + line)

@@ -9,16 +9,20 @@ size differ): a top-k choice then cannot flip between them, so "the same experts
 property of the implementation, not of luck.  (A margin in probabilities would not do: with a dominant
 expert the 2nd and 3rd probabilities are both small and close although their logits are far apart.)
 
-* :func:`test_routing_equals_hf_token_by_token`: per sparse layer, every token's top-k experts equal HF's
-  (TP1 and TP2 in both expert layouts), on rows with padding;
-* :func:`test_layouts_train_as_hf`: TP1, TP2 ``split`` and TP2 ``whole``, aux loss on and off, a model
-  with a dense layer (``mlp_only_layers``): losses, pre-clip grad norms and weights after 3 steps within
-  1e-5 relative of HF's; a micro-batch of 3 tokens leaves experts without any token (asserted);
-* checkpoints: a transformers-5 (fused) directory and a Hub-style per-expert directory (written by un-fusing)
-  both load as HF loads them; ``save_hf`` of a TP2 ``whole`` run loads in ``from_pretrained`` with the
-  trained logits and generates;
-* refusals in one line: ``router_jitter_noise``, E not divisible by TP for ``whole``, an unknown layout,
-  LoRA on experts.
+* :func:`test_layouts_train_as_hf`: TP1, TP2 ``split`` and TP2 ``whole``, aux loss on and off (Mixtral and
+  Qwen2-MoE: two of the TP2 rows), ZeRO-1, sequence parallelism, a model with a dense layer
+  (``mlp_only_layers``), rows with a masked prompt and right padding: losses, pre-clip grad norms and weights
+  after 3 steps within 1e-5 relative of HF's, and the first micro-batch's top-k experts per sparse layer equal
+  HF's token by token; :func:`test_experts_without_tokens`: micro-batches that leave experts without a token;
+* checkpoints: the Hub's per-expert directory (what ``save_pretrained`` writes) and a fused one (transformers
+  5's in-memory names) both train as HF, each shard reading only its elements; ``save_hf`` loads in
+  ``from_pretrained`` with the trained logits and generates; a TP2 ``whole`` training checkpoint resumes at
+  TP1 and at TP2 ``split``;
+* LoRA on attention equals PEFT; the tables equal HF's state dicts; refusals in one line
+  (``router_jitter_noise``, E not divisible by TP for ``whole``, an unknown layout, LoRA on experts).
+
+The HF oracle (:func:`hf_train`) weighs each micro-batch's aux loss as ds_mp's default ``aux_reduction``
+("mean", TRL's): ``coef · aux / M`` per micro-batch.
 """
 from __future__ import annotations
 
@@ -120,10 +124,12 @@ def hf_topk(model: Any, ids: torch.Tensor, k: int) -> list[torch.Tensor]:
 
 
 # --- training against HF: TP1, TP2 split and whole, aux loss on and off ---------------------------------
+OTHER_ROWS = ("tp2_split_aux", "tp2_whole_aux_zero1")  # Mixtral's and Qwen2-MoE's (every row: Qwen3-MoE's)
 # (name, TP, expert layout, aux loss, DeepSpeed extras)
 LAYOUTS = [("tp1", 1, "whole", False, {}), ("tp1_aux_zero1", 1, "whole", True, {"zero": 1}),
            ("tp2_split_aux", 2, "split", True, {}), ("tp2_whole", 2, "whole", False, {}),
-           ("tp2_whole_aux_zero1", 2, "whole", True, {"zero": 1}), ("tp2_split", 2, "split", False, {})]
+           ("tp2_whole_aux_zero1", 2, "whole", True, {"zero": 1}), ("tp2_split", 2, "split", False, {}),
+           ("tp2_whole_sp", 2, "whole", False, {"tensor_parallel": {"sequence_parallel": True}})]
 
 
 def _routes(engine: Any) -> tuple[list, int]:
@@ -163,11 +169,12 @@ def _assert_close(got: list[float], want: list[float], what: str) -> None:
 
 @pytest.mark.parametrize("model_type,world", [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 2)])
 def test_layouts_train_as_hf(model_type: str, world: int) -> None:
-    """Every layout of :data:`LAYOUTS` at TP = ``world`` (ZeRO-1 in two of them) trains as HF on one process: 3 SGD steps with
+    """Every layout of :data:`LAYOUTS` at TP = ``world`` (ZeRO-1 in two of them, sequence parallelism without
+    the aux loss in one) trains as HF on one process: 3 SGD steps with
     clipping, losses and pre-clip grad norms within 1e-5 relative, every weight within 1e-5 of its
     tensor's largest entry; the first micro-batch's routing equals HF's token by token (margins
     asserted); with the aux loss on, HF's loss differs from its loss without it (the term is live)."""
-    layouts = [row for row in LAYOUTS if row[1] == world]
+    layouts = [row for row in LAYOUTS if row[1] == world and (model_type == "qwen3_moe" or row[0] in OTHER_ROWS)]
     _assert_layouts_train_as_hf(model_type, world, layouts, steps())
 
 
@@ -254,10 +261,11 @@ def _checkpoint_rank(rank: int, path: str, layout: str, out: str) -> dict:
     return {"losses": losses}
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_checkpoint_in_and_out(model_type: str, tmp_path: Any) -> None:
-    """TP2 ``split`` from a Hub per-expert directory and TP2 ``whole`` from a fused one (aux loss on) train as
-    HF; ``save_hf`` loads in ``from_pretrained`` with the trained model's logits, and ``generate`` runs."""
+@pytest.mark.parametrize("model_type,hub", [("qwen3_moe", True), ("mixtral", False)])
+def test_checkpoint_in_and_out(model_type: str, hub: bool, tmp_path: Any) -> None:
+    """TP2 ``split`` from a Hub per-expert directory (Qwen3-MoE) and TP2 ``whole`` from a fused one (Mixtral),
+    aux loss on, train as HF; ``save_hf`` loads in ``from_pretrained`` with the trained model's logits, and
+    ``generate`` runs."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_moe(model_type, aux=True)
@@ -266,7 +274,8 @@ def test_checkpoint_in_and_out(model_type: str, tmp_path: Any) -> None:
     ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = trained.eval()(input_ids=ids).logits
-    for src, layout in ((str(tmp_path / "hub"), "split"), (_fused_dir(model, str(tmp_path / "fused")), "whole")):
+    for src, layout in ([(str(tmp_path / "hub"), "split")] if hub else
+                        [(_fused_dir(model, str(tmp_path / "fused")), "whole")]):
         out = str(tmp_path / f"out_{layout}")
         got = run_ranks(_checkpoint_rank, 2, src, layout, out, timeout=600)
         _assert_close(got[0]["losses"], want, layout)

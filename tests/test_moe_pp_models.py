@@ -29,13 +29,13 @@ LR, CLIP, COEF, RTOL = 0.1, 1.0, 0.3, 1e-5
 ROUTER_SCALE = 30.0  # the routers × this: logits a few units apart (margins asserted)
 
 
-def tiny_moe4(model_type: str = "qwen3_moe", seed: int = 0) -> Any:
-    """4 layers (Qwen3-MoE's layer 1 dense), 8 experts of width 32, top-2, hidden 64; routers × 10."""
+def tiny_moe4(model_type: str = "qwen3_moe", seed: int = 0, vocab: int = VOCAB) -> Any:
+    """4 layers (Qwen3-MoE's layer 1 dense), 8 experts of width 32, top-2, hidden 64; routers × ROUTER_SCALE."""
     import transformers
 
     torch.manual_seed(seed)
     common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0,
+                  vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0,
                   eos_token_id=0, rms_norm_eps=1e-5, num_experts_per_tok=2, output_router_logits=True,
                   router_aux_loss_coef=COEF)
     if model_type == "mixtral":

@@ -90,7 +90,7 @@ class PipelineTrainerMixin:
         import ds_mp
 
         engine, _, _, _ = ds_mp.initialize(model=source, config=raw, lr_scheduler=BoundLater)
-        engine.aux_reduction = self.ds_mp_aux_reduction
+        engine.use_aux_reduction(self.ds_mp_aux_reduction)
         self.ds_mp_engine = engine
         self.ds_mp_topology = engine.topology
         if compat.process_state_from_torch(self.args):  # logging, progress bar, saving: once per job

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from helpers import ds_config, train_one_process
+from helpers import ds_config, targets
 from test_tensor_parallel import gather_weights
 
 VOCAB, SEQ, LR, CLIP = 1003, 16, 0.1, 1.0
@@ -55,8 +55,8 @@ def tiny_moe(model_type: str = "qwen3_moe", seed: int = 0, router_scale: float =
     else:
         extra = dict(head_dim=16) if model_type == "qwen3_moe" else dict(shared_expert_intermediate_size=48)
         cfg_cls = transformers.Qwen3MoeConfig if model_type == "qwen3_moe" else transformers.Qwen2MoeConfig
-        cfg = cfg_cls(**common, **extra, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                      decoder_sparse_step=1, **{"mlp_only_layers": [1], "norm_topk_prob": True, **config})
+        cfg = cfg_cls(**common, **extra, intermediate_size=96, moe_intermediate_size=32, decoder_sparse_step=1,
+                      **{"num_experts": 8, "mlp_only_layers": [1], "norm_topk_prob": True, **config})
         cls = transformers.Qwen3MoeForCausalLM if model_type == "qwen3_moe" else transformers.Qwen2MoeForCausalLM
     model = cls(cfg).eval()
     with torch.no_grad():
@@ -83,6 +83,30 @@ def steps(n: int = 3, seed: int = 7) -> list[list]:
     return out
 
 
+def hf_train(model: Any, data: list, lr: float = LR, clip: float = CLIP,
+             momentum: float = 0.0) -> tuple[list[float], list[float], Any]:
+    """HF on one process over each step's micro-batches, trained in place with SGD: per micro-batch its LM
+    loss weighted by its share of the step's targets plus ``router_aux_loss_coef`` · its aux loss / M (the
+    mean over the step's M micro-batches: TRL's ``SFTTrainer``, and ds_mp's ``aux_reduction = "mean"``);
+    per step the loss and the pre-clip gradient norm.  Returns (losses, norms, model)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    coef = model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
+    losses, norms = [], []
+    for micro_batches in data:
+        opt.zero_grad()
+        total, count = 0.0, sum(targets(labels) for _, labels in micro_batches)
+        for ids, labels in micro_batches:
+            out = model(input_ids=ids, labels=labels)
+            lm = out.loss - coef * out.aux_loss if coef else out.loss
+            loss = lm * (targets(labels) / count) + (coef * out.aux_loss / len(micro_batches) if coef else 0.0)
+            loss.backward()
+            total += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) if clip > 0 else 0.0)
+        opt.step()
+        losses.append(total)
+    return losses, norms, model
+
+
 def hf_topk(model: Any, ids: torch.Tensor, k: int) -> list[torch.Tensor]:
     """HF's top-k experts per sparse layer (N, k), after asserting every token's routing margin > MARGIN."""
     with torch.no_grad():
@@ -96,8 +120,10 @@ def hf_topk(model: Any, ids: torch.Tensor, k: int) -> list[torch.Tensor]:
 
 
 # --- training against HF: TP1, TP2 split and whole, aux loss on and off ---------------------------------
-LAYOUTS = [("tp1", 1, "whole", False), ("tp1_aux", 1, "whole", True), ("tp2_split_aux", 2, "split", True),
-           ("tp2_whole", 2, "whole", False), ("tp2_whole_aux", 2, "whole", True), ("tp2_split", 2, "split", False)]
+# (name, TP, expert layout, aux loss, DeepSpeed extras)
+LAYOUTS = [("tp1", 1, "whole", False, {}), ("tp1_aux_zero1", 1, "whole", True, {"zero": 1}),
+           ("tp2_split_aux", 2, "split", True, {}), ("tp2_whole", 2, "whole", False, {}),
+           ("tp2_whole_aux_zero1", 2, "whole", True, {"zero": 1}), ("tp2_split", 2, "split", False, {})]
 
 
 def _routes(engine: Any) -> tuple[list, int]:
@@ -113,20 +139,20 @@ def _routes(engine: Any) -> tuple[list, int]:
     return seen, len(routers)
 
 
-def _train_rank(rank: int, model_type: str, world: int) -> dict:
+def _train_rank(rank: int, model_type: str, layouts: list, data: list) -> dict:
     import ds_mp
 
     out = {}
-    for name, tp, layout, aux in LAYOUTS:
-        if tp != world:
-            continue
-        cfg = ds_config(tp=tp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, moe={"expert_layout": layout})
+    for name, tp, layout, aux, extra in layouts:
+        rows, seq = data[0][0][0].shape
+        cfg = ds_config(tp=tp, micro=rows, gas=len(data[0]), lr=LR, clip=CLIP, seq=seq, moe={"expert_layout": layout},
+                        **extra)
         engine, *_ = ds_mp.initialize(model=tiny_moe(model_type, aux=aux), config=cfg)
         seen, n_routers = _routes(engine)
         losses, norms = [], []
-        for mbs in steps():
+        for mbs in data:
             losses.append(float(engine.train_batch(iter(mbs))))
-            norms.append(float(engine.last_grad_norm))
+            norms.append(float(engine.get_global_grad_norm()))
         out[name] = (losses, norms, gather_weights(engine)[0], seen[:n_routers])  # the first micro-batch's routes
     return out
 
@@ -137,19 +163,20 @@ def _assert_close(got: list[float], want: list[float], what: str) -> None:
 
 @pytest.mark.parametrize("model_type,world", [("qwen3_moe", 1), ("qwen3_moe", 2), ("mixtral", 2), ("qwen2_moe", 2)])
 def test_layouts_train_as_hf(model_type: str, world: int) -> None:
-    """Every layout of :data:`LAYOUTS` at TP = ``world`` trains as HF on one process: 3 SGD steps with
+    """Every layout of :data:`LAYOUTS` at TP = ``world`` (ZeRO-1 in two of them) trains as HF on one process: 3 SGD steps with
     clipping, losses and pre-clip grad norms within 1e-5 relative, every weight within 1e-5 of its
     tensor's largest entry; the first micro-batch's routing equals HF's token by token (margins
     asserted); with the aux loss on, HF's loss differs from its loss without it (the term is live)."""
-    results = run_ranks(_train_rank, world, model_type, world, timeout=600)
-    for name, tp, layout, aux in LAYOUTS:
-        if tp != world:
-            continue
+    layouts = [row for row in LAYOUTS if row[1] == world]
+    _assert_layouts_train_as_hf(model_type, world, layouts, steps())
+
+
+def _assert_layouts_train_as_hf(model_type: str, world: int, layouts: list, data: list) -> None:
+    results = run_ranks(_train_rank, world, model_type, layouts, data, timeout=600)
+    for name, tp, layout, aux, _ in layouts:
         model = tiny_moe(model_type, aux=aux)
-        want_topk = hf_topk(model, steps()[0][0][0], model.config.num_experts_per_tok)
-        trained = copy.deepcopy(model).train()
-        want_losses, want_norms = train_one_process(trained, steps(),
-                                                    torch.optim.SGD(trained.parameters(), lr=LR), CLIP)
+        want_topk = hf_topk(model, data[0][0][0], model.config.num_experts_per_tok)
+        want_losses, want_norms, trained = hf_train(copy.deepcopy(model).train(), data)
         want = dict(trained.named_parameters())
         got: dict = {}
         for losses, norms, weights, seen in (r[name] for r in results):
@@ -162,9 +189,22 @@ def test_layouts_train_as_hf(model_type: str, world: int) -> None:
             scale = float(w.detach().abs().max())
             assert float((got[n] - w.detach()).abs().max()) <= RTOL * scale, (name, n)
         if aux:
-            plain = copy.deepcopy(tiny_moe(model_type)).train()
-            no_aux, _ = train_one_process(plain, steps(n=1), torch.optim.SGD(plain.parameters(), lr=LR), CLIP)
+            no_aux, _, _ = hf_train(tiny_moe(model_type).train(), data[:1])
             assert abs(no_aux[0] - want_losses[0]) > 1e-3, name
+
+
+def test_experts_without_tokens() -> None:
+    """Micro-batches of 1 row × 3 tokens: 6 top-2 assignments over 8 experts, so in every sparse layer some
+    expert (under ``whole``, possibly all of one rank's) receives no token (asserted on HF's routing): TP2 in
+    both layouts, aux loss on, still trains as HF (the idle experts' gradients are zero, not missing)."""
+    g = torch.Generator().manual_seed(11)
+    data = [[(ids, ids.clone()) for ids in torch.randint(1, VOCAB, (2, 1, 3), generator=g)] for _ in range(2)]
+    model = tiny_moe(aux=True)
+    for ids, _ in data[0]:
+        for top in hf_topk(model, ids, 2):
+            assert top.unique().numel() < 8
+    _assert_layouts_train_as_hf("qwen3_moe", 2, [("tp2_whole_idle", 2, "whole", True, {}),
+                                                 ("tp2_split_idle", 2, "split", True, {})], data)
 
 
 # --- checkpoints: the Hub's per-expert keys and transformers 5's fused tensors, in and out --------------
@@ -222,8 +262,7 @@ def test_checkpoint_in_and_out(model_type: str, tmp_path: Any) -> None:
 
     model = tiny_moe(model_type, aux=True)
     model.save_pretrained(tmp_path / "hub")
-    trained = copy.deepcopy(model).train()
-    want, _ = train_one_process(trained, steps(n=2), torch.optim.SGD(trained.parameters(), lr=LR), CLIP)
+    want, _, trained = hf_train(copy.deepcopy(model).train(), steps(n=2))
     ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = trained.eval()(input_ids=ids).logits
@@ -236,3 +275,105 @@ def test_checkpoint_in_and_out(model_type: str, tmp_path: Any) -> None:
         with torch.no_grad():
             assert float((loaded(input_ids=ids).logits - ref).abs().max()) < 1e-4, layout
         assert loaded.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
+# --- tables and refusals ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_tables_cover_hf_models(model_type: str) -> None:
+    """``param_shapes`` is exactly HF's state dict (experts fused, Qwen3-MoE's dense layer 1, Qwen2-MoE's
+    shared expert); every name has a TP kind and a pipeline layer."""
+    from ds_mp.models.family import family_of
+
+    model = tiny_moe(model_type)
+    fam, cfg = family_of(model.config), model.config
+    assert fam.name == "moe"
+    assert fam.param_shapes(cfg) == {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    layers = fam.pipeline_layers(cfg)
+    for name in fam.param_shapes(cfg):
+        fam.tp_kind(name)
+        assert 0 <= fam.layer_index(name, layers) < len(layers)
+    assert ("model.layers.1.mlp.gate_proj.weight" in model.state_dict()) == (model_type != "mixtral")
+
+
+def test_unbuilt_options_are_refused_in_one_line() -> None:
+    from ds_mp.config import ConfigError, load_config
+
+    def refused(raw: dict, match: str, tp: int = 1, **extra: Any) -> None:
+        with pytest.raises(ConfigError, match=match) as e:
+            load_config(ds_config(tp=tp, **extra), tp, raw)
+        assert "\n" not in str(e.value)
+
+    mixtral = tiny_moe("mixtral").config.to_dict()
+    refused({**mixtral, "router_jitter_noise": 0.1}, r"^ds_mp.model: mixtral option router_jitter_noise=0.1 .*set it 0")
+    qwen = tiny_moe(num_experts=6).config.to_dict()
+    refused(qwen, r"^ds_mp.moe.expert_layout: \"whole\" needs tensor_parallel.size=4 to divide the 6 experts; use "
+            r"\"split\"", tp=4)
+    refused(qwen, r"^ds_mp.moe.expert_layout: 'rows' is not a layout", moe={"expert_layout": "rows"})
+    refused(qwen, r"^ds_mp.lora.target_modules", lora={"r": 4, "target_modules": ["gate_proj"]})
+    load_config(ds_config(tp=2, moe={"expert_layout": "split"}), 2, tiny_moe(num_experts=6).config.to_dict())
+
+
+# --- LoRA on attention against PEFT -----------------------------------------------------------------------
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _peft_moe() -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    from helpers import randomise_lora_b
+
+    cfg = LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules=ATTENTION, task_type="CAUSAL_LM")
+    return randomise_lora_b(get_peft_model(tiny_moe(aux=True), cfg), 7)
+
+
+def _lora_rank(rank: int, out: str) -> dict:
+    from test_lora import train_and_export_lora
+
+    lora = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ATTENTION}
+    return train_and_export_lora(_peft_moe(), ds_config(tp=2, lr=0.05, seq=SEQ, lora=lora), steps(n=2), out)
+
+
+def test_lora_on_attention_equals_peft(tmp_path: Any) -> None:
+    """PEFT's LoRA on q/k/v/o of a Qwen3-MoE (aux loss on, the router and experts frozen) at TP2 whole: PEFT's
+    losses, a frozen base, and the exported adapter loading in ``PeftModel`` with PEFT's trained logits."""
+    from peft import PeftModel
+
+    want, _, trained = hf_train(_peft_moe().train(), steps(n=2), lr=0.05, clip=0.0)
+    got = run_ranks(_lora_rank, 2, str(tmp_path), timeout=600)
+    assert all(r["frozen_grads"] == [] and r["frozen_in_opt"] == [] for r in got)
+    _assert_close(got[0]["losses"], want, "lora")
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = trained.eval()(input_ids=ids).logits
+        loaded = PeftModel.from_pretrained(tiny_moe(aux=True), str(tmp_path / "adapter")).eval()
+        assert float((loaded(input_ids=ids).logits - ref).abs().max()) < 1e-4
+
+
+# --- resume at another layout -----------------------------------------------------------------------------
+def _resume_rank(rank: int, path: str, tp: int, layout: str, data: list, root: str, resume: bool) -> list[float]:
+    import ds_mp
+    from ds_mp.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = ds_config(tp=tp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, moe={"expert_layout": layout})
+    cfg["optimizer"]["params"]["momentum"] = 0.9
+    engine, *_ = ds_mp.initialize(model=path, config=cfg)
+    if resume:
+        load_checkpoint(engine, root)
+    losses = [float(engine.train_batch(iter(mbs))) for mbs in data]
+    if not resume:
+        save_checkpoint(engine, root, "step2")
+    return losses
+
+
+def test_resume_at_another_expert_layout(tmp_path: Any) -> None:
+    """2 SGD-momentum steps at TP2 ``whole`` (aux loss on), checkpoint; resumed at TP1 and at TP2 ``split``
+    (the experts' weights and momenta re-cut along another dim), 1 more step each: HF's uninterrupted losses."""
+    model = tiny_moe(aux=True)
+    model.save_pretrained(tmp_path / "base")
+    data, base, root = steps(n=3), str(tmp_path / "base"), str(tmp_path / "ckpt")
+    want, _, _ = hf_train(copy.deepcopy(model).train(), data, momentum=0.9)
+    first = run_ranks(_resume_rank, 2, base, 2, "whole", data[:2], root, False, timeout=600)[0]
+    _assert_close(first, want[:2], "before the checkpoint")
+    for tp, layout in ((1, "whole"), (2, "split")):
+        again = run_ranks(_resume_rank, tp, base, tp, layout, data[2:], root, True, timeout=600)[0]
+        _assert_close(again, want[2:], f"resumed at TP{tp} {layout}")

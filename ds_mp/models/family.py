@@ -184,11 +184,6 @@ class Family(FamilyConfig):
         """Parameters of one block (``"partition": "parameters"``)."""
         raise NotImplementedError
 
-    def router_log(self, cfg: Any) -> Any:
-        """A mixture of experts with its aux loss on: the ``ds_mp.models.router_stats.RouterLog`` its
-        sparse layers record into (None: no routers, or ``output_router_logits`` off)."""
-        return None
-
 
 def lora_targeted(module: str, targets: list[str]) -> bool:
     """PEFT's matching of ``target_modules``: ``module`` (``attn.c_proj``) equals a target or ends

@@ -7,8 +7,7 @@ MLP where HF builds one.
 Refused in one line (:meth:`MoEFamily.check`, :meth:`MoEFamily.check_run`): ``router_jitter_noise``
 > 0 (Mixtral's training-time noise on the router input: a random multiplier HF draws per element),
 ``use_sliding_window`` (Qwen), an ``expert_layout`` other than whole/split, E not divisible by TP for
-``whole``, an expert width not divisible by TP for ``split``, activation checkpointing with the aux
-loss on (the recomputed forward would record the routers twice), LoRA on the experts (PEFT 0.21
+``whole``, an expert width not divisible by TP for ``split``, LoRA on the experts (PEFT 0.21
 wraps ``nn.Linear``; the fused 3-D expert tensors are refused by the registry's LoRA targets).
 """
 from __future__ import annotations
@@ -22,7 +21,6 @@ from ds_mp.models.moe import hf_adapter
 from ds_mp.models.moe.layers import Block, expert_matmul_parameters
 from ds_mp.models.moe.plan import (ATTENTION, LAYOUTS, MOE_LORA_PLAN, MOE_TP_PLAN, biases, expert_width, is_sparse,
                                    n_experts, param_shapes, qk_norm)
-from ds_mp.models.router_stats import RouterLog
 
 
 class MoEFamily(LlamaFamily):
@@ -70,9 +68,6 @@ class MoEFamily(LlamaFamily):
         if layout == "split" and inner % cfg.tp:
             raise ConfigError(f"ds_mp.moe.expert_layout: \"split\" needs tensor_parallel.size={cfg.tp} to divide the "
                               f"experts' width {inner}; use \"whole\" or a TP size dividing {inner}")
-
-    def router_log(self, cfg: Any) -> Any:
-        return RouterLog(cfg.router_aux_loss_coef) if getattr(cfg, "output_router_logits", False) else None
 
     def cost_shape(self, cfg: Any) -> dict:
         return {k: v for k, v in cfg.to_dict().items()

@@ -17,7 +17,7 @@ all-reduce (or SP's reduce-scatter) sums — the dense MLP's down projection, ex
 
 The router weight and the block input are replicated but each rank back-propagates only its
 partial ``y``: both enter through ``copy_to_tp`` (the input: the block's f), so their gradient is
-the sum over TP.  The aux loss's path (``ds_mp.models.router_stats``) is scaled by 1/TP for the same
+the sum over TP.  The aux loss's path (``ds_mp.models.carry.add_router_stats``, ``grad_scale``) is scaled by 1/TP for the same
 sum.  Routing is computed from the same fp32 numbers on every rank, so every rank picks the same
 experts.
 """

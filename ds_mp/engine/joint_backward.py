@@ -1,4 +1,5 @@
-"""One backward for a stage whose output is a tuple (the hidden state and the carry, ``ds_mp.models.carry``).
+"""The engine's side of the carry (``ds_mp.models.carry``): one backward for a stage whose output is a tuple
+(the hidden state and the carry), and the carry's loss weight per step.
 
 DeepSpeed's backward handler calls ``out.backward(grad, retain_graph=True)`` once per floating output of
 a tuple.  Two graph tasks over one graph break DeepSpeed's reentrant activation checkpoint (its node
@@ -11,7 +12,8 @@ an outer mode (ZB-H1's) sees the one joint ``backward``.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ContextManager
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -43,4 +45,25 @@ class JointBackward(TorchFunctionMode):
         return None
 
 
-__all__ = ["JointBackward"]
+def joint_backward(module: Any) -> ContextManager:
+    """:class:`JointBackward` where ``module`` (the pipeline stage) carries a carry, else nothing."""
+    return JointBackward() if getattr(module, "carry", None) is not None else contextlib.nullcontext()
+
+
+def checked_reduction(how: str) -> str:
+    """``how`` if it names an aux-loss reduction over a step ("mean" or "sum")."""
+    if how not in ("mean", "sum"):
+        raise ValueError(f"aux_reduction: {how!r} is not 'mean' or 'sum'")
+    return how
+
+
+def carry_step(module: Any, micro_batches: int, how: str) -> None:
+    """Before a step of ``micro_batches`` (M · g: every replica's): the carry's loss weight on the stage's
+    ``Ctx`` (``models.carry.CarriedLoss``): 1 for "mean", M · g for "sum" (undoing DeepSpeed's 1/M and its
+    mean over the g gradient replicas)."""
+    ctx = getattr(module, "ds_mp_ctx", None)
+    if ctx is not None:
+        ctx.carry_weight = float(micro_batches) if how == "sum" else 1.0
+
+
+__all__ = ["JointBackward", "joint_backward", "checked_reduction", "carry_step"]

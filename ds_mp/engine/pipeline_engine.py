@@ -8,7 +8,6 @@ DeepSpeed name appears here.  Everything else (p2p receive, optimizer, ZeRO, bf1
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -24,7 +23,7 @@ from ds_mp.deepspeed_compat.engine_adapter import PipelineEngineAdapter
 from ds_mp.engine import cpu_heap, grads, layerwise, zero2
 from ds_mp.engine.checkpoint_api import LayoutFreeCheckpoints
 from ds_mp.engine.batches import MicroBook, Step, batch_source, micro_layout, prepare_step, warn_no_targets
-from ds_mp.engine.joint_backward import JointBackward
+from ds_mp.engine.joint_backward import carry_step, checked_reduction, joint_backward
 from ds_mp.engine.p2p import PostedSends
 from ds_mp.config.registry import ScheduleRuntime, schedule_spec
 from ds_mp.config.schema import PipelineConfig
@@ -58,9 +57,7 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
         self.step_info = Step()  # this step's target count, shape and per-micro-batch layouts (engine/batches.py)
         self.ds_mp_source: Any = None  # the data iterator steps read (train_batch's argument, kept)
         self.ds_mp_fed: Any = None  # the normalized micro-batches handed to DeepSpeed this step
-        # a MoE aux loss over the step's micro-batches and replicas (models/carry.py): "mean" (TRL's SFTTrainer),
-        # or "sum" (HF's Trainer, which leaves each forward's coef · aux whole); set by ds_mp.hf's trainers
-        self.aux_reduction = "mean"
+        self.aux_reduction = "mean"  # a MoE aux loss over a step's micro-batches (use_aux_reduction)
         super().__init__(*args, **kwargs)
         stage_gate.disarm(self)
         compat.check_engine(self)
@@ -76,6 +73,10 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
         # state, its methods handle the schedule's instructions (``instructions``), and its optional hooks
         # (state_dict/load_state_dict, aggregate_loss, eval_batch, …) are asked by the engine.
         self.schedule_support: ScheduleRuntime | None = self.schedule_spec.make_runtime(self)
+
+    def use_aux_reduction(self, how: str) -> None:
+        """A MoE aux loss over a step's micro-batches and replicas: "mean" (TRL's) or "sum" (HF Trainer's)."""
+        self.aux_reduction = checked_reduction(how)
 
     def use_noise_probe(self, probe: Any) -> None:
         """Measure the gradient noise scale with ``probe`` (``training.metrics.NoiseScaleProbe``) on
@@ -196,9 +197,7 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
         if training and self.stage_id in self.data_stages():  # the iterator this and later steps read
             source = self.ds_mp_source = batch_source(data_iter, self.ds_mp_source, self.data_iterator, self.ds_mp_fed)
         fed, self.step_info = prepare_step(self, source, n)
-        ctx = getattr(self.module, "ds_mp_ctx", None)
-        if ctx is not None:  # the carry's loss term (models/carry.py): "sum" undoes DeepSpeed's 1/M and DP mean
-            ctx.carry_weight = float(n * self.topology.grad_size) if self.aux_reduction == "sum" else 1.0
+        carry_step(self.module, n * self.topology.grad_size, self.aux_reduction)
         if fed is not None:
             self.ds_mp_fed = fed
         if self.num_stages > 1 and not self.module.dynamic_shape:
@@ -285,8 +284,8 @@ class DsMpPipelineEngine(LayoutFreeCheckpoints, PipelineEngineAdapter):
 
     def _backward(self, buffer_id: int) -> None:
         if not self.is_last_stage():  # earlier stages backpropagate the (scaled) gradient they received
-            with JointBackward() if self.module.carry is not None else contextlib.nullcontext():
-                self.deepspeed_run_backward(buffer_id)  # (h, carry): one backward (engine/joint_backward.py)
+            with joint_backward(self.module):  # (h, carry): one backward (engine/joint_backward.py)
+                self.deepspeed_run_backward(buffer_id)
             return
         loss = self._buffer_loss.pop(buffer_id)  # this micro-batch's own loss
         scale = compat.unapplied_loss_scale(self)  # fp16 without ZeRO: DeepSpeed's backward skips it

@@ -69,7 +69,7 @@ class DsMpPipeline(PipelineModuleAdapter):
         if carry is not None:
             table_end = layer_names.index(self.family.pipeline_layers(ctx.hf)[-1])
             start, stop = parts[topology.pp_rank], parts[topology.pp_rank + 1]
-            self._head = self.forward_funcs[table_end - start] if start <= table_end < stop else None
+            self._head = self.local_layers()[table_end - start] if start <= table_end < stop else None
 
     # DeepSpeed's forward checkpoints each segment with this; with a carry it is also a segment input/output
     @property
@@ -93,7 +93,7 @@ class DsMpPipeline(PipelineModuleAdapter):
         else:  # token ids (and positions): the micro-batch enters
             ctx.carry = self.carry.zeros(inputs[0].device if isinstance(inputs, tuple) else inputs.device)
         out = super().forward(inputs)
-        if self._head is not None and self.forward_funcs[-1] is self._head:
+        if self._head is not None and self.local_layers()[-1] is self._head:  # (interleaved: the chunk's)
             return out
         return out, ctx.carry
 

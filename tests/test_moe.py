@@ -145,7 +145,7 @@ def _routes(engine: Any) -> tuple[list, int]:
     return seen, len(routers)
 
 
-def _train_rank(rank: int, model_type: str, layouts: list, data: list) -> dict:
+def _train_rank(rank: int, model_type: str, layouts: list, data: list, model_kw: dict) -> dict:
     import ds_mp
 
     out = {}
@@ -153,7 +153,7 @@ def _train_rank(rank: int, model_type: str, layouts: list, data: list) -> dict:
         rows, seq = data[0][0][0].shape
         cfg = ds_config(tp=tp, micro=rows, gas=len(data[0]), lr=LR, clip=CLIP, seq=seq, moe={"expert_layout": layout},
                         **extra)
-        engine, *_ = ds_mp.initialize(model=tiny_moe(model_type, aux=aux), config=cfg)
+        engine, *_ = ds_mp.initialize(model=tiny_moe(model_type, aux=aux, **model_kw), config=cfg)
         seen, n_routers = _routes(engine)
         losses, norms = [], []
         for mbs in data:
@@ -178,10 +178,10 @@ def test_layouts_train_as_hf(model_type: str, world: int) -> None:
     _assert_layouts_train_as_hf(model_type, world, layouts, steps())
 
 
-def _assert_layouts_train_as_hf(model_type: str, world: int, layouts: list, data: list) -> None:
-    results = run_ranks(_train_rank, world, model_type, layouts, data, timeout=600)
+def _assert_layouts_train_as_hf(model_type: str, world: int, layouts: list, data: list, **model_kw: Any) -> None:
+    results = run_ranks(_train_rank, world, model_type, layouts, data, model_kw, timeout=600)
     for name, tp, layout, aux, _ in layouts:
-        model = tiny_moe(model_type, aux=aux)
+        model = tiny_moe(model_type, aux=aux, **model_kw)
         want_topk = hf_topk(model, data[0][0][0], model.config.num_experts_per_tok)
         want_losses, want_norms, trained = hf_train(copy.deepcopy(model).train(), data)
         want = dict(trained.named_parameters())
@@ -196,8 +196,13 @@ def _assert_layouts_train_as_hf(model_type: str, world: int, layouts: list, data
             scale = float(w.detach().abs().max())
             assert float((got[n] - w.detach()).abs().max()) <= RTOL * scale, (name, n)
         if aux:
-            no_aux, _, _ = hf_train(tiny_moe(model_type).train(), data[:1])
+            no_aux, _, _ = hf_train(tiny_moe(model_type, **model_kw).train(), data[:1])
             assert abs(no_aux[0] - want_losses[0]) > 1e-3, name
+
+
+def test_mixtral_sliding_window() -> None:
+    """Mixtral's ``sliding_window`` (5 keys of 16, applied by HF whenever set) at TP2 ``whole``, aux on: as HF."""
+    _assert_layouts_train_as_hf("mixtral", 2, [("tp2_whole_window", 2, "whole", True, {})], steps(n=2), sliding_window=5)
 
 
 def test_experts_without_tokens() -> None:
@@ -312,6 +317,9 @@ def test_unbuilt_options_are_refused_in_one_line() -> None:
             load_config(ds_config(tp=tp, **extra), tp, raw)
         assert "\n" not in str(e.value)
 
+    inline = {"model_type": "qwen3_moe", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 100, "n_positions": 32}
+    with pytest.raises(ConfigError, match=r"^ds_mp.model: an inline qwen3_moe shape has no experts"):
+        load_config(ds_config(model=inline), 1)
     mixtral = tiny_moe("mixtral").config.to_dict()
     refused({**mixtral, "router_jitter_noise": 0.1}, r"^ds_mp.model: mixtral option router_jitter_noise=0.1 .*set it 0")
     qwen = tiny_moe(num_experts=6).config.to_dict()

@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, str] = {
     "scale": "benchmarks.scale",
     "schedules": "benchmarks.schedules",
     "llama_tp": "benchmarks.llama_tp",
+    "moe_tp": "benchmarks.moe_tp",
     "llama_scale": "benchmarks.llama_scale",
     "sft": "benchmarks.sft",
     "peers": "benchmarks.peers",

@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
 from ds_mp.atomic import atomic_dir
+from ds_mp.checkpoint.experts import FusedExperts
 from ds_mp.checkpoint.safetensors_io import SafetensorsRanges, open_safetensors, st_dtype, write_safetensors_streaming
 from ds_mp.checkpoint.sharded import CheckpointError, ShardedReader, expected_shapes, is_sharded_dir
 from ds_mp.models.family import family_named, family_of, untied_as_hf_loads
 from ds_mp.models.pipeline import hf_param_name, is_tied_copy
 from ds_mp.models.weights import WeightSource
-from ds_mp.tensor_parallel.sharding import read_shard, shard, unshard
+from ds_mp.tensor_parallel.sharding import EXPERT_KINDS, read_shard, shard, unshard
 from ds_mp.engine_view import EngineView
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -71,8 +72,11 @@ class HFReader:
         self._shape: dict[str, tuple[int, ...]] = {}
         self.elements_read = [0]  # tensor elements read through get_shard (safetensors ranges)
         self._headers: dict[str, SafetensorsRanges] = {}  # safetensors file -> its parsed header
+        self._experts = FusedExperts(self._read_range, self._key_dtype)  # the Hub's per-expert keys, fused
         for file in self._weight_files():
             self._index(file)
+        for name in self._experts.names():
+            self._where[name], self._shape[name] = (self._experts, name), self._experts.shape(name)
         self._validate()
 
     def _weight_files(self) -> list[str]:
@@ -112,10 +116,26 @@ class HFReader:
             if self.family.ignored(key):
                 continue
             name = self.family.canonical_name(key)
+            part = self.family.expert_part(name)
+            if part is not None:
+                self._experts.add(*part, handle, key, shape)
+                continue
             self._where[name], self._shape[name] = (handle, key), shape
+
+    def _read_range(self, handle: Any, key: str, dim: int, lo: int, hi: int, out: torch.Tensor) -> None:
+        """The stored tensor ``key``'s range [lo, hi) along ``dim`` into ``out`` (safetensors: only that range)."""
+        if isinstance(handle, str):
+            self._headers[handle].read(key, dim, lo, hi, out)
+        else:
+            out.copy_(handle[key].narrow(dim, lo, hi - lo))
+
+    def _key_dtype(self, handle: Any, key: str) -> torch.dtype:
+        return st_dtype(self._headers[handle].entries[key]["dtype"]) if isinstance(handle, str) else handle[key].dtype
 
     def _raw(self, name: str) -> torch.Tensor:
         handle, key = self._where[name]
+        if isinstance(handle, FusedExperts):
+            return handle.full(key)
         return open_safetensors(handle).get_tensor(key) if isinstance(handle, str) else handle[key]
 
     def _validate(self) -> None:
@@ -148,7 +168,7 @@ class HFReader:
 
     def dtype_of(self, name: str) -> torch.dtype:
         handle, key = self._where[self.family.canonical_name(name)]
-        return st_dtype(self._headers[handle].entries[key]["dtype"]) if isinstance(handle, str) else handle[key].dtype
+        return handle.dtype_of(key) if isinstance(handle, FusedExperts) else self._key_dtype(handle, key)
 
     def get_shard(self, name: str, kind: str, rank: int, size: int, *, n_head: int = 0,
                   padded_vocab: int = 0) -> torch.Tensor:
@@ -160,10 +180,10 @@ class HFReader:
         if name not in self._where:
             raise CheckpointError(f"{self.path}: no tensor {name!r} in this {self.family.name} checkpoint")
         handle, key = self._where[name]
-        if not isinstance(handle, str):
+        if isinstance(handle, dict):
             return shard(handle[key], kind, rank, size, n_head=n_head, padded_vocab=padded_vocab).clone()
-        ranges = self._headers[handle]
-        return read_shard(lambda dim, lo, hi, out: ranges.read(key, dim, lo, hi, out), self._shape[name], kind,
+        read = handle.read if isinstance(handle, FusedExperts) else self._headers[handle].read
+        return read_shard(lambda dim, lo, hi, out: read(key, dim, lo, hi, out), self._shape[name], kind,
                           rank, size, n_head=n_head, padded_vocab=padded_vocab, dtype=self.dtype_of(name))
 
 
@@ -305,6 +325,8 @@ def gather_stage(engine: EngineView, masters: dict[int, torch.Tensor] | None = N
         if is_tied_copy(pname, topo.pp_rank):
             continue
         local, kind = (masters or {}).get(id(p), p).detach().float().contiguous(), pipe.family.tp_kind(name)
+        if p.tp_kind in EXPERT_KINDS:  # cut by the run's expert layout (ds_mp.moe), which the plan cannot name
+            kind = p.tp_kind
         if topo.tp > 1 and kind != "replicated":
             parts = [torch.empty_like(local) for _ in range(topo.tp)] if topo.tp_rank == 0 else None
             dist.gather(local, parts, dst=topo.peer(tp=0),

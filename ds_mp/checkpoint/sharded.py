@@ -32,7 +32,7 @@ import torch
 from ds_mp.models.family import Family, family_named, family_of
 from ds_mp.checkpoint.integrity import MANIFEST, CheckpointError, Manifest, warn_unverified, write_manifest
 from ds_mp.checkpoint.safetensors_io import SafetensorsRanges, open_safetensors, st_dtype, write_safetensors_streaming
-from ds_mp.tensor_parallel.sharding import locate, read_shard, shard, shard_ranges, unshard
+from ds_mp.tensor_parallel.sharding import EXPERT_KINDS, locate, read_shard, shard, shard_ranges, unshard
 
 FORMAT, VERSION = "ds_mp.sharded", 1
 META = "ds_mp_meta.json"
@@ -61,6 +61,14 @@ def shard_meta(cfg: Any, name: str, padded_vocab: int) -> dict[str, int]:
     return {"n_head": family_of(cfg).heads(name, cfg), "padded_vocab": padded_vocab}
 
 
+def layout_kind(family: Family, name: str, expert_layout: str | None) -> str:
+    """How ``name`` is cut in a run whose mixture-of-experts tensors are laid out ``expert_layout``
+    (``ds_mp.moe``): the plan's kind, except that ``"whole"`` cuts the experts by expert (None: the plan's,
+    a checkpoint written before the layout was recorded, or by ``write_sharded``)."""
+    kind = family.tp_kind(name)
+    return "experts" if kind in EXPERT_KINDS and expert_layout == "whole" else kind
+
+
 def shard_shape(full: tuple[int, ...], kind: str, tp: int, n_head: int, padded_vocab: int) -> tuple[int, ...]:
     """Shape of one TP shard, computed by ``shard`` itself on a meta tensor."""
     t = torch.empty(full, device="meta")
@@ -72,15 +80,18 @@ def shard_file(path: str, prefix: str, stage: int, rank: int) -> str:
 
 
 def make_meta(cfg: Any, tp: int, parts: list[int], padded_vocab: int, has_optimizer: bool = False,
-              layers: list[str] | None = None, lora: dict | None = None) -> dict:
+              layers: list[str] | None = None, lora: dict | None = None, expert_layout: str | None = None) -> dict:
     """``layers``: the pipeline's layer order when it is not ``pipeline_layers`` (a ring layout);
     ``lora``: ``{"r", "alpha", "target_modules"}`` of a LoRA run, whose files also hold the
-    factors (:func:`lora_shapes`)."""
-    return {"format": FORMAT, "version": VERSION, "tp": tp, "pp": len(parts) - 1, "parts": list(parts),
+    factors (:func:`lora_shapes`); ``expert_layout``: the run's ``ds_mp.moe.expert_layout``."""
+    meta = {"format": FORMAT, "version": VERSION, "tp": tp, "pp": len(parts) - 1, "parts": list(parts),
             "layers": list(layers or family_of(cfg).pipeline_layers(cfg)),
             "vocab_size": cfg.vocab_size, "padded_vocab": padded_vocab, "has_optimizer": has_optimizer,
             "lora": lora, "hf_config": cfg.to_dict(),
             "manifest": MANIFEST}  # written last, over every file (ds_mp.checkpoint.integrity)
+    if any(k in EXPERT_KINDS for k in family_of(cfg).tp_plan.values()):
+        meta["expert_layout"] = expert_layout
+    return meta
 
 
 def write_meta(path: str, meta: dict) -> None:
@@ -159,6 +170,10 @@ class ShardedReader:
                 if meta.get("has_optimizer"):
                     self._index_optim_file(s, r, want)
 
+    def kind(self, name: str) -> str:
+        """How the saved shards of ``name`` are cut (:func:`layout_kind` of the saved run's expert layout)."""
+        return layout_kind(self.family, name, self.meta.get("expert_layout"))
+
     def stage_of(self, name: str) -> int:
         return stage_of(name, self.meta.get("layers") or self.family.pipeline_layers(self.config), self.parts,
                         self.family)
@@ -183,6 +198,10 @@ class ShardedReader:
         this shard of the canonical ``name``: those whose saved TP shard overlaps it, as
         :meth:`_read_range` finds them (the same model, so the same ``n_head``)."""
         s, full = self.stage_of(name), self.shapes[name]
+        if self.kind(name) != kind and self.tp > 1:  # read whole from every saved shard (_read_range)
+            ranks = set(range(self.tp))
+            return ({shard_file(self.path, "model", s, k) for k in ranks}
+                    | ({shard_file(self.path, "optim", s, k) for k in ranks} if state and self.state_keys.get(name) else set()))
         _, mine, _ = shard_ranges(kind, rank, size, full, n_head=n_head, padded_vocab=padded_vocab)
         saved = [shard_ranges(kind, k, self.tp, full, n_head=n_head, padded_vocab=self.meta["padded_vocab"])[1]
                  for k in range(1 if kind == "replicated" else self.tp)]
@@ -193,7 +212,7 @@ class ShardedReader:
         return out
 
     def local_shape(self, name: str) -> tuple[int, ...]:
-        return shard_shape(self.shapes[name], self.family.tp_kind(name), self.tp, self.family.heads(name, self.config),
+        return shard_shape(self.shapes[name], self.kind(name), self.tp, self.family.heads(name, self.config),
                            self.meta["padded_vocab"])
 
     def _check_model_file(self, s: int, r: int, want: set[str]) -> None:
@@ -229,7 +248,7 @@ class ShardedReader:
             raise CheckpointError(f"{self.path}: no tensor {name!r} in a {self.family.name} with this config")
         s = self.stage_of(name)
         shards = [self._open("model", s, r).get_tensor(name) for r in range(self.tp)]
-        return unshard(shards, self.family.tp_kind(name), n_head=self.family.heads(name, self.config),
+        return unshard(shards, self.kind(name), n_head=self.family.heads(name, self.config),
                        vocab=self.config.vocab_size)
 
     def _ranges(self, prefix: str, s: int, r: int, header_only: bool = False) -> SafetensorsRanges:
@@ -246,6 +265,10 @@ class ShardedReader:
         overlapping saved shard files only (each piece read straight into its place)."""
         s, n_head, padded = self.stage_of(name), self.family.heads(name, self.config), self.meta["padded_vocab"]
         full = self.shapes[name]
+        if self.kind(name) != kind and self.tp > 1:  # experts saved whole, read split (or back): cut along another dim
+            shards = [self._open(prefix, s, k).get_tensor(key) for k in range(self.tp)]
+            out.copy_(unshard(shards, self.kind(name)).narrow(dim, lo, hi - lo))
+            return
         for k in range(1 if kind == "replicated" else self.tp):
             _, ranges, _ = shard_ranges(kind, k, self.tp, full, n_head=n_head, padded_vocab=padded)
             for llo, lhi, glo in locate(lo, hi, ranges):
@@ -300,7 +323,7 @@ class ShardedReader:
         for key in self.state_keys.get(name, []):
             shards = [self._open("optim", s, r).get_tensor(f"{name}::{key}") for r in range(self.tp)]
             sharded = tuple(shards[0].shape) == self.local_shape(name)
-            kind = self.family.tp_kind(name) if sharded else "replicated"
+            kind = self.kind(name) if sharded else "replicated"
             out[key] = unshard(shards, kind, n_head=self.family.heads(name, self.config),
                                vocab=self.config.vocab_size)
         if self.meta.get("has_optimizer"):

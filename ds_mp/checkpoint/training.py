@@ -46,7 +46,7 @@ from ds_mp.checkpoint.hparams import apply_config_hparams, changed_hparams
 from ds_mp.checkpoint.integrity import file_entries, load_torch, write_manifest
 from ds_mp.checkpoint.latest import LATEST, damaged_latest, latest_tag, read_latest, resolve_checkpoint, tags as _tags
 from ds_mp.checkpoint.sharded import (CheckpointError, ShardedReader, expected_shapes, lora_shapes,
-                                      make_meta, shard_file, write_meta)
+                                      layout_kind, make_meta, shard_file, write_meta)
 from ds_mp.checkpoint.schedule_state import layout_of, load_schedule_state, schedule_file, schedule_state
 from ds_mp.models.pipeline import hf_param_name
 from ds_mp.engine_view import EngineView
@@ -224,7 +224,8 @@ def save_checkpoint(engine: EngineView, ckpt_root: str, tag: str, client_state: 
         if topo.rank == 0:
             meta = make_meta(engine.hf_config, topo.tp, compat.stage_bounds(engine.module),
                              engine.module.ds_mp_ctx.padded_vocab, has_optimizer=opt is not None,
-                             layers=engine.module.layer_names, lora=_lora_meta(engine))
+                             layers=engine.module.layer_names, lora=_lora_meta(engine),
+                             expert_layout=engine.module.ds_mp_ctx.expert_layout)
             write_meta(tmp, meta)
             torch.save(_trainer_state(engine, _base_optimizer(engine), client_state or {}),
                        os.path.join(tmp, TRAINER_STATE))  # meta, config.json, this: checksummed in commit
@@ -253,10 +254,11 @@ def _verify_reads(engine: EngineView, reader: ShardedReader, path: str) -> None:
         return
     topo, trains = engine.topology, engine.optimizer is not None
     family, padded = engine.module.family, engine.module.ds_mp_ctx.padded_vocab
+    layout = engine.module.ds_mp_ctx.expert_layout
     files = {os.path.join(path, TRAINER_STATE)}
     for name, p in _params(engine):  # the shards the load below reads, with the same cut
         meta = {"n_head": family.heads(name, engine.hf_config), "padded_vocab": padded}
-        files |= reader.files_of_shard(name, family.tp_kind(name), topo.tp_rank, topo.tp, **meta,
+        files |= reader.files_of_shard(name, layout_kind(family, name, layout), topo.tp_rank, topo.tp, **meta,
                                        state=trains and p.requires_grad)
     for extra in (schedule_file(path, topo), schedule_file(path, topo, tp_rank=0)):  # its own, or TP rank 0's
         if os.path.isfile(extra):
@@ -356,10 +358,10 @@ def _load(engine: EngineView, ckpt_root: str, tag: str | None, verify: bool) -> 
     groups = ([] if base is None else
               _matching_groups(base, trainer["param_groups"], path, changed.get("weight_decay")))
     family, padded = engine.module.family, engine.module.ds_mp_ctx.padded_vocab
-    native = _is_native(engine)
+    layout, native = engine.module.ds_mp_ctx.expert_layout, _is_native(engine)
     with torch.no_grad():  # each rank reads only the slices of its own shards
         for name, p in _params(engine):
-            kind, meta = family.tp_kind(name), {"n_head": family.heads(name, engine.hf_config), "padded_vocab": padded}
+            kind, meta = layout_kind(family, name, layout), {"n_head": family.heads(name, engine.hf_config), "padded_vocab": padded}
             weight = reader.get_shard(name, kind, topo.tp_rank, topo.tp, **meta)
             p.copy_(weight)  # a bf16 module weight: the master rounded, as DeepSpeed keeps it
             if opt is None or not p.requires_grad:  # frozen (LoRA's base): no master, no optimizer state

@@ -231,6 +231,22 @@ def check_terapipe_block(cfg: DsMpConfig, shape: InlineModel) -> None:
     cfg.terapipe.validate(cfg.data.seq_len)
 
 
+def check_router_aux(cfg: DsMpConfig, shape: InlineModel) -> None:
+    """A MoE model with ``output_router_logits`` (HF's aux loss, pooled over every layer: its statistics
+    travel with the hidden state, ``ds_mp.models.carry``): a schedule that passes no carry, and sequence
+    parallelism (each TP rank would pool its own tokens' statistics), are refused."""
+    hf = cfg.hf_config or {}
+    if not (hf.get("output_router_logits") and (hf.get("num_experts") or hf.get("num_local_experts"))):
+        return
+    refusal = schedule_spec(cfg.pipeline.schedule).carry
+    if isinstance(refusal, str):
+        raise ConfigError(refusal)
+    if cfg.tensor_parallel.sequence_parallel and cfg.tensor_parallel.size > 1:
+        raise ConfigError("ds_mp.tensor_parallel.sequence_parallel: the MoE aux loss (output_router_logits) pools "
+                          "router statistics over every token, which sequence parallelism splits over TP; set "
+                          "sequence_parallel to false")
+
+
 def check_family(cfg: DsMpConfig, shape: InlineModel) -> None:
     """:func:`check_model_family`."""
     check_model_family(cfg)
@@ -240,7 +256,8 @@ BLOCK_CHECKS: tuple[Callable[[DsMpConfig], None], ...] = (
     check_degrees_and_counts, check_run_length, check_choices, check_schedule_name, check_loss)
 SHAPE_CHECKS: tuple[Callable[[DsMpConfig, InlineModel], None], ...] = (
     check_shape, check_stage_layout, check_virtual_stages, check_schedule_options, check_terapipe_block,
-    check_zb_max_pending_w, check_lora, check_family, check_context_parallel)
+    check_zb_max_pending_w, check_lora, check_family, check_context_parallel,
+    check_router_aux)
 
 
 def validate(cfg: DsMpConfig, world_size: int) -> DsMpConfig:

@@ -31,6 +31,7 @@ class FamilyEntry:
 
 _GPT2_LORA = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")  # PEFT-style names of GPT-2's Conv1Ds
 _LLAMA_LORA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # its nn.Linears
+_MOE_LORA = ("q_proj", "k_proj", "v_proj", "o_proj")  # attention only: the experts are fused 3-D tensors
 
 FAMILIES: dict[str, FamilyEntry] = {
     "gpt2": FamilyEntry("gpt2", "GPT2LMHeadModel", _GPT2_LORA),
@@ -40,11 +41,14 @@ FAMILIES: dict[str, FamilyEntry] = {
     "qwen3": FamilyEntry("llama", "Qwen3ForCausalLM", _LLAMA_LORA),
     "gemma3_text": FamilyEntry("gemma3", "Gemma3ForCausalLM", _LLAMA_LORA),
     "gemma3": FamilyEntry("gemma3", "Gemma3ForConditionalGeneration", _LLAMA_LORA),  # its text model
+    "qwen3_moe": FamilyEntry("moe", "Qwen3MoeForCausalLM", _MOE_LORA),
+    "mixtral": FamilyEntry("moe", "MixtralForCausalLM", _MOE_LORA),
+    "qwen2_moe": FamilyEntry("moe", "Qwen2MoeForCausalLM", _MOE_LORA),
 }
 
 
 #: what the registry trains, for people (errors name it beside the model_type values)
-TRAINED = "GPT-2, Llama, Qwen2, Mistral, Qwen3 and Gemma 3"
+TRAINED = "GPT-2, Llama, Qwen2, Mistral, Qwen3, Gemma 3, Qwen3-MoE, Mixtral and Qwen2-MoE"
 
 
 def model_types_of(family: str) -> tuple[str, ...]:

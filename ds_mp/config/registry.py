@@ -124,7 +124,9 @@ class ScheduleSpec:
     ``delayed_gradients`` (its updates apply gradients computed on older weights: a loss that must
     match a one-process step, DPO, refuses it); ``context_parallel``
     (True: tested with ``context_parallel.size`` > 1, its p2p buffers carrying seq_len/C rows; False:
-    untested, refused with the tested ones named; a string: refused with that line)."""
+    untested, refused with the tested ones named; a string: refused with that line); ``carry`` (True:
+    its stages pass a micro-batch's carry, ``ds_mp.models.carry``, with the hidden state, so a MoE's
+    aux loss is pooled over all its layers; a string: the line refusing ``output_router_logits``)."""
 
     timetable: Union[str, type]
     runtime: Union[str, RuntimeFactory, None] = None
@@ -137,6 +139,7 @@ class ScheduleSpec:
     token_slices: bool = False
     delayed_gradients: bool = False
     context_parallel: Union[bool, str] = False
+    carry: Union[bool, str] = True
 
     # --- config: checked on every rank before any collective ---------------------------------
     def check_layout(self, cfg: DsMpConfig, shape: InlineModel) -> None:

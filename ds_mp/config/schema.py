@@ -185,6 +185,14 @@ class LossConfig:
 
 
 @dataclass
+class MoeConfig:
+    # mixture-of-experts families (qwen3_moe, mixtral, qwen2_moe) under TP: "whole" (each TP rank holds
+    # E/TP whole experts; E must divide by TP) or "split" (each expert's intermediate dimension cut over
+    # TP like the dense MLP); docs/models.md says which is faster and why it is the default
+    expert_layout: str = "whole"
+
+
+@dataclass
 class DsMpConfig:
     model: Union[str, InlineModel] = field(default_factory=InlineModel)  # HF dir, Hub id, or inline shape
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
@@ -197,6 +205,7 @@ class DsMpConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     # Filled by validate(): the degrees and the model shape actually used (a copy: the input is not changed).
     world_size: int = field(default=1, repr=False)
     dp: int = field(default=1, repr=False)

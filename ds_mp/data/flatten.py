@@ -17,7 +17,9 @@ ds_mp's pipelines need one shape for every micro-batch of a run, so :func:`unfla
    collator built from ``per_device_train_batch_size`` sequences of at most ``max_length`` tokens
    always fits ``rows = per_device_train_batch_size`` rows of ``seq_len >= max_length``;
 4. fill each row's tail with one padding document (id ``pad_id``, positions restarting at 0,
-   labels -100); rows left empty are whole padding documents.
+   labels -100, ``attention_mask`` 0); rows left empty are whole padding documents.  The mask keeps
+   the filler out of what HF computes over every token of the flattened row: a mixture of experts'
+   aux loss counts the tokens its ``attention_mask`` keeps (``ds_mp.models.carry``).
 
 Every document keeps its tokens, labels and positions 0 … n-1, and ds_mp's packed-document attention
 (a token attends only to earlier tokens of its own document; no target crosses a document, see
@@ -78,8 +80,9 @@ def _documents(batch: dict) -> list[tuple[int, int]]:
 
 
 def unflatten(batch: dict, rows: int, seq_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """The flattened micro-batch ``batch`` re-formed into ``{"input_ids", "labels", "position_ids"}`` of
-    shape ``(rows, seq_len)`` (module docstring); raises ``ValueError`` with one line when it cannot."""
+    """The flattened micro-batch ``batch`` re-formed into ``{"input_ids", "labels", "position_ids",
+    "attention_mask"}`` of shape ``(rows, seq_len)`` (module docstring); raises ``ValueError`` with one
+    line when it cannot."""
     spans = _documents(batch)
     ids, labels = batch["input_ids"][0], batch["labels"][0]
     spans = [(s, e) for s, e in spans if bool((labels[s + 1:e] != -100).any())]
@@ -102,6 +105,7 @@ def unflatten(batch: dict, rows: int, seq_len: int, pad_id: int = 0) -> dict[str
     out_ids = torch.full((rows, seq_len), pad_id, dtype=ids.dtype)
     out_labels = torch.full((rows, seq_len), -100, dtype=labels.dtype)
     out_pos = torch.zeros((rows, seq_len), dtype=batch["position_ids"].dtype)
+    out_mask = torch.zeros((rows, seq_len), dtype=torch.long)
     for r in range(rows):
         t = 0
         for s, e in placed[r] if r < len(placed) else []:
@@ -109,9 +113,10 @@ def unflatten(batch: dict, rows: int, seq_len: int, pad_id: int = 0) -> dict[str
             out_ids[r, t:t + n], out_labels[r, t:t + n] = ids[s:e], labels[s:e]
             out_pos[r, t:t + n] = torch.arange(n)
             out_labels[r, t] = -100  # never a target: not counted by (labels[..., 1:] != -100) either
+            out_mask[r, t:t + n] = 1
             t += n
         out_pos[r, t:] = torch.arange(seq_len - t)  # the tail's padding document restarts at 0
-    return {"input_ids": out_ids, "labels": out_labels, "position_ids": out_pos}
+    return {"input_ids": out_ids, "labels": out_labels, "position_ids": out_pos, "attention_mask": out_mask}
 
 
 def unflatten_all(batches: Any, rows: int, seq_len: int, pad_id: int = 0) -> Any:

@@ -191,7 +191,8 @@ def _pipeline(src: WeightSource, cfg: DsMpConfig, ds_dict: dict, topology: Topol
                          activation_checkpoint_interval=cfg.pipeline.activation_checkpoint_interval,
                          dynamic_shape=spec.dynamic_shape(), layout=layout,
                          lora=cfg.lora, seed=cfg.training.seed, virtual_stages=cfg.pipeline.virtual_stages,
-                         loss=configured_loss(cfg.loss), cp_impl=cfg.context_parallel.impl)
+                         loss=configured_loss(cfg.loss), cp_impl=cfg.context_parallel.impl,
+                         expert_layout=cfg.moe.expert_layout)
     return net, costs
 
 

@@ -24,6 +24,7 @@ from ds_mp.engine import cpu_heap, layerwise, rows, zero2
 from ds_mp.engine.checkpoint_api import LayoutFreeCheckpoints
 from ds_mp.engine.grad_steps import GradientSteps
 from ds_mp.engine.batches import MicroBook, Step, batch_source, micro_layout, prepare_step, warn_no_targets
+from ds_mp.engine.joint_backward import carry_step, checked_reduction, joint_backward
 from ds_mp.engine.p2p import PostedSends
 from ds_mp.config.registry import ScheduleRuntime, schedule_spec
 from ds_mp.config.schema import PipelineConfig
@@ -57,6 +58,7 @@ class DsMpPipelineEngine(GradientSteps, LayoutFreeCheckpoints, PipelineEngineAda
         self.step_info = Step()  # this step's target count, shape and per-micro-batch layouts (engine/batches.py)
         self.ds_mp_source: Any = None  # the data iterator steps read (train_batch's argument, kept)
         self.ds_mp_fed: Any = None  # the normalized micro-batches handed to DeepSpeed this step
+        self.aux_reduction = "mean"  # a MoE aux loss over a step's micro-batches (use_aux_reduction)
         super().__init__(*args, **kwargs)
         stage_gate.disarm(self)
         compat.check_engine(self)
@@ -66,12 +68,16 @@ class DsMpPipelineEngine(GradientSteps, LayoutFreeCheckpoints, PipelineEngineAda
         if zero2.partitions_gradients(self):
             compat.check_zero2(self)
         layerwise.attach(self)  # ds_mp's Lamb: one trust ratio per model parameter, at any TP/DP/ZeRO
-        if getattr(getattr(self.module, "ds_mp_ctx", None), "sp", False):
-            compat.send_whole_activations(self)
+        if getattr(getattr(self.module, "ds_mp_ctx", None), "sp", False) or getattr(self.module, "carry", None):
+            compat.send_whole_activations(self)  # shards differ (SP), or (h, carry) has two tensors with a gradient
         # The schedule's runtime (config.registry.ScheduleRuntime), made by its spec: it owns the schedule's
         # state, its methods handle the schedule's instructions (``instructions``), and its optional hooks
         # (state_dict/load_state_dict, aggregate_loss, eval_batch, …) are asked by the engine.
         self.schedule_support: ScheduleRuntime | None = self.schedule_spec.make_runtime(self)
+
+    def use_aux_reduction(self, how: str) -> None:
+        """A MoE aux loss over a step's micro-batches and replicas: "mean" (TRL's) or "sum" (HF Trainer's)."""
+        self.aux_reduction = checked_reduction(how)
 
     def use_noise_probe(self, probe: Any) -> None:
         """Measure the gradient noise scale with ``probe`` (``training.metrics.NoiseScaleProbe``) on
@@ -193,6 +199,7 @@ class DsMpPipelineEngine(GradientSteps, LayoutFreeCheckpoints, PipelineEngineAda
             source = self.ds_mp_source = batch_source(data_iter, self.ds_mp_source, self.data_iterator, self.ds_mp_fed)
         fed, self.step_info = prepare_step(self, source, n)
         rows.start(self)
+        carry_step(self.module, n * self.topology.grad_size, self.aux_reduction)
         if fed is not None:
             self.ds_mp_fed = fed
         if self.num_stages > 1 and not self.module.dynamic_shape:
@@ -291,7 +298,8 @@ class DsMpPipelineEngine(GradientSteps, LayoutFreeCheckpoints, PipelineEngineAda
 
     def _backward(self, buffer_id: int) -> None:
         if not self.is_last_stage():  # earlier stages backpropagate the (scaled) gradient they received
-            self.deepspeed_run_backward(buffer_id)
+            with joint_backward(self.module):  # (h, carry): one backward (engine/joint_backward.py)
+                self.deepspeed_run_backward(buffer_id)
             return
         loss = self._buffer_loss.pop(buffer_id)  # this micro-batch's own loss
         scale = compat.unapplied_loss_scale(self)  # fp16 without ZeRO: DeepSpeed's backward skips it

@@ -58,6 +58,9 @@ class PipelineTrainerMixin:
     """
 
     ds_mp_rows_per_item: int = 1
+    #: A mixture of experts' aux loss over a step's micro-batches and replicas (``ds_mp.models.carry``): HF's
+    #: Trainer adds each forward's ``coef · aux`` whole ("sum"); TRL's SFTTrainer averages it ("mean").
+    ds_mp_aux_reduction = "sum"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """Before any constructor runs (a subclass's own refusals included): :func:`compat.before_trainer`
@@ -89,6 +92,7 @@ class PipelineTrainerMixin:
         import ds_mp
 
         engine, _, _, _ = ds_mp.initialize(model=source, config=raw, lr_scheduler=BoundLater)
+        engine.use_aux_reduction(self.ds_mp_aux_reduction)
         self.ds_mp_engine = engine
         self.ds_mp_topology = engine.topology
         if compat.process_state_from_torch(self.args):  # logging, progress bar, saving: once per job

@@ -50,6 +50,8 @@ class SFTTrainer(PipelineTrainerMixin, trl.SFTTrainer):
     """``trl.SFTTrainer`` whose optimizer step is one ds_mp ``engine.train_batch`` (module docstring).
     Arguments as TRL's; ``TrainingArguments(deepspeed=...)`` carries the ``"ds_mp"`` block."""
 
+    ds_mp_aux_reduction = "mean"  # TRL divides its weighted_aux_loss by the accumulation steps
+
     def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, compute_loss_func: Any = None,
                  compute_metrics: Any = None, callbacks: Any = None, optimizers: Any = (None, None),

@@ -48,6 +48,13 @@ class Ctx:
         # around each forward and backward; None = plain causal attention over positions 0 … T-1
         self.layout: Any = None
         self.window: int | None = self.family.sliding_window(hf_config)
+        # the running micro-batch's carry (ds_mp.models.carry): side quantities its layers add to (MoE router
+        # statistics), passed across stage boundaries with the hidden state; None = nothing is carried
+        self.carry: Any = None
+        self.carry_weight = 1.0  # the carry's loss term's weight for this step (set by the engine)
+        # mixture-of-experts families: "whole" (E/TP experts per rank) or "split" (each expert's width cut
+        # over TP), set by build_pipeline from ds_mp.moe.expert_layout
+        self.expert_layout = "whole"
 
     @property
     def group(self) -> Any:

@@ -119,6 +119,11 @@ class Family(FamilyConfig):
         """HF names of the LM head and the token embedding (a tied head is the embedding)."""
         raise NotImplementedError
 
+    def expert_part(self, name: str) -> tuple[str, int, str] | None:
+        """A checkpoint key storing one expert's projection apart (the Hub's MoE layout) as (the fused
+        tensor it belongs to, expert, "gate"|"up"|"down"); None for every other key (every dense family)."""
+        return None
+
     def ignored(self, key: str) -> bool:
         """True for stored tensors every implementation recomputes (GPT-2's causal-mask buffers)."""
         return self.hf_adapter.ignored(key)

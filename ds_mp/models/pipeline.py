@@ -15,6 +15,7 @@ hooks into :meth:`DsMpPipeline.grid_ready` and decodes DeepSpeed's parameter nam
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
@@ -22,6 +23,7 @@ import torch.nn as nn
 from deepspeed import checkpointing
 
 from ds_mp.deepspeed_compat.pipeline_module import PipelineModuleAdapter, is_tied_param
+from ds_mp.models.carry import CarriedLoss, Carry, carry_for, carrying_checkpoint
 from ds_mp.models.ctx import Ctx
 from ds_mp.models.family import family_of
 from ds_mp.models.partition import LayerCosts, interleaved_layout, stage_parts, v_layout
@@ -54,13 +56,46 @@ class DsMpPipeline(PipelineModuleAdapter):
     ``Ctx``); DeepSpeed's module protocol is the adapter's (``ds_mp.deepspeed_compat.pipeline_module``)."""
 
     def __init__(self, layers: list, layer_names: list[str], parts: list[int], topology: Topology, ctx: Ctx,
-                 loss: LossSpec = LM_LOSS, **kw: Any) -> None:
+                 loss: LossSpec = LM_LOSS, carry: Carry | None = None, **kw: Any) -> None:
         self.ds_mp_topology, self.ds_mp_ctx = topology, ctx
         self.family = ctx.family
         self.layer_names = layer_names  # the family's pipeline_layers() entries in this pipeline's order
         self.loss_spec = loss
-        super().__init__(layers, parts, topology.topo, loss.bind(ctx),
+        self.carry = carry  # what travels with the hidden state (ds_mp.models.carry), or None
+        self._head: Any = None  # the forward function of the table's last layer, if on this stage
+        loss_fn = loss.bind(ctx) if carry is None else CarriedLoss(loss, ctx, carry)
+        super().__init__(layers, parts, topology.topo, loss_fn,
                          activation_checkpoint_func=inputs_carry_grad(checkpointing.checkpoint), **kw)
+        if carry is not None:
+            table_end = layer_names.index(self.family.pipeline_layers(ctx.hf)[-1])
+            start, stop = parts[topology.pp_rank], parts[topology.pp_rank + 1]
+            self._head = self.local_layers()[table_end - start] if start <= table_end < stop else None
+
+    # DeepSpeed's forward checkpoints each segment with this; with a carry it is also a segment input/output
+    @property
+    def activation_checkpoint_func(self) -> Callable:
+        return functools.partial(carrying_checkpoint, self._checkpoint_func, self.ds_mp_ctx)
+
+    @activation_checkpoint_func.setter
+    def activation_checkpoint_func(self, checkpoint: Callable) -> None:
+        self._checkpoint_func = checkpoint
+
+    def forward(self, inputs: Any) -> Any:
+        """This stage's (or interleaved chunk's) layers; with a carry, the activation between stages
+        is ``(h, carry)``: a stage that receives one continues its carry, the first starts it at zero,
+        and every stage but the one ending with the head sends ``(h, carry)`` on (the head's stage
+        leaves the carry in ``ctx.carry`` for the loss)."""
+        if self.carry is None:
+            return super().forward(inputs)
+        ctx = self.ds_mp_ctx
+        if isinstance(inputs, tuple) and inputs[0].is_floating_point():  # (h, carry) from the previous stage
+            inputs, ctx.carry = inputs
+        else:  # token ids (and positions): the micro-batch enters
+            ctx.carry = self.carry.zeros(inputs[0].device if isinstance(inputs, tuple) else inputs.device)
+        out = super().forward(inputs)
+        if self._head is not None and self.local_layers()[-1] is self._head:  # (interleaved: the chunk's)
+            return out
+        return out, ctx.carry
 
     def grid_ready(self, grid: Any) -> None:
         self.ds_mp_topology.attach(grid)  # layers need the TP group at construction
@@ -124,7 +159,7 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
                    activation_checkpoint_interval: int = 0, dynamic_shape: bool = False,
                    layout: tuple[list[str], list[int]] | None = None, lora: Any = None,
                    seed: int = 0, virtual_stages: int = 1, loss: LossSpec = LM_LOSS,
-                   cp_impl: str = "allgather") -> DsMpPipeline:
+                   cp_impl: str = "allgather", expert_layout: str = "whole") -> DsMpPipeline:
     """Build this rank's stage of ``src.config``'s family (reading only its weights from ``src``).
 
     ``layout = (layer names, parts)`` replaces the default order (``Family.pipeline_layers``) and
@@ -146,12 +181,14 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
     ``loss``: the run's :class:`~ds_mp.losses.spec.LossSpec` (``net.loss_spec``; ``net.loss_fn`` is it
     bound to this stage's ``Ctx``).  ``cp_impl``: context parallelism's exchange (``topology.cp`` > 1;
     ``ds_mp.context_parallel``).
+
+    ``expert_layout``: a mixture of experts' ``"whole"`` or ``"split"`` experts over TP (``ds_mp.moe``).
     """
     cfg = src.config
     family = family_of(cfg)
     family.check(cfg)
     ctx = Ctx(topology, cfg, sequence_parallel, vocab_pad_multiple, cp_impl=cp_impl)
-    ctx.overlap_comm = overlap_comm
+    ctx.overlap_comm, ctx.expert_layout = overlap_comm, expert_layout
     ctx.lora, ctx.seed = (lora if lora is not None and lora.r > 0 else None), seed
     L, table = cfg.num_hidden_layers, family.pipeline_layers(cfg)
     names, parts = layout or (table, stage_parts(L, topology.pp * virtual_stages, partition, cfg.hidden_size,
@@ -166,7 +203,8 @@ def build_pipeline(src: WeightSource, topology: Topology, *, partition: str | li
     layers = [family.layer_spec(prefix, src, ctx) for prefix in names]
     net = DsMpPipeline(layers, names, parts, topology, ctx, loss, activation_checkpoint_interval=activation_checkpoint_interval,
                        dynamic_shape=dynamic_shape,
-                       checkpointable_layers=list(family.checkpointable) if family.checkpointable else None)
+                       checkpointable_layers=list(family.checkpointable) if family.checkpointable else None,
+                       carry=carry_for(cfg))
     net.virtual_parts = virtual_parts
     if ctx.lora is not None:
         for name, param in net.named_parameters():

@@ -24,7 +24,8 @@ from ds_mp.tensor_parallel.sharding import shard
 
 
 #: ``tp_kind`` values whose tensors are split over the TP group (each rank holds a different part).
-SHARD_KINDS = frozenset({"column", "qkv", "row", "vocab", "linear_out", "linear_in", "kv"})
+SHARD_KINDS = frozenset({"column", "qkv", "row", "vocab", "linear_out", "linear_in", "kv", "experts", "experts_gate_up",
+                         "experts_down"})
 
 
 def tp_parameter(full: Any, kind: str, rank: int, size: int, **meta: int) -> nn.Parameter:

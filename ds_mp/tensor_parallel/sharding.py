@@ -22,6 +22,14 @@ named by the features they split:
 * ``kv``: grouped-query key/value projections (``n_head`` = the key/value heads): ``linear_out``
   by heads when ``p`` divides them, else every rank holds them all (the cut depends on the tensor
   and ``p`` only, so a checkpoint saved at one ``p`` re-cuts at another).
+
+Mixture-of-experts tensors as transformers 5 fuses them (``experts.gate_up_proj`` ``(E, 2I, H)`` =
+``[gate; up]`` per expert, ``experts.down_proj`` ``(E, H, I)``), in two layouts:
+
+* ``experts``: whole experts, ``E`` split along dim 0 (rank r holds experts ``r·E/p … (r+1)·E/p − 1``);
+* ``experts_gate_up``: each expert's intermediate dimension cut like a column-parallel MLP: rank r
+  gets rows ``r·I/p … (r+1)·I/p − 1`` of the gate half and the same rows of the up half (dim 1);
+* ``experts_down``: the matching row-parallel cut, columns of ``I`` (the last dim).
 """
 from __future__ import annotations
 
@@ -29,7 +37,9 @@ from typing import Callable
 
 import torch
 
-KINDS = ("column", "qkv", "row", "vocab", "replicated", "linear_out", "linear_in", "kv")
+KINDS = ("column", "qkv", "row", "vocab", "replicated", "linear_out", "linear_in", "kv", "experts",
+         "experts_gate_up", "experts_down")
+EXPERT_KINDS = ("experts", "experts_gate_up", "experts_down")
 
 
 def _as_conv1d_kind(kind: str, size: int, n_head: int) -> str:
@@ -59,6 +69,9 @@ def shard(full: torch.Tensor, kind: str, rank: int, size: int, *, n_head: int = 
     kind = _as_conv1d_kind(kind, size, n_head)
     if kind == "replicated" or (size == 1 and kind != "vocab"):
         return full
+    if kind in EXPERT_KINDS:
+        dim, ranges, _ = shard_ranges(kind, rank, size, tuple(full.shape))
+        return torch.cat([full.narrow(dim, lo, hi - lo) for lo, hi in ranges], dim=dim)
     if kind == "column":
         return full.chunk(size, dim=-1)[rank]
     if kind == "row":
@@ -89,6 +102,13 @@ def unshard(shards: list[torch.Tensor], kind: str, *, n_head: int = 0, vocab: in
     kind = _as_conv1d_kind(kind, len(shards), n_head)
     if kind == "replicated" or (len(shards) == 1 and kind != "vocab"):
         return shards[0]
+    if kind == "experts":
+        return torch.cat(shards, dim=0)
+    if kind == "experts_down":
+        return torch.cat(shards, dim=-1)
+    if kind == "experts_gate_up":  # each shard is [gate_r; up_r] along dim 1
+        halves = [s.chunk(2, dim=1) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=1)
     if kind == "column":
         return torch.cat(shards, dim=-1)
     if kind == "row":
@@ -111,13 +131,22 @@ def shard_ranges(kind: str, rank: int, size: int, shape: tuple[int, ...], *, n_h
     The shard is the concatenation along ``dim`` of the full tensor's index ranges
     ``[lo, hi)`` in ``ranges``, zero-padded along ``dim`` to ``length`` (only ``vocab``
     pads).  ``dim`` depends on the kind only (``column``/``qkv``: last, ``row``/``vocab``/
-    ``replicated``: 0), also at ``size`` 1, so ranges of two layouts of one tensor can be
+    ``replicated``/``experts``: 0, ``experts_gate_up``: 1, ``experts_down``: last), also at ``size`` 1, so ranges of two layouts of one tensor can be
     intersected: a reader reads exactly these ranges instead of the whole tensor.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown shard kind {kind!r}; expected one of {KINDS}")
     kind = _as_conv1d_kind(kind, size, n_head)
     last = len(shape) - 1
+    if kind in EXPERT_KINDS:
+        dim = {"experts": 0, "experts_gate_up": 1, "experts_down": last}[kind]
+        if shape[dim] % (2 * size if kind == "experts_gate_up" else size):
+            raise ValueError(f"{kind}: dim {dim} of {list(shape)} is not divisible by tp={size}")
+        if kind == "experts_gate_up":  # the gate rows then the up rows of this rank
+            inner, per = shape[1] // 2, shape[1] // 2 // size
+            return 1, [(h * inner + rank * per, h * inner + (rank + 1) * per) for h in range(2)], 2 * per
+        per = shape[dim] // size
+        return dim, [(rank * per, (rank + 1) * per)], per
     if kind == "replicated":
         return 0, [(0, shape[0])], shape[0]
     if kind in ("column", "row"):

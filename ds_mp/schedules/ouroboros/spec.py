@@ -77,4 +77,6 @@ OUROBOROS = OuroborosSpec(
           "use 1f1b, gpipe or terapipe"),
     context_parallel=("ds_mp.context_parallel: not supported with the ouroboros schedule (its own module runner "
                       "feeds and replays whole sequences, not CP shards); use 1f1b, gpipe, zb-h1, zb-v or "
-                      "interleaved"))
+                      "interleaved"),
+    carry=("output_router_logits: the ouroboros schedule's delayed modules do not pass a MoE's router statistics "
+           "along its ring; use another pipeline.schedule or set output_router_logits to false"))

@@ -28,4 +28,7 @@ TERAPIPE = TeraPipeSpec(timetable="ds_mp.schedules.terapipe.schedule:TeraPipeSch
                         token_slices=True,
                         context_parallel=("ds_mp.context_parallel: not supported with the terapipe schedule (its token "
                                           "slices and key/value cache split the sequence along the pipeline "
-                                          "already); use 1f1b, gpipe, zb-h1, zb-v or interleaved"))
+                                          "already); use 1f1b, gpipe, zb-h1, zb-v or interleaved"),
+                        carry=("output_router_logits: the MoE aux loss pools each micro-batch's router statistics over "
+                               "whole sequences, which the terapipe schedule's token slices do not see; use another "
+                               "pipeline.schedule or set output_router_logits to false"))

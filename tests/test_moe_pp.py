@@ -164,3 +164,23 @@ def test_aux_loss_refused_where_nothing_carries_it(schedule: str, extra: dict, k
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
     hf["output_router_logits"] = False  # the same run without the aux loss is accepted
     load_config(cfg, world, hf_config=hf)
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"context_parallel": {"size": 2}}, "ds_mp.context_parallel: the MoE aux loss"),
+    ({"loss": {"type": "dpo"}}, "ds_mp.loss.type: the MoE aux loss"),
+])
+def test_aux_loss_refused_where_its_pooling_is_not_built(extra: dict, key: str) -> None:
+    """Context parallelism splits a row's tokens over its ranks (each would pool only its shard's router
+    statistics), and a loss other than the LM loss has no aux term: one line each, accepted without it."""
+    from ds_mp.config.checks import load_config
+    from ds_mp.config.schema import ConfigError
+
+    hf = moe_like_gpt2().config.to_dict()
+    cfg = ds_config(pp=2, seq=SEQ, **extra)
+    world = 2 * cfg["ds_mp"].get("context_parallel", {}).get("size", 1)
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg, world, hf_config=hf)
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)
+    hf["output_router_logits"] = False
+    load_config(cfg, world, hf_config=hf)

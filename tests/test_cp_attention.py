@@ -66,7 +66,7 @@ def _ops_ranks(rank: int) -> None:
             idx = shard_index(T, 2, rank, balanced_for(impl))
             mine = dataclasses.replace(lay, q_index=idx, masks={})
             dtype = None if n_kv == 2 else torch.float32  # the boolean and the additive mask
-            mask = mine.mask(T // 2, T, sharded=True, dtype=dtype) if impl == "allgather" else mine.mask(T, T, dtype=dtype)
+            mask = mine.run_masks(2, dtype=dtype) if impl == "allgather" else mine.mask(T, T, dtype=dtype)
             op = allgather_attention if impl == "allgather" else ulysses_attention
             run = lambda ql, kl, vl: op(ql, kl, vl, None if heads is None else kv_index, mask, group=group, cp=2,
                                         cp_rank=rank)

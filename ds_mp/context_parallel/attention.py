@@ -6,8 +6,10 @@ each query the keys of the whole row; both are exact (the same SDPA over the sam
 
 ``allgather`` (:func:`allgather_attention`, the zigzag split):
     forward  ``K = P · gather(k)``, ``V = P · gather(v)`` over the group (one all-gather of k and v
-             stacked; ``P`` undoes the zigzag into full-row order), then
-             ``y = SDPA(q, K[kv_index], V[kv_index], mask rows q_index)``;
+             stacked; ``P`` undoes the zigzag into full-row order), then for each of this rank's
+             two chunks ``y = SDPA(q_chunk, K[:e], V[:e], its mask rows)`` with ``e`` the chunk's
+             end: causality masks every later key, so it is not scored — rank r scores
+             ``(2C + 1)·(T/2C)²`` pairs, the same on every rank, about half of ``(T/C)·T``;
     backward autograd gives each rank ``dK, dV`` ``(B, h_kv, T, hd)``: the contributions of ITS
              queries to every key.  The key at full-row index j lives on one rank, and its gradient
              is the sum of every rank's queries' contributions, so ``dk = scatter(Pᵀ · Σ_ranks dK)``:
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -166,18 +168,22 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Ten
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,
-                        mask: torch.Tensor, *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
+                        masks: Sequence[torch.Tensor], *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
                         scale: float | None = None) -> torch.Tensor:
     """CP attention by all-gathering keys and values (module docstring).
 
     ``q`` ``(B, h, Tl, hd)``, ``k``/``v`` ``(B, h_kv, Tl, hd)``: this rank's tokens of the zigzag
     split (``shard_index(T, cp, cp_rank, balanced=True)``), rotated; query head j reads key/value
     head ``kv_index[j]``, or ``j // (h / h_kv)`` when ``kv_index`` is None (:func:`grouped_kv`);
-    ``mask`` ``(B, 1, Tl, T)``, boolean or additive, the rows of this rank's tokens
-    (``Layout.mask(Tl, T, sharded=True)``).  Returns ``(B, h, Tl, hd)``."""
+    ``masks``: for each equal run of this rank's tokens (the zigzag's two chunks), its rows of the
+    causal mask, boolean or additive, against the keys up to its last token
+    (``Layout.run_masks(2)``): each run attends over that prefix of the gathered row only.
+    Returns ``(B, h, Tl, hd)``."""
     order = shard_order(q.shape[2] * cp, cp, True, q.device)
     kv = _GatherSequence.apply(torch.stack((k, v)), group, cp, order)  # (2, B, h_kv, T, hd)
-    return _sdpa(q, kv[0], kv[1], kv_index, mask, cp, cp_rank, dropout_p, scale)
+    runs = q.chunk(len(masks), dim=2)
+    return torch.cat([_sdpa(run, kv[0, :, :, :m.shape[-1]], kv[1, :, :, :m.shape[-1]], kv_index, m, cp, cp_rank,
+                            dropout_p, scale) for run, m in zip(runs, masks)], dim=2)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,

@@ -72,8 +72,8 @@ class Ctx:
         T, kw = lay.docs.shape[1], {"group": self.cp_group, "cp": self.cp, "cp_rank": self.cp_rank,
                                     "dropout_p": dropout_p, "scale": scale}
         if self.cp_impl == "allgather":
-            return allgather_attention(q, k, v, kv_index, lay.mask(Tl, T, windowed, True, q.dtype), **kw)
-        return ulysses_attention(q, k, v, kv_index, lay.mask(T, T, windowed, dtype=q.dtype), **kw)
+            return allgather_attention(q, k, v, kv_index, lay.run_masks(2, windowed, q.dtype), **kw)
+        return ulysses_attention(q, k, v, kv_index, lay.mask(T, T, windowed, q.dtype), **kw)
 
     def dropout_rng(self) -> Any:
         """Dropout on sequence-sharded activations must differ per TP rank."""

@@ -41,6 +41,7 @@ BENCHMARKS: dict[str, str] = {
     "sft": "benchmarks.sft",
     "peers": "benchmarks.peers",
     "zb_memory": "benchmarks.zb_memory",
+    "context_parallel": "benchmarks.context_parallel",
     "hf_trainer": "benchmarks.hf_trainer",
     "hf_trainer_memory": "benchmarks.hf_trainer_memory",
     "cp_attention": "benchmarks.cp_attention",

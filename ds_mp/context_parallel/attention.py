@@ -156,15 +156,15 @@ def grouped_kv(kv_index: torch.Tensor, n_kv: int) -> bool:
     return h % n_kv == 0 and torch.equal(kv_index.cpu(), torch.arange(h) // (h // n_kv))
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None, mask: torch.Tensor,
-          cp: int, cp_rank: int, dropout_p: float, scale: float | None) -> torch.Tensor:
-    """SDPA with key/value heads grouped by SDPA (``kv_index`` None) or picked per query head, and
-    this CP rank's own dropout masks."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,
+          mask: torch.Tensor | None, cp: int, cp_rank: int, dropout_p: float, scale: float | None) -> torch.Tensor:
+    """SDPA with key/value heads grouped by SDPA (``kv_index`` None) or picked per query head, the
+    mask or (None) plain causality over square q/k, and this CP rank's own dropout masks."""
     if kv_index is not None:
         k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
     with _cp_rng(cp, cp_rank, q.device, dropout_p > 0):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
+                                              scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,
@@ -187,13 +187,14 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_in
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,
-                      mask: torch.Tensor, *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
+                      mask: torch.Tensor | None, *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
                       scale: float | None = None) -> torch.Tensor:
     """CP attention by all-to-all between a sequence split and a head split (module docstring).
 
     ``q`` ``(B, h, Tl, hd)``, ``k``/``v`` ``(B, h_kv, Tl, hd)``: this rank's contiguous chunk
     (``shard_index(T, cp, cp_rank, balanced=False)``), rotated; ``kv_index`` as in
-    :func:`allgather_attention`; ``mask`` ``(B, 1, T, T)``, the full row's (``Layout.mask(T, T)``).
+    :func:`allgather_attention`; ``mask`` ``(B, 1, T, T)``, the full row's (``Layout.mask(T, T)``), or
+    None for plain causality (``Layout.causal_only``: SDPA's ``is_causal``, no mask held).
     With grouped heads (``kv_index`` None) the all-to-all splits the key/value heads as it splits the
     query heads (chunk c of each reads chunk c), each first repeated ``lcm(h_kv, C)/h_kv`` times when
     C does not divide them (h divides ``lcm(h_kv, C)``, so the grouping holds); picked heads are

@@ -114,6 +114,16 @@ class Layout:
             self.masks[key] = self._mask(torch.arange(k_len - q_len, k_len), k_len, key[2], dtype)
         return self.masks[key]
 
+    def causal_only(self, windowed: bool = True) -> bool:
+        """Whether the full row's mask is plain causality: one document per row, no padding, no window
+        shorter than the row (``windowed``).  CP's ``ulysses`` then asks SDPA for ``is_causal`` and
+        holds no ``T × T`` mask at all (``allgather``'s chunks are lower-right blocks, which SDPA's
+        ``is_causal`` does not express)."""
+        key = ("causal", windowed and self.window is not None and self.window < self.docs.shape[1])
+        if key not in self.masks:
+            self.masks[key] = not key[1] and bool(((self.docs == self.docs[:, :1]) & (self.docs >= 0)).all())
+        return self.masks[key]
+
     def run_masks(self, runs: int, windowed: bool = True, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """CP's ``allgather``: this rank's tokens ``q_index`` cut into ``runs`` equal runs (the zigzag's
         two chunks), and for each run the rows of the full mask against the keys up to its last token

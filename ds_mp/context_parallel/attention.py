@@ -19,7 +19,8 @@ each query the keys of the whole row; both are exact (the same SDPA over the sam
 
 ``ulysses`` (:func:`ulysses_attention`, the contiguous split):
     forward  an all-to-all turns ``(B, h, Tl, hd)`` (a sequence split) into ``(B, h/C, T, hd)`` (a
-             head split, the whole row in order) for q, k and v; SDPA with the full ``(T, T)`` mask;
+             head split, the whole row in order) for q, k and v; SDPA with the full ``(T, T)`` mask
+             (``is_causal`` on a plain causal row);
              the inverse all-to-all brings ``y`` back to ``(B, h, Tl, hd)``;
     backward an all-to-all is a permutation of the group's data, so its adjoint is its inverse:
              the backward of sequence→head is head→sequence and vice versa; SDPA's backward is
@@ -75,7 +76,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, cp: int, order: torch.Tensor) -> torch.Tensor:
-        ctx.group, ctx.cp, ctx.dim = group, cp, x.dim() - 2
+        ctx.group, ctx.cp = group, cp
         ctx.save_for_backward(order)
         gathered = _all_gather(x.movedim(-2, 0), group, cp)  # (T, …, hd) in shard order
         full = torch.empty_like(gathered).index_copy_(0, order, gathered)  # full[order[p]] = gathered[p]

@@ -66,7 +66,7 @@ def _ops_ranks(rank: int) -> None:
             idx = shard_index(T, 2, rank, balanced_for(impl))
             mine = dataclasses.replace(lay, q_index=idx, masks={})
             dtype = None if n_kv == 2 else torch.float32  # the boolean and the additive mask
-            mask = mine.mask(T // 2, T, sharded=True, dtype=dtype) if impl == "allgather" else mine.mask(T, T, dtype=dtype)
+            mask = mine.run_masks(2, dtype=dtype) if impl == "allgather" else mine.mask(T, T, dtype=dtype)
             op = allgather_attention if impl == "allgather" else ulysses_attention
             run = lambda ql, kl, vl: op(ql, kl, vl, None if heads is None else kv_index, mask, group=group, cp=2,
                                         cp_rank=rank)
@@ -88,8 +88,36 @@ def _ops_ranks(rank: int) -> None:
             doc1 = torch.zeros(3, T, dtype=torch.bool)
             doc1[0, 3:6] = True  # document 1's queries at or after the changed key
             assert torch.equal(changed, doc1[:, idx]), (what, changed)
+    _plain_rows(rank, group)
     _dropout_checks(rank, group)
     dist.destroy_process_group()
+
+
+def _plain_rows(rank: int, group) -> None:
+    """Rows of one document without padding: ulysses asks SDPA for is_causal (no T × T mask held),
+    allgather its chunk masks; both equal full-row causal SDPA."""
+    from ds_mp.context_parallel.attention import allgather_attention, ulysses_attention
+
+    pos = torch.arange(T).expand(2, T)
+    assert not _layout(None).causal_only() and not Layout(pos, torch.ones_like(pos), 3).causal_only()
+    assert Layout(pos, torch.ones_like(pos), 3).causal_only(windowed=False)
+    gen = torch.Generator().manual_seed(9)
+    q, g = (torch.randn(2, 4, T, HD, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 2, T, HD, generator=gen) for _ in range(2))
+    kv_index = torch.arange(4) // 2
+    full = Layout(pos, torch.ones_like(pos))
+    ref = _reference(q, k, v, full, kv_index, g)
+    for impl, op in (("allgather", allgather_attention), ("ulysses", ulysses_attention)):
+        idx = shard_index(T, 2, rank, balanced_for(impl))
+        lay = Layout(pos, torch.ones_like(pos), None, idx)
+        assert lay.causal_only()
+        mask = lay.run_masks(2, dtype=torch.float32) if impl == "allgather" else None
+        ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+        y = op(ql, kl, vl, None, mask, group=group, cp=2, cp_rank=rank)
+        (y * g[:, :, idx]).sum().backward()
+        for name, got, want in (("y", y, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]),
+                                ("dv", vl.grad, ref[3])):
+            torch.testing.assert_close(got, want[:, :, idx], rtol=1e-5, atol=1e-5, msg=f"plain {impl} {name}")
 
 
 def _dropout_checks(rank: int, group) -> None:

@@ -6,8 +6,10 @@ each query the keys of the whole row; both are exact (the same SDPA over the sam
 
 ``allgather`` (:func:`allgather_attention`, the zigzag split):
     forward  ``K = P · gather(k)``, ``V = P · gather(v)`` over the group (one all-gather of k and v
-             stacked; ``P`` undoes the zigzag into full-row order), then
-             ``y = SDPA(q, K[kv_index], V[kv_index], mask rows q_index)``;
+             stacked; ``P`` undoes the zigzag into full-row order), then for each of this rank's
+             two chunks ``y = SDPA(q_chunk, K[:e], V[:e], its mask rows)`` with ``e`` the chunk's
+             end: causality masks every later key, so it is not scored — rank r scores
+             ``(2C + 1)·(T/2C)²`` pairs, the same on every rank, about half of ``(T/C)·T``;
     backward autograd gives each rank ``dK, dV`` ``(B, h_kv, T, hd)``: the contributions of ITS
              queries to every key.  The key at full-row index j lives on one rank, and its gradient
              is the sum of every rank's queries' contributions, so ``dk = scatter(Pᵀ · Σ_ranks dK)``:
@@ -17,7 +19,8 @@ each query the keys of the whole row; both are exact (the same SDPA over the sam
 
 ``ulysses`` (:func:`ulysses_attention`, the contiguous split):
     forward  an all-to-all turns ``(B, h, Tl, hd)`` (a sequence split) into ``(B, h/C, T, hd)`` (a
-             head split, the whole row in order) for q, k and v; SDPA with the full ``(T, T)`` mask;
+             head split, the whole row in order) for q, k and v; SDPA with the full ``(T, T)`` mask
+             (``is_causal`` on a plain causal row);
              the inverse all-to-all brings ``y`` back to ``(B, h, Tl, hd)``;
     backward an all-to-all is a permutation of the group's data, so its adjoint is its inverse:
              the backward of sequence→head is head→sequence and vice versa; SDPA's backward is
@@ -44,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -73,7 +76,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, cp: int, order: torch.Tensor) -> torch.Tensor:
-        ctx.group, ctx.cp, ctx.dim = group, cp, x.dim() - 2
+        ctx.group, ctx.cp = group, cp
         ctx.save_for_backward(order)
         gathered = _all_gather(x.movedim(-2, 0), group, cp)  # (T, …, hd) in shard order
         full = torch.empty_like(gathered).index_copy_(0, order, gathered)  # full[order[p]] = gathered[p]
@@ -154,40 +157,45 @@ def grouped_kv(kv_index: torch.Tensor, n_kv: int) -> bool:
     return h % n_kv == 0 and torch.equal(kv_index.cpu(), torch.arange(h) // (h // n_kv))
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None, mask: torch.Tensor,
-          cp: int, cp_rank: int, dropout_p: float, scale: float | None) -> torch.Tensor:
-    """SDPA with key/value heads grouped by SDPA (``kv_index`` None) or picked per query head, and
-    this CP rank's own dropout masks."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,
+          mask: torch.Tensor | None, cp: int, cp_rank: int, dropout_p: float, scale: float | None) -> torch.Tensor:
+    """SDPA with key/value heads grouped by SDPA (``kv_index`` None) or picked per query head, the
+    mask or (None) plain causality over square q/k, and this CP rank's own dropout masks."""
     if kv_index is not None:
         k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
     with _cp_rng(cp, cp_rank, q.device, dropout_p > 0):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
+                                              scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,
-                        mask: torch.Tensor, *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
+                        masks: Sequence[torch.Tensor], *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
                         scale: float | None = None) -> torch.Tensor:
     """CP attention by all-gathering keys and values (module docstring).
 
     ``q`` ``(B, h, Tl, hd)``, ``k``/``v`` ``(B, h_kv, Tl, hd)``: this rank's tokens of the zigzag
     split (``shard_index(T, cp, cp_rank, balanced=True)``), rotated; query head j reads key/value
     head ``kv_index[j]``, or ``j // (h / h_kv)`` when ``kv_index`` is None (:func:`grouped_kv`);
-    ``mask`` ``(B, 1, Tl, T)``, boolean or additive, the rows of this rank's tokens
-    (``Layout.mask(Tl, T, sharded=True)``).  Returns ``(B, h, Tl, hd)``."""
+    ``masks``: for each equal run of this rank's tokens (the zigzag's two chunks), its rows of the
+    causal mask, boolean or additive, against the keys up to its last token
+    (``Layout.run_masks(2)``): each run attends over that prefix of the gathered row only.
+    Returns ``(B, h, Tl, hd)``."""
     order = shard_order(q.shape[2] * cp, cp, True, q.device)
     kv = _GatherSequence.apply(torch.stack((k, v)), group, cp, order)  # (2, B, h_kv, T, hd)
-    return _sdpa(q, kv[0], kv[1], kv_index, mask, cp, cp_rank, dropout_p, scale)
+    runs = q.chunk(len(masks), dim=2)
+    return torch.cat([_sdpa(run, kv[0, :, :, :m.shape[-1]], kv[1, :, :, :m.shape[-1]], kv_index, m, cp, cp_rank,
+                            dropout_p, scale) for run, m in zip(runs, masks)], dim=2)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,
-                      mask: torch.Tensor, *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
+                      mask: torch.Tensor | None, *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
                       scale: float | None = None) -> torch.Tensor:
     """CP attention by all-to-all between a sequence split and a head split (module docstring).
 
     ``q`` ``(B, h, Tl, hd)``, ``k``/``v`` ``(B, h_kv, Tl, hd)``: this rank's contiguous chunk
     (``shard_index(T, cp, cp_rank, balanced=False)``), rotated; ``kv_index`` as in
-    :func:`allgather_attention`; ``mask`` ``(B, 1, T, T)``, the full row's (``Layout.mask(T, T)``).
+    :func:`allgather_attention`; ``mask`` ``(B, 1, T, T)``, the full row's (``Layout.mask(T, T)``), or
+    None for plain causality (``Layout.causal_only``: SDPA's ``is_causal``, no mask held).
     With grouped heads (``kv_index`` None) the all-to-all splits the key/value heads as it splits the
     query heads (chunk c of each reads chunk c), each first repeated ``lcm(h_kv, C)/h_kv`` times when
     C does not divide them (h divides ``lcm(h_kv, C)``, so the grouping holds); picked heads are

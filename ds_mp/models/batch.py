@@ -91,7 +91,7 @@ class Layout:
     docs: torch.Tensor  # (B, T) long, -1 = padding key
     window: int | None = None
     q_index: torch.Tensor | None = None  # (T/C,) long: this CP rank's full-row token indices, None = all
-    masks: dict = field(default_factory=dict, repr=False)  # (q_len, k_len, …) -> mask: built once, read by every block
+    masks: dict = field(default_factory=dict, repr=False)  # (q_len, k_len, …) -> mask(s): built once, read by every block
 
     def rows(self, r0: int, r1: int) -> "Layout":
         return Layout(self.positions[r0:r1], self.docs[r0:r1], self.window, self.q_index)
@@ -101,41 +101,56 @@ class Layout:
         CP, else ``positions``."""
         return self.positions if self.q_index is None else self.positions[:, self.q_index]
 
-    def mask(self, q_len: int, k_len: int, windowed: bool = True, sharded: bool = False,
-             dtype: torch.dtype | None = None) -> torch.Tensor:
+    def mask(self, q_len: int, k_len: int, windowed: bool = True, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Boolean SDPA mask ``(B, 1, q_len, k_len)`` (True = attend) for the queries at indices
         ``k_len - q_len … k_len - 1`` against the keys ``0 … k_len - 1`` (a TeraPipe slice attends
         to its sequence's earlier slices: the keys before its own); ``windowed`` False: without the
-        window (Gemma 3's full-attention layers between its sliding-window ones).  ``sharded`` (CP's
-        ``allgather``): the queries are this rank's tokens ``q_index`` (``q_len`` of them) against
-        the full row's ``k_len`` = T keys: rows ``q_index`` of the full mask.  CP's ``ulysses``
+        window (Gemma 3's full-attention layers between its sliding-window ones).  CP's ``ulysses``
         attends over the full row: ``mask(T, T)``.  ``dtype``: the additive form (0 = attend, -inf
         = not) in that dtype, built once and passed to every layer's SDPA, which holds this one
         tensor for backward (given the boolean one it converts and holds a copy per call)."""
-        key = (q_len, k_len, windowed and self.window is not None, sharded, dtype)
+        key = (q_len, k_len, windowed and self.window is not None, dtype)
         if key not in self.masks:
-            allowed = self._mask(q_len, k_len, key[2], sharded)
-            self.masks[key] = allowed if dtype is None else torch.zeros(
-                allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+            self.masks[key] = self._mask(torch.arange(k_len - q_len, k_len), k_len, key[2], dtype)
         return self.masks[key]
 
-    def _mask(self, q_len: int, k_len: int, windowed: bool, sharded: bool) -> torch.Tensor:
+    def causal_only(self, windowed: bool = True) -> bool:
+        """Whether the full row's mask is plain causality: one document per row, no padding, no window
+        shorter than the row (``windowed``).  CP's ``ulysses`` then asks SDPA for ``is_causal`` and
+        holds no ``T × T`` mask at all (``allgather``'s chunks are lower-right blocks, which SDPA's
+        ``is_causal`` does not express)."""
+        key = ("causal", windowed and self.window is not None and self.window < self.docs.shape[1])
+        if key not in self.masks:
+            self.masks[key] = not key[1] and bool(((self.docs == self.docs[:, :1]) & (self.docs >= 0)).all())
+        return self.masks[key]
+
+    def run_masks(self, runs: int, windowed: bool = True, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """CP's ``allgather``: this rank's tokens ``q_index`` cut into ``runs`` equal runs (the zigzag's
+        two chunks), and for each run the rows of the full mask against the keys up to its last token
+        ``(B, 1, T/(C·runs), last + 1)``: every later key is masked by causality, so SDPA need not
+        score it (the zigzag then gives every rank the same work).  Built once, as :meth:`mask`."""
+        key = ("runs", runs, windowed and self.window is not None, dtype)
+        if key not in self.masks:
+            if self.q_index is None or len(self.q_index) % runs:
+                raise ValueError(f"Layout.run_masks: q_index of {None if self.q_index is None else len(self.q_index)} "
+                                 f"tokens does not cut into {runs} runs")
+            cut = self.q_index.view(runs, -1)
+            self.masks[key] = [self._mask(run, last + 1, key[2], dtype)
+                               for run, last in zip(cut, cut[:, -1].tolist())]
+        return self.masks[key]
+
+    def _mask(self, q_idx: torch.Tensor, k_len: int, windowed: bool, dtype: torch.dtype | None) -> torch.Tensor:
+        """The rows ``q_idx`` (full-row indices) of the mask against the keys ``0 … k_len - 1``."""
         dev = self.docs.device
-        if sharded:
-            if self.q_index is None or len(self.q_index) != q_len or k_len != self.docs.shape[1]:
-                raise ValueError(f"Layout.mask: sharded queries need q_index of {q_len} tokens and k_len = the full "
-                                 f"row {self.docs.shape[1]}, got q_index "
-                                 f"{None if self.q_index is None else len(self.q_index)} and k_len {k_len}")
-            q_idx = self.q_index.to(dev)
-        else:
-            q_idx = torch.arange(k_len - q_len, k_len, device=dev)
-        qi, kj = q_idx[:, None], torch.arange(k_len, device=dev)[None, :]
+        qi, kj = q_idx.to(dev)[:, None], torch.arange(k_len, device=dev)[None, :]
         allowed = kj <= qi  # (q, k)
         if windowed:
             allowed = allowed & (qi - kj < self.window)
-        dq, dk = self.docs[:, q_idx, None], self.docs[:, None, :k_len]  # (B, q, 1), (B, 1, k)
-        allowed = allowed & (dq == dk) & (dk >= 0)  # a padding query: no key (SDPA's output 0, HF's)
-        return allowed.unsqueeze(1)
+        dq, dk = self.docs[:, qi[:, 0], None], self.docs[:, None, :k_len]  # (B, q, 1), (B, 1, k)
+        allowed = (allowed & (dq == dk) & (dk >= 0)).unsqueeze(1)  # a padding query: no key (SDPA's output 0, HF's)
+        if dtype is None:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, float("-inf"))
 
 
 def _tensor(x: Any, what: str) -> torch.Tensor:

@@ -19,8 +19,8 @@ reasons).  With cp = 1 the layout is the former ``pipe, data, model`` one, rank 
   the same parameters, whose gradients are reduced together, over which ZeRO partitions the
   optimizer state, and of which one writes a checkpoint's copy.
 
-With cp = 1 the two coincide.  Context parallelism itself is not built: ``cp`` > 1 is refused at
-``load_config`` (``ds_mp.config``); the axis exists so it can be added without touching the callers.
+With cp = 1 the two coincide.  ``cp`` > 1 is ``"ds_mp": {"context_parallel": {"size": C}}``: CP
+peers hold different tokens of the same rows (``ds_mp.context_parallel``, ``ds_mp.engine.context``).
 
 A :class:`Topology` is created from the degrees alone (pure, no communication) so layers can be
 sharded at construction; the process groups come from ds_mp's grid

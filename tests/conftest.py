@@ -19,6 +19,17 @@ allow_cpu_fp16()  # fp16 tests run on every CPU (see cpu_fp16.py)
 os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
+@pytest.fixture(autouse=True)
+def _free_master_port() -> None:
+    """Before each test, unless this process holds a group already: a MASTER_PORT free now.  A port
+    chosen once per worker (above) can be taken by the time a later test starts its group (a fresh-clone
+    run failed 8 in-process tests of one worker with EADDRINUSE on it)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
 #: Rough seconds per test by marker, to hand the heaviest files out first (below).
 _WEIGHTS = {"launcher": 60, "slow": 20}
 

@@ -179,6 +179,8 @@ def ds_json(path: str, tp: int = 1, pp: int = 1, schedule: str = "1f1b") -> str:
     cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
            "gradient_clipping": "auto", "zero_optimization": {"stage": 0},
            "ds_mp": {"tensor_parallel": {"size": tp}, "pipeline": {"stages": pp, "schedule": schedule}}}
+    if schedule == "interleaved":  # two chunks of the 4-layer model per stage
+        cfg["ds_mp"]["pipeline"]["virtual_stages"] = 2
     with open(path, "w") as f:
         json.dump(cfg, f)
     return path
@@ -214,13 +216,16 @@ CASES = [
     ("gpt2", 2, 1, 2, "zb-v", {"lora": True, "precompute_ref_log_probs": True}, {"lora": True}),
     ("gpt2", 2, 1, 1, "1f1b", {"lora": True, "per_device_train_batch_size": 1}, {"lora": True}),
     ("gpt2", 2, 1, 2, "1f1b", {"ref": True, **MIX}, {"ref": True, **MIX}),
+    ("gpt2", 2, 1, 2, "zb-h1", {}, {}),
+    ("qwen2", 4, 2, 2, "interleaved", {"lora": True}, {"lora": True}),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind, world, tp, pp, schedule, kw, oracle_kw", CASES,
-                         ids=["tp2-qwen2-resume", "pp2-zbv-lora-precompute", "dp2-ga2-lora", "pp2-ref-model"])
+                         ids=["tp2-qwen2-resume", "pp2-zbv-lora-precompute", "dp2-ga2-lora", "pp2-ref-model",
+                              "pp2-zbh1", "tp2pp2-qwen2-interleaved-lora"])
 def test_dpo_trainer_equals_plain_trl(tmp_path: Any, root: str, kind: str, world: int, tp: int, pp: int,
                                       schedule: str, kw: dict, oracle_kw: dict) -> None:
     model = model_dir(root, kind)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import Config, fmt_ratio, load_span, run_side_by_side, summarize, table, tokens_ratio
-from benchmarks.workloads import LR, Bench, max_rss_mib, state_bytes
+from benchmarks.workloads import LR, Bench, HFBench, max_rss_mib, state_bytes
 
 DESCRIPTION = "Qwen3-MoE-shaped model: ds_mp TP=2 whole vs split experts, PP=2, vs one process (1 and 2 threads)"
 ROWS = 4
@@ -54,21 +54,13 @@ def _batch(shape: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, ids.clone()
 
 
-class HFMoE(Bench):
+class HFMoE(HFBench):
+    """One process: the MoE-shaped HF model (:func:`moe_model`) + SGD, one full batch per step."""
+
     def __init__(self, rank: int, world: int, shape: dict, aux: bool = False) -> None:
         self.model = moe_model(shape, aux)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
         self.ids, self.labels = _batch(shape, ROWS)
-
-    def step(self) -> float:
-        self.opt.zero_grad(set_to_none=False)
-        loss = self.model(input_ids=self.ids, labels=self.labels).loss
-        loss.backward()
-        self.opt.step()
-        return float(loss.detach())
-
-    def memory(self) -> dict:
-        return {"state_bytes": state_bytes(self.model.parameters(), self.opt), "max_rss_mib": max_rss_mib()}
 
 
 class DsMpMoE(Bench):

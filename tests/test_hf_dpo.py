@@ -15,15 +15,14 @@ from __future__ import annotations
 import math
 import os
 import random
-import sys
 from typing import Any
 
 import pytest
 import torch
 
 from dist_utils import run_ranks
+from test_hf_sft import trl_sft_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REL, ABS = 1e-5, 1e-5
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -33,23 +32,11 @@ BASE = {"bf16": False, "max_steps": 5, "logging_steps": 1, "report_to": "none", 
         "seed": 0, "disable_tqdm": True}
 
 
-def _script() -> Any:
-    """launch/trl_sft.py (its tiny tokenizer and models) as a module."""
-    import importlib.util
-
-    if "trl_sft" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("trl_sft", os.path.join(REPO, "launch", "trl_sft.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["trl_sft"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["trl_sft"]
-
-
 def pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
     """``n`` preference records (TRL's plain prompt / chosen / rejected) of uneven lengths; record 1
     pairs a 1-word chosen with a 40-word rejected completion, record 3's prompt + chosen pass 48
     tokens (cut at ``max_length``)."""
-    script, rng = _script(), random.Random(seed)
+    script, rng = trl_sft_script(), random.Random(seed)
     out = [{"prompt": script.sentence(rng, rng.randint(2, 10)), "chosen": " " + script.sentence(rng, rng.randint(1, 14)),
             "rejected": " " + script.sentence(rng, rng.randint(1, 14))} for _ in range(n)]
     out[1]["chosen"], out[1]["rejected"] = " " + script.sentence(rng, 1), " " + script.sentence(rng, 40)
@@ -59,7 +46,7 @@ def pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 def model_dir(root: str, kind: str) -> str:
     """A tiny ``kind`` model and its tokenizer saved under ``root`` (TRL loads its reference from the path)."""
-    script = _script()
+    script = trl_sft_script()
     path = os.path.join(root, kind)
     if not os.path.exists(os.path.join(path, "config.json")):
         tok = script.tiny_tokenizer()

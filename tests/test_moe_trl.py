@@ -1,4 +1,5 @@
-"""A tiny Qwen3-MoE with its aux loss through ``ds_mp.hf.Trainer`` and ``ds_mp.hf.SFTTrainer`` at PP=2,
+"""A tiny Qwen3-MoE with its aux loss through ``ds_mp.hf.Trainer`` and ``ds_mp.hf.SFTTrainer`` at PP=2 (and a
+Mixtral through the SFTTrainer at TP=2),
 against the plain ``transformers.Trainer`` and plain ``trl.SFTTrainer`` on one process (the oracles).
 
 HF's Trainer adds each forward's ``coef · aux`` whole (with ``num_items_in_batch``: no division by the
@@ -48,18 +49,20 @@ def test_trainer_with_aux_loss_equals_plain_trainer(tmp_path: Any) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=WEIGHT_TOL, msg=k)
 
 
-def test_sft_trainer_with_aux_loss_equals_plain_trl(tmp_path: Any) -> None:
+@pytest.mark.parametrize("model_type, tp, pp", [("qwen3_moe", 1, 2), ("mixtral", 2, 1)])
+def test_sft_trainer_with_aux_loss_equals_plain_trl(tmp_path: Any, model_type: str, tp: int, pp: int) -> None:
+    """Qwen3-MoE across two pipeline stages, Mixtral (always renormalised) with its experts ``whole`` over TP2."""
     from transformers import AutoModelForCausalLM
 
     from test_hf_sft import ARGS, _run, ds_json, trl_sft_script
 
     tokenizer = trl_sft_script().tiny_tokenizer()
     model_dir = str(tmp_path / "model")
-    tiny_moe4(vocab=len(tokenizer)).save_pretrained(model_dir)
+    tiny_moe4(model_type, vocab=len(tokenizer)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     argv = ARGS + ["--model_name_or_path", model_dir]
     ref = run_ranks(_run, 1, argv + ["--output_dir", str(tmp_path / "plain")], True, timeout=600)[0]
-    cfg = ds_json(str(tmp_path / "ds.json"), 1, 2)
+    cfg = ds_json(str(tmp_path / "ds.json"), tp, pp)
     res = run_ranks(_run, 2, argv + ["--output_dir", str(tmp_path / "ds_mp"), "--deepspeed", cfg], False,
                     timeout=900)[0]
     assert len(res["losses"]) == len(ref["losses"]) == 5

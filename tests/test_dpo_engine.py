@@ -123,3 +123,14 @@ def test_the_reference_pass_with_lora_disabled_is_the_base_model() -> None:
         assert same  # precomputed before training = on the fly after a step (the base is frozen)
         assert base_err < 1e-5
         assert adapted_err > 1e-3  # the adapters trained, and lora_disabled really switched them off
+
+
+@pytest.mark.parametrize("layout", [{"bf16": True, "zero": 1}, {"pp": 2, "bf16": True}], ids=["bf16-zero1-dp2", "bf16-pp2"])
+def test_dpo_in_bf16_follows_trl_fp32(layout: dict) -> None:
+    """bf16 (with ZeRO-1 over DP2, and across two stages): step 1 is ln 2 (the reference is the policy's own
+    bf16 pass) and the losses follow plain TRL's fp32 run within bf16's rounding (2e-3)."""
+    want, _ = oracle("gpt2")
+    for losses, _, ref_err in run_ranks(_train, 2, layout, "gpt2", timeout=300):
+        assert ref_err < 2e-2  # bf16 log-prob sums over ~40 tokens against HF's fp32
+        assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
+        assert losses == pytest.approx(want, abs=2e-3)

@@ -139,7 +139,6 @@ def run(quick: bool, out_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    result = run("--quick" in sys.argv, os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    for t in result["tables"]:
-        print(t["title"], *(" | ".join(map(str, r)) for r in t["rows"]), sep="\n")
-    print("\n".join(result["summary"]))
+    from benchmarks.run import main
+
+    sys.exit(main(["--only", "dpo_trainer", *sys.argv[1:]]))

@@ -16,7 +16,7 @@ Reported: tokens/s ratios with 90% bootstrap intervals against hf_1x1 and hf_1x2
 """
 from __future__ import annotations
 
-import os
+import sys
 from dataclasses import asdict
 from typing import Any
 
@@ -88,10 +88,6 @@ def run(quick: bool, out_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    import json
+    from benchmarks.run import main
 
-    import sys
-
-    result = run(quick="--quick" in sys.argv, out_dir="benchmarks/results")
-    with open(os.path.join("benchmarks/results", "llama_tp.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    sys.exit(main(["--only", "llama_tp", *sys.argv[1:]]))

@@ -24,7 +24,7 @@ their tokens/s is a lower bound there and their per-rank memory is the point.
 """
 from __future__ import annotations
 
-import os
+import sys
 from typing import Any
 
 import torch
@@ -146,12 +146,6 @@ def run(quick: bool, out_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    import json
-    import sys
+    from benchmarks.run import main
 
-    quick = "--quick" in sys.argv
-    out = "benchmarks/results/quick" if quick else "benchmarks/results"
-    os.makedirs(out, exist_ok=True)
-    result = run(quick=quick, out_dir=out)
-    with open(os.path.join(out, "moe_tp.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    sys.exit(main(["--only", "moe_tp", *sys.argv[1:]]))

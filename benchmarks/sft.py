@@ -25,7 +25,6 @@ target-weighted mean of one untimed pass's step losses, packed and padded, over 
 from __future__ import annotations
 
 import ast
-import json
 import os
 import random
 import shutil
@@ -215,7 +214,6 @@ def _run(quick: bool, out_dir: str, shape: dict, data: str) -> dict:
 
 
 if __name__ == "__main__":
-    out = "benchmarks/results"
-    result = run(quick="--quick" in sys.argv, out_dir=out)
-    with open(os.path.join(out, "sft.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    from benchmarks.run import main
+
+    sys.exit(main(["--only", "sft", *sys.argv[1:]]))

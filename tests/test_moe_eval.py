@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from helpers import ds_config
 from test_hf_trainer import collate, ds_json, training_args
 from test_moe_pp_models import COEF, tiny_moe4
 
@@ -44,8 +45,8 @@ def eval_rows(vocab: int = 203, seed: int = 4) -> list[dict]:
     return out
 
 
-def _args(out: str, deepspeed: Any = None) -> Any:
-    return training_args(out, deepspeed, per_device_train_batch_size=MICRO, gradient_accumulation_steps=GA,
+def _args(out: str, deepspeed: Any = None, ga: int = GA) -> Any:
+    return training_args(out, deepspeed, per_device_train_batch_size=MICRO, gradient_accumulation_steps=ga,
                          per_device_eval_batch_size=EVAL_BATCH)
 
 
@@ -86,7 +87,8 @@ def hf_parts(model_dir: str) -> dict[str, float]:
 def _rank(rank: int, model_dir: str, out: str, ds: dict) -> float:
     from ds_mp.hf import Trainer
 
-    trainer = Trainer(model=model_dir, args=_args(out, ds), train_dataset=eval_rows(), eval_dataset=eval_rows(),
+    ga = 4 if ds["ds_mp"]["pipeline"]["schedule"] == "interleaved" else GA  # in groups of the stages
+    trainer = Trainer(model=model_dir, args=_args(out, ds, ga), train_dataset=eval_rows(), eval_dataset=eval_rows(),
                       data_collator=collate)
     return trainer.evaluate()["eval_loss"]
 
@@ -101,13 +103,16 @@ def moe_dirs(tmp_path_factory: Any) -> dict[bool, str]:
     return out
 
 
-@pytest.mark.parametrize("tp, pp, aux", [
-    pytest.param(1, 2, True, id="pp2"),
-    pytest.param(2, 1, True, id="tp2"),
-    pytest.param(1, 1, True, id="dp2"),
-    pytest.param(1, 2, False, id="pp2-aux-off"),
+@pytest.mark.parametrize("tp, pp, schedule, aux", [
+    pytest.param(1, 2, "1f1b", True, id="pp2"),
+    pytest.param(1, 2, "zb-v", True, id="pp2-zb-v"),  # the loss (and the carries) on rank 0
+    pytest.param(1, 2, "interleaved", True, id="pp2-interleaved", marks=pytest.mark.slow),  # 4 per pass
+    pytest.param(2, 1, "1f1b", True, id="tp2"),
+    pytest.param(1, 1, "1f1b", True, id="dp2"),
+    pytest.param(1, 2, "1f1b", False, id="pp2-aux-off"),
 ])
-def test_eval_loss_pools_aux_per_eval_batch_as_hf(tp: int, pp: int, aux: bool, moe_dirs: dict, tmp_path: Any) -> None:
+def test_eval_loss_pools_aux_per_eval_batch_as_hf(tp: int, pp: int, schedule: str, aux: bool, moe_dirs: dict,
+                                                  tmp_path: Any) -> None:
     model_dir = moe_dirs[aux]
     want = plain_eval(model_dir, str(tmp_path / "plain"))
     parts = hf_parts(model_dir)
@@ -119,6 +124,52 @@ def test_eval_loss_pools_aux_per_eval_batch_as_hf(tp: int, pp: int, aux: bool, m
         assert abs(parts["aux"] - parts["aux_micro"]) > 100 * RTOL * want, parts
     else:
         assert want == pytest.approx(parts["lm"], rel=RTOL)
-    got = run_ranks(_rank, 2, model_dir, str(tmp_path / "ds_mp"), ds_json(tp=tp, pp=pp), timeout=300)
+    got = run_ranks(_rank, 2, model_dir, str(tmp_path / "ds_mp"), ds_json(tp=tp, pp=pp, schedule=schedule), timeout=300)
+    assert got[0] == got[1]
+    assert got[0] == pytest.approx(want, rel=RTOL)
+
+
+class _Chunks:
+    """A stream dataset's held-out split in memory: ``n`` rows of ``SEQ_LEN`` token ids (labels = ids)."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int, seed: int = 6) -> None:
+        self.ids = torch.randint(1, vocab, (n, seq_len), generator=torch.Generator().manual_seed(seed))
+
+    def num_chunks(self, seq_len: int) -> int:
+        return self.ids.shape[0]
+
+    def batch(self, rows: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.ids[torch.as_tensor(rows)]
+        return ids, ids.clone()
+
+
+VAL_ROWS, VAL_SEQ = 7, 16  # micro-batches of 2 rows: the last holds one row beside a filler row
+
+
+def _held_out_rank(rank: int, model: Any, pp: int, dp: int) -> float:
+    import ds_mp
+    from ds_mp.data.validation import HeldOutBatches, held_out_loss
+
+    engine, *_ = ds_mp.initialize(model=model, config=ds_config(pp=pp, micro=MICRO, gas=2, seq=VAL_SEQ))
+    batches = HeldOutBatches(_Chunks(VAL_ROWS, VAL_SEQ, 203), VAL_SEQ, MICRO, 2, engine.topology.dp_rank, dp)
+    return held_out_loss(engine, batches)
+
+
+@pytest.mark.parametrize("pp, dp", [pytest.param(2, 1, id="pp2"), pytest.param(1, 2, id="dp2")])
+def test_launcher_val_loss_adds_aux_per_micro_batch(pp: int, dp: int) -> None:
+    """The launcher's ``val_loss`` (``ds_mp.data.validation.held_out_loss``) of a MoE with its aux loss on:
+    the per-token LM loss + each held-out micro-batch's ``coef · aux`` (HF's, every token: no mask)
+    weighted by its rows; the filler row beside the last real one pools nowhere."""
+    model = tiny_moe4(vocab=203)
+    ids = _Chunks(VAL_ROWS, VAL_SEQ, 203).ids
+    lm = n = aux = 0.0
+    for i in range(0, VAL_ROWS, MICRO):
+        with torch.no_grad():
+            out = model(input_ids=ids[i:i + MICRO], labels=ids[i:i + MICRO])
+        rows = ids[i:i + MICRO].shape[0]
+        lm, n = lm + float(out.loss - COEF * out.aux_loss) * rows * (VAL_SEQ - 1), n + rows * (VAL_SEQ - 1)
+        aux += COEF * float(out.aux_loss) * rows
+    want = lm / n + aux / VAL_ROWS
+    got = run_ranks(_held_out_rank, 2, tiny_moe4(vocab=203), pp, dp, timeout=300)  # (HF ran forwards on `model`)
     assert got[0] == got[1]
     assert got[0] == pytest.approx(want, rel=RTOL)

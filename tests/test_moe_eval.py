@@ -13,8 +13,8 @@ over the eval set (docs/trainer.md): the eval rows here give every eval batch th
 
 Eval set: 10 rows of uneven lengths (5–16 tokens, right padding, a masked prompt), eval batches of 4
 rows (4, 4, 2: micro-batches of 2 rows, 2 + 2 + 1), 3 micro-batches per pass (so an eval batch straddles
-two passes, and the last pass is filled).  Layouts: PP2 (1F1B), TP2, DP2 (eval batch i on replica
-i mod 2: replica 0 reads batches 0 and 2).  The test checks it can fail: the eval loss without the aux
+two passes, and the last pass is filled).  Layouts: PP2 (1F1B, ZB-V, interleaved), TP2, DP2 and
+PP2 × DP2 (eval batch i on replica i mod 2: replica 0 reads batches 0 and 2).  The test checks it can fail: the eval loss without the aux
 term, and with the aux pooled per micro-batch, both computed from the HF model, are far (> 100×
 the tolerance) from the oracle.  Aux off: the plain LM loss, unchanged.
 """
@@ -103,16 +103,17 @@ def moe_dirs(tmp_path_factory: Any) -> dict[bool, str]:
     return out
 
 
-@pytest.mark.parametrize("tp, pp, schedule, aux", [
-    pytest.param(1, 2, "1f1b", True, id="pp2"),
-    pytest.param(1, 2, "zb-v", True, id="pp2-zb-v"),  # the loss (and the carries) on rank 0
-    pytest.param(1, 2, "interleaved", True, id="pp2-interleaved", marks=pytest.mark.slow),  # 4 per pass
-    pytest.param(2, 1, "1f1b", True, id="tp2"),
-    pytest.param(1, 1, "1f1b", True, id="dp2"),
-    pytest.param(1, 2, "1f1b", False, id="pp2-aux-off"),
+@pytest.mark.parametrize("world, tp, pp, schedule, aux", [
+    pytest.param(2, 1, 2, "1f1b", True, id="pp2"),
+    pytest.param(2, 1, 2, "zb-v", True, id="pp2-zb-v"),  # the loss (and the carries) on rank 0
+    pytest.param(2, 1, 2, "interleaved", True, id="pp2-interleaved"),  # 4 micro-batches per pass
+    pytest.param(2, 2, 1, "1f1b", True, id="tp2"),
+    pytest.param(2, 1, 1, "1f1b", True, id="dp2"),
+    pytest.param(4, 1, 2, "1f1b", True, id="pp2xdp2"),
+    pytest.param(2, 1, 2, "1f1b", False, id="pp2-aux-off"),
 ])
-def test_eval_loss_pools_aux_per_eval_batch_as_hf(tp: int, pp: int, schedule: str, aux: bool, moe_dirs: dict,
-                                                  tmp_path: Any) -> None:
+def test_eval_loss_pools_aux_per_eval_batch_as_hf(world: int, tp: int, pp: int, schedule: str, aux: bool,
+                                                  moe_dirs: dict, tmp_path: Any) -> None:
     model_dir = moe_dirs[aux]
     want = plain_eval(model_dir, str(tmp_path / "plain"))
     parts = hf_parts(model_dir)
@@ -124,8 +125,9 @@ def test_eval_loss_pools_aux_per_eval_batch_as_hf(tp: int, pp: int, schedule: st
         assert abs(parts["aux"] - parts["aux_micro"]) > 100 * RTOL * want, parts
     else:
         assert want == pytest.approx(parts["lm"], rel=RTOL)
-    got = run_ranks(_rank, 2, model_dir, str(tmp_path / "ds_mp"), ds_json(tp=tp, pp=pp, schedule=schedule), timeout=300)
-    assert got[0] == got[1]
+    got = run_ranks(_rank, world, model_dir, str(tmp_path / "ds_mp"), ds_json(tp=tp, pp=pp, schedule=schedule),
+                    timeout=300)
+    assert all(g == got[0] for g in got)
     assert got[0] == pytest.approx(want, rel=RTOL)
 
 

@@ -86,6 +86,10 @@ class EngineView(Protocol):
         """The last train/eval step's per-row loss values (``LossSpec.rows``), every DP replica's, on
         every rank (collective)."""
 
+    def step_carries(self) -> Optional[torch.Tensor]:
+        """The last eval step's per-micro-batch carries (a MoE's router sums, ``ds_mp.models.carry``),
+        ``(dp · M, size)``, every DP replica's, on every rank (collective); None without a carry."""
+
 
 class StageView(Protocol):
     """What a timetable's ``from_engine`` reads: the step's size and this rank's place."""

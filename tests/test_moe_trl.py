@@ -7,8 +7,8 @@ accumulation), TRL 1.16's SFTTrainer divides it by the accumulation steps; ds_mp
 engine's ``aux_reduction`` to match ("sum", "mean").  The runs are test_hf_trainer's (padded rows with
 masked prompts, AdamW with warm-up, clipping) and test_hf_sft's (ChatML, packing padding-free, assistant-only
 loss, SGD, clipping).  Compared: the logged losses (1e-5 relative: they hold the aux term as each trainer
-logs it), grad norms (1e-4) and the saved weights.  Not compared: the eval loss, which HF's model reports
-with ``coef · aux`` and ds_mp's evaluate reports without it (docs/models.md).
+logs it), grad norms (1e-4) and the saved weights.  Not compared here: the eval loss (its aux term pooled
+per eval batch as HF pools it: tests/test_moe_eval.py).
 """
 from __future__ import annotations
 

@@ -16,6 +16,18 @@ prints for the same documents (:func:`ds_mp.tools.evaluate.sft_nll`).  Under the
 ``loss.normalization = "micro_batch"`` a pass's L_p is DeepSpeed's mean of micro-batch means, and
 so the sum is weighted by target counts but not exactly per token.
 
+A mixture of experts with its aux loss on (``output_router_logits``, ``ds_mp.models.carry``) adds HF's
+term as HF's model adds it to the loss it returns in evaluation, pooled per forward — here per held-out
+micro-batch, the unit the launcher's training pools it over:
+
+    val_loss = (the per-target-token LM loss above) + Σ_mb n_mb · coef · aux(mb) / Σ_mb n_mb
+
+over the micro-batches mb holding n_mb > 0 rows of the split (HF's Trainer averages its eval batches'
+losses alike, each weighted by its rows).  The last pass's filler
+rows then carry an ``attention_mask`` of 0 (:attr:`HeldOutBatches.mask_filler`), so they pool into no
+micro-batch's router statistics; micro-batches of filler only pool nowhere.  The aux part comes from
+each eval step's carries (``engine.step_carries()``) summed per micro-batch (:class:`PooledAux`).
+
 The held-out split is the dataset's own (``--val-fraction``), or a records file named by
 ``data.val_path`` (encoded at start-up with the dataset's tokenizer, format and chat template),
 or none (``--val-fraction 0`` and no ``data.val_path``: no validation).
@@ -53,6 +65,23 @@ class HeldOutBatches:
         if max_passes > 0:
             self.num_rows = min(self.num_rows, max_passes * per)
         self.passes = math.ceil(self.num_rows / per)
+        self.mask_filler = False  # filler rows beside real ones as padding (attention_mask 0): a MoE's aux loss
+
+    def groups(self, dp_rank: int) -> list[int | None]:
+        """For each micro-batch replica ``dp_rank`` reads (all passes, in order): its first row if it
+        holds a row of the split, else None (filler only): the pooling of :class:`PooledAux`."""
+        out: list[int | None] = []
+        for p in range(self.passes):
+            for k in range(self.per_pass):
+                first = ((p * self.per_pass + k) * self.dp_size + dp_rank) * self.micro_batch
+                out.append(first if first < self.num_rows else None)
+        return out
+
+    def pooled_aux(self, carry: Any) -> "PooledAux":
+        """The aux term of ``carry`` pooled per micro-batch, each weighted by its rows of the split."""
+        groups = [self.groups(d) for d in range(self.dp_size)]
+        weights = {g: float(min(self.micro_batch, self.num_rows - g)) for gs in groups for g in gs if g is not None}
+        return PooledAux(carry, groups, weights)
 
     def __len__(self) -> int:
         """Micro-batches this rank reads in all passes."""
@@ -67,26 +96,79 @@ class HeldOutBatches:
                 batch = self.rows.batch(np.where(real, ids, 0), self.seq_len)
                 if not real.all():  # the last pass's filler rows: read as row 0, no target
                     batch[-1][torch.from_numpy(~real)] = IGNORE
+                    if self.mask_filler and real.any():
+                        batch = _masked(batch, torch.from_numpy(real))
                 yield batch
 
 
+def _masked(batch: Any, real: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``batch`` (``(ids, labels)`` or ``((ids, positions), labels)``) as a dict whose
+    ``attention_mask`` is 1 on the rows ``real`` and 0 on the others."""
+    inputs, labels = batch
+    ids, pos = inputs if isinstance(inputs, (tuple, list)) else (inputs, None)
+    out = {"input_ids": ids, "labels": labels, "attention_mask": real[:, None].expand_as(ids).long().contiguous()}
+    if pos is not None:
+        out["position_ids"] = pos
+    return out
+
+
+class PooledAux:
+    """A MoE's aux term pooled per group of eval micro-batches: ``groups[d][j]`` names the group of
+    replica d's j-th micro-batch (over every eval step, in order; None: it pools nowhere).  Each group's
+    carries are summed (the carry's sums are linear, ``ds_mp.models.carry``), and :meth:`value` is the
+    mean over groups of ``carry.loss(Σ carries)`` = ``coef · E · Σ_e (C_e / R)(S_e / R)``, each group
+    weighted by ``weights[group]`` (its rows, as HF's ``evaluation_loop`` weights its batches)."""
+
+    def __init__(self, carry: Any, groups: list[list[Any]], weights: dict[Any, float]) -> None:
+        self.carry, self.groups, self.weights = carry, groups, weights
+        self.sums: dict[Any, torch.Tensor] = {}
+        self.read = 0  # micro-batches per replica read so far
+
+    def add(self, carries: torch.Tensor) -> None:
+        """One eval step's ``engine.step_carries()`` (``(dp · M, size)``, replica-major)."""
+        n = carries.shape[0] // len(self.groups)
+        for d, groups in enumerate(self.groups):
+            for i in range(n):
+                j = self.read + i
+                g = groups[j] if j < len(groups) else None
+                if g is not None:
+                    c = carries[d * n + i].double().cpu()
+                    self.sums[g] = self.sums[g] + c if g in self.sums else c
+        self.read += n
+
+    def value(self) -> float:
+        """The weighted mean over groups of their pooled ``coef · aux`` (0 without a group)."""
+        if not self.sums:
+            return 0.0
+        total = sum(self.weights[g] for g in self.sums)
+        return sum(self.weights[g] * float(self.carry.loss(c)) for g, c in self.sums.items()) / total
+
+
 def held_out_loss(engine: EngineView, batches: HeldOutBatches) -> float:
-    """The per-target-token loss over ``batches`` (module docstring); collective like
-    ``engine.eval_batch``, every rank returns the same value."""
-    return pass_weighted_loss(engine, iter(batches), batches.passes, batches.per_pass)
+    """The per-target-token loss over ``batches``, plus a MoE's aux term per micro-batch (module
+    docstring); collective like ``engine.eval_batch``, every rank returns the same value."""
+    carry = getattr(engine.module, "carry", None)
+    batches.mask_filler = carry is not None
+    pool = None if carry is None else batches.pooled_aux(carry)
+    return pass_weighted_loss(engine, iter(batches), batches.passes, batches.per_pass, pool)
 
 
-def pass_weighted_loss(engine: EngineView, micro_batches: Iterator[Any], passes: int, per_pass: int) -> float:
+def pass_weighted_loss(engine: EngineView, micro_batches: Iterator[Any], passes: int, per_pass: int,
+                       aux: PooledAux | None = None) -> float:
     """Σ_p L_p · N_p / Σ_p N_p over ``passes`` ``eval_batch`` calls of ``per_pass`` micro-batches each
-    from ``micro_batches`` (this rank's, in order; a pass's L_p is its per-target-token loss over
+    from ``micro_batches`` (this rank's, in order; a pass's L_p is its per-target-token LM loss over
     every replica, N_p its target count): the per-target-token loss of everything read, NaN without
-    a target.  Collective like ``engine.eval_batch``."""
+    a target; with ``aux``, each pass's carries go to it and its :meth:`PooledAux.value` is added.
+    Collective like ``engine.eval_batch``."""
     total = count = 0.0
     for _ in range(passes):
         loss = float(engine.eval_batch(micro_batches, num_micro_batches=per_pass))
         n = int(engine.step_info.count)
         total, count = total + loss * n, count + n
-    return total / count if count else math.nan
+        if aux is not None:
+            aux.add(engine.step_carries())
+    lm = total / count if count else math.nan
+    return lm if aux is None else lm + aux.value()
 
 
 def records_split(path: str, info: Any) -> SftDataset:

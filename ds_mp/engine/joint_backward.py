@@ -57,13 +57,14 @@ def checked_reduction(how: str) -> str:
     return how
 
 
-def carry_step(module: Any, micro_batches: int, how: str) -> None:
+def carry_step(module: Any, micro_batches: int, how: str, training: bool = True) -> None:
     """Before a step of ``micro_batches`` (M · g: every replica's): the carry's loss weight on the stage's
     ``Ctx`` (``models.carry.CarriedLoss``): 1 for "mean", M · g for "sum" (undoing DeepSpeed's 1/M and its
-    mean over the g gradient replicas)."""
+    mean over the g gradient replicas); 0 in an eval step (``training`` False: its loss is the LM part, the
+    carries are recorded for ``engine.step_carries()``, ``ds_mp.engine.rows``)."""
     ctx = getattr(module, "ds_mp_ctx", None)
     if ctx is not None:
-        ctx.carry_weight = float(micro_batches) if how == "sum" else 1.0
+        ctx.carry_weight = 0.0 if not training else float(micro_batches) if how == "sum" else 1.0
 
 
 __all__ = ["JointBackward", "joint_backward", "checked_reduction", "carry_step"]

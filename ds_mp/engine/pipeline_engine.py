@@ -198,8 +198,8 @@ class DsMpPipelineEngine(GradientSteps, LayoutFreeCheckpoints, PipelineEngineAda
         if training and self.stage_id in self.data_stages():  # the iterator this and later steps read
             source = self.ds_mp_source = batch_source(data_iter, self.ds_mp_source, self.data_iterator, self.ds_mp_fed)
         fed, self.step_info = prepare_step(self, source, n)
-        rows.start(self)
-        carry_step(self.module, n * self.topology.grad_size, self.aux_reduction)
+        rows.start(self, training)
+        carry_step(self.module, n * self.topology.grad_size, self.aux_reduction, training)
         if fed is not None:
             self.ds_mp_fed = fed
         if self.num_stages > 1 and not self.module.dynamic_shape:
@@ -228,6 +228,11 @@ class DsMpPipelineEngine(GradientSteps, LayoutFreeCheckpoints, PipelineEngineAda
     def step_rows(self) -> dict[str, torch.Tensor]:
         """The last step's per-row loss values, every DP replica's, on every rank (collective)."""
         return rows.step_rows(self)
+
+    def step_carries(self) -> torch.Tensor | None:
+        """The last eval step's per-micro-batch carries (a MoE's router sums), every DP replica's, on every
+        rank (collective); None without a carry."""
+        return rows.step_carries(self)
 
     def micro_layout(self, buffer_id: int, forward: bool = False) -> Any:
         """Context: the model attends with the layout of the micro-batch in ``buffer_id``

@@ -17,7 +17,8 @@ Where it plugs into the Trainer (transformers 5.2x), and nowhere else:
 * ``_clip_grad_norm`` / ``_get_grad_norm`` / ``_get_learning_rate``: the engine's pre-clip global
   norm and the LR the step used.
 * ``evaluate``: per-target-token loss over the whole eval set through ``engine.eval_batch``, read
-  ``per_device_eval_batch_size`` rows per eval step (``on_prediction_step`` per step).
+  ``per_device_eval_batch_size`` rows per eval step (``on_prediction_step`` per step); a MoE's aux term
+  pooled per eval step, as HF's model pools it (``_ds_mp_eval_loss``).
 * ``save_model``: an HF directory (``from_pretrained`` loads it) + the tokenizer;
   ``_save_optimizer_and_scheduler``: ds_mp's layout-free checkpoint (``<checkpoint>/ds_mp``, with
   the scheduler); ``train(resume_from_checkpoint=...)`` loads it at any layout.
@@ -229,7 +230,8 @@ class PipelineTrainerMixin:
     # --- evaluation ---------------------------------------------------------------------
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
         """``{prefix}_loss``: Σ token losses / Σ targets over the whole eval set (every DP replica
-        reads its share, every schedule), plus the Trainer's speed metrics."""
+        reads its share, every schedule), plus, for a MoE with its aux loss on, the mean over eval steps of
+        HF's ``coef · aux`` of each (:meth:`_ds_mp_eval_loss`); and the Trainer's speed metrics."""
         from transformers.trainer_utils import speed_metrics
 
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
@@ -251,16 +253,21 @@ class PipelineTrainerMixin:
         return metrics
 
     def _ds_mp_eval_loss(self, dataset: Any) -> tuple[float, int]:
-        """(per-token loss, eval steps of this replica).  As the Trainer reads it, an eval step is
+        """(eval loss, eval steps of this replica).  As the Trainer reads it, an eval step is
         ``per_device_eval_batch_size`` rows; eval step i (in order) goes to DP rank i mod DP and is cut
         into micro-batches of ``per_device_train_batch_size`` rows (the pipeline's fixed shape),
         each collated on its own; each pass evaluates GA micro-batches per replica; passes are
-        weighted by their global target counts (``data/validation.py``'s held-out loss).  ``on_prediction_step`` fires once per eval step."""
+        weighted by their global target counts (``data/validation.py``'s held-out loss): the LM part
+        per target token.  A MoE with its aux loss on adds HF's term pooled per eval step, as HF's model
+        pools it over the batch it is given: the carries of eval step i's micro-batches summed, then
+        ``coef · aux``, averaged over the eval steps as the Trainer's ``evaluation_loop`` averages its
+        per-batch losses (each weighted by its rows).  ``on_prediction_step`` fires once per eval step."""
         from torch.utils.data import DataLoader
 
-        from ds_mp.data.validation import pass_weighted_loss
+        from ds_mp.data.validation import PooledAux, pass_weighted_loss
 
         engine, topo = self.ds_mp_engine, self.ds_mp_topology
+        carry = getattr(engine.module, "carry", None)
         collator = self.data_collator
         try:
             import datasets
@@ -276,9 +283,11 @@ class PipelineTrainerMixin:
         loader = DataLoader(dataset, batch_size=per_step, shuffle=False,
                             collate_fn=lambda feats: [collator(feats[i:i + rows]) for i in range(0, len(feats), rows)])
         sizes = [min(per_step, len(dataset) - i * per_step) for i in range(len(loader))]
-        micro = [sum(-(-b // rows) for b in sizes[d::topo.dp]) for d in range(topo.dp)]
+        groups = [[i for i in range(d, len(sizes), topo.dp) for _ in range(-(-sizes[i] // rows))] for d in range(topo.dp)]
         mine, template = [], None
         for i, chunks in enumerate(loader):  # every replica collates all (a replica may own no eval step)
+            if carry is not None:  # HF pools the tokens its mask keeps: the rows' padding to seq_len is masked
+                chunks = [_with_mask(c) for c in chunks]
             fixed = [fixed_rows({k: v.to(engine.device) for k, v in c.items()}, rows, seq) for c in chunks]
             template = fixed[0] if template is None else template
             if i % topo.dp == topo.dp_rank:
@@ -287,9 +296,10 @@ class PipelineTrainerMixin:
         if template is None:
             raise ValueError("evaluate: the eval set is empty; pass an eval_dataset with rows")
         n = engine.micro_batches
-        passes = -(-max(micro) // n)  # the replica that reads the most micro-batches sets the passes
+        passes = -(-max(len(g) for g in groups) // n)  # the replica that reads the most micro-batches sets the passes
         mine += [empty_rows(template) for _ in range(passes * n - len(mine))]
-        return pass_weighted_loss(engine, iter(mine), passes, n), len(sizes[topo.dp_rank::topo.dp])
+        aux = None if carry is None else PooledAux(carry, groups, {i: float(b) for i, b in enumerate(sizes)})
+        return pass_weighted_loss(engine, iter(mine), passes, n, aux), len(sizes[topo.dp_rank::topo.dp])
 
     def predict(self, *a: Any, **kw: Any) -> Any:
         raise NotImplementedError("predict: ds_mp.hf evaluates the loss only (evaluate()); export with save_model() "
@@ -349,6 +359,14 @@ class PipelineTrainerMixin:
                               "checkpoint); pass a checkpoint-N directory written by ds_mp.hf")
         state = ds_mp.load_checkpoint(self.ds_mp_engine, checkpoint, CHECKPOINT_TAG)
         load_states(rng_parts(self.ds_mp_topology), state)
+
+
+def _with_mask(batch: dict) -> dict:
+    """``batch`` with an ``attention_mask`` of ones where it has none: HF, given no mask, pools every token
+    of the batch it is given into a MoE's aux loss; ds_mp's fixed rows then mask their own padding."""
+    if "attention_mask" in batch:
+        return batch
+    return {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
 
 
 __all__ = ["PipelineTrainerMixin", "StepBatch", "CHECKPOINT_TAG"]

@@ -18,7 +18,11 @@ per micro-batch, ``[S (E) | C (E) | R (1)]`` (:class:`RouterCarry`), that
   coef · E · C / R² reaches each stage's routers through the p2p backward, as the hidden state's);
 * crosses activation-checkpoint segments as an explicit input and output (:func:`carrying_checkpoint`),
   so a recomputed segment rebuilds the carry's graph too;
-* the last stage turns into the loss term (:class:`CarriedLoss`: ``weight · coef · aux``).
+* the last stage turns into the loss term (:class:`CarriedLoss`: ``weight · coef · aux``); in an eval
+  step the weight is 0 (``eval_batch`` returns the LM part) and the last stage records each micro-batch's
+  carry instead (``CarriedLoss.carried``), which ``engine.step_carries()`` hands to every rank: the sums
+  are linear, so a caller pools several micro-batches (an HF eval batch cut into the pipeline's rows) by
+  adding their carries before :meth:`Carry.loss` (``ds_mp.hf``'s ``evaluate``, the launcher's validation).
 
 The counts and rows are detached where the loss reads them (they carry no gradient, as in HF).
 Nothing here names a family: :func:`carry_for` reads HF's own config keys (``output_router_logits``,
@@ -152,15 +156,23 @@ class CarriedLoss(BoundLoss):
     mean).  With M · g (``"sum"``) it holds their *sum*: HF's Trainer with ``num_items_in_batch``, which
     adds each forward's ``coef · aux`` whole, neither divided by the accumulation nor averaged over
     processes (it multiplies the loss by the process count before DDP's mean).  The LM part is the
-    loss spec's, unchanged."""
+    loss spec's, unchanged.
+
+    ``carried``: while a list (the engine's eval steps, ``ds_mp.engine.rows.start``), each call appends
+    its micro-batch's carry, detached fp32 ``(size,)``; None: nothing recorded."""
 
     def __init__(self, spec: LossSpec, ctx: Any, carry: Carry) -> None:
         super().__init__(spec, ctx)
         self.carry = carry
+        self.carried: list[torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, labels: Any) -> torch.Tensor:
         loss = super().__call__(logits, labels)
         if self.ctx.carry is None:
+            return loss
+        if self.carried is not None:
+            self.carried.append(self.ctx.carry.detach().float().clone())
+        if self.ctx.carry_weight == 0.0:
             return loss
         return loss + self.ctx.carry_weight * self.carry.loss(self.ctx.carry).to(loss.dtype)
 

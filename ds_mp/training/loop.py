@@ -24,7 +24,8 @@ Metrics (per log interval):
   bubble     = 1 − (forward + backward time) / step time on this rank (pipeline idle share)
   peak_mem   = peak resident memory of this rank (CPU) or peak allocated (GPU), MiB
   val_loss   = loss per target token over the whole held-out split (or its first training.eval_batches
-               passes; data.val_path names a held-out records file): ds_mp.data.validation
+               passes; data.val_path names a held-out records file), plus a MoE's aux term per micro-batch
+               as HF's model adds it: ds_mp.data.validation
   val_ppl    = exp(val_loss)
   epoch      = samples consumed / rows per epoch after the step (ds_mp.training.epochs)
   noise_scale = EMA-smoothed gradient noise scale B_simple in samples (ds_mp.training.metrics),

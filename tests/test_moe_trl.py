@@ -71,3 +71,46 @@ def test_sft_trainer_with_aux_loss_equals_plain_trl(tmp_path: Any, model_type: s
     assert want.keys() == got.keys()  # (TRL saves the Hub's per-expert keys, ds_mp the fused tensors: both load)
     worst = max(float((got[k] - v).abs().max()) for k, v in want.items())
     assert worst <= 1e-5, worst
+
+
+def _collate_no_mask(batch: list[dict]) -> dict[str, torch.Tensor]:
+    """test_hf_trainer's collator without the ``attention_mask``: HF then pools every token it is given
+    (the batch's own right padding too) into the aux loss, and none of ds_mp's padding to seq_len."""
+    from test_hf_trainer import collate
+
+    out = collate(batch)
+    del out["attention_mask"]
+    return out
+
+
+def _no_mask_run(rank: int, model_dir: str, out: str, ds: dict | None) -> list[dict]:
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from test_hf_trainer import _logs, rows, training_args
+
+    if ds is None:  # the oracle: the plain Trainer on one process
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        model.loss_type = "ForCausalLM"
+    else:
+        from ds_mp.hf import Trainer  # type: ignore[no-redef]
+
+        model = model_dir
+    trainer = Trainer(model=model, args=training_args(out, ds, max_steps=3), train_dataset=rows(12),
+                      data_collator=_collate_no_mask)
+    trainer.train()
+    return _logs(trainer.state)
+
+
+def test_trainer_aux_loss_without_attention_mask_counts_no_seq_len_padding(tmp_path: Any) -> None:
+    """A collator without an ``attention_mask`` (rows shorter than ds_mp's ``seq_len``): the aux term counts
+    the tokens HF's model is given, not ds_mp's padding to ``seq_len`` (which it did before the fix)."""
+    from test_hf_trainer import ds_json
+
+    model_dir = str(tmp_path / "model")
+    tiny_moe4(vocab=203).save_pretrained(model_dir)
+    ref = run_ranks(_no_mask_run, 1, model_dir, str(tmp_path / "plain"), None, timeout=600)[0]
+    got = run_ranks(_no_mask_run, 2, model_dir, str(tmp_path / "ds_mp"), ds_json(pp=2), timeout=600)[0]
+    assert len(got) == len(ref) == 3
+    for g, r in zip(got, ref):
+        assert g["loss"] == pytest.approx(r["loss"], rel=1e-5), (g, r)
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), (g, r)

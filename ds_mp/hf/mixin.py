@@ -169,6 +169,10 @@ class PipelineTrainerMixin:
         dicts of ``(per_device_train_batch_size, ds_mp.data.seq_len)`` tensors (HF keys).  Override
         to re-form another collator's batches (TRL's padding-free rows: ``ds_mp.hf.SFTTrainer``)."""
         engine = self.ds_mp_engine
+        if getattr(engine.module, "carry", None) is not None:
+            # HF pools every token it is given into a MoE's aux loss (all of them, without a mask): a mask of
+            # ones keeps those and masks out only ds_mp's own padding to seq_len
+            batches = [_with_mask(b) for b in batches]
         return step_rows(batches, engine.micro_batches, engine.train_micro_batch_size_per_gpu(),
                          engine.ds_mp_config.data.seq_len)
 

@@ -7,8 +7,8 @@ accumulation), TRL 1.16's SFTTrainer divides it by the accumulation steps; ds_mp
 engine's ``aux_reduction`` to match ("sum", "mean").  The runs are test_hf_trainer's (padded rows with
 masked prompts, AdamW with warm-up, clipping) and test_hf_sft's (ChatML, packing padding-free, assistant-only
 loss, SGD, clipping).  Compared: the logged losses (1e-5 relative: they hold the aux term as each trainer
-logs it), grad norms (1e-4) and the saved weights.  Not compared here: the eval loss (its aux term pooled
-per eval batch as HF pools it: tests/test_moe_eval.py).
+logs it), grad norms (1e-4), the saved weights, and the SFTTrainer's eval loss with its aux term over one
+eval batch (several eval batches, each pooled as HF pools it, at every layout: tests/test_moe_eval.py).
 """
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ def test_sft_trainer_with_aux_loss_equals_plain_trl(tmp_path: Any, model_type: s
                     timeout=900)[0]
     assert len(res["losses"]) == len(ref["losses"]) == 5
     assert res["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert len(res["eval"]) == len(ref["eval"]) == 1  # one eval batch: HF's per-batch mean is per token
+    assert res["eval"] == pytest.approx(ref["eval"], rel=1e-5)  # the aux term pooled over the eval batch
     want, got = (AutoModelForCausalLM.from_pretrained(str(tmp_path / d)).state_dict() for d in ("plain", "ds_mp"))
     assert want.keys() == got.keys()  # (TRL saves the Hub's per-expert keys, ds_mp the fused tensors: both load)
     worst = max(float((got[k] - v).abs().max()) for k, v in want.items())

@@ -4,7 +4,8 @@ per-expert keys) with HF's aux loss on, at TP = 2 with ``whole`` experts on 2 ra
 (training and evaluation) of the same JSON at TP = 1 on one process, and its exported model loads in
 ``from_pretrained`` and generates.  Exactness of each layout against HF's model is tests/test_moe.py's
 and tests/test_moe_pp_models.py's; this checks the launcher's path (config, weight reading, the aux
-loss in the logged loss, export) end to end."""
+loss in the logged loss, export) end to end; PP = 2 (the aux loss's router sums crossing the stages) logs the
+same losses too."""
 from __future__ import annotations
 
 import os
@@ -35,36 +36,38 @@ def _moe_dir(tmp: str, data: str, aux: bool = True) -> str:
     return path
 
 
-def _config(out: str, tp: int) -> dict[str, Any]:
+def _config(out: str, tp: int, pp: int = 1) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
             "gradient_clipping": 1.0, "steps_per_print": 10**6,
-            "ds_mp": {"tensor_parallel": {"size": tp}, "pipeline": {"stages": 1},
+            "ds_mp": {"tensor_parallel": {"size": tp}, "pipeline": {"stages": pp},
                       "moe": {"expert_layout": "whole"}, "data": {"seq_len": 32},
                       "training": {"steps": 3, "log_interval": 1, "eval_interval": 3, "eval_batches": 1,
                                    "checkpoint_interval": 0, "output_dir": out}}}
 
 
-def test_launcher_finetunes_qwen3_moe_at_tp2_as_at_tp1(tmp_path: Any) -> None:
+def test_launcher_finetunes_qwen3_moe_at_tp2_and_pp2_as_at_tp1(tmp_path: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     tmp = str(tmp_path)
     data = tiny_dataset(tmp)
     model = _moe_dir(tmp, data)
     logs = {}
-    for name, tp, path in (("tp1", 1, model), ("tp2", 2, model), ("no_aux", 1, _moe_dir(tmp, data, aux=False))):
+    for name, tp, pp, path in (("tp1", 1, 1, model), ("tp2", 2, 1, model), ("pp2", 1, 2, model),
+                               ("no_aux", 1, 1, _moe_dir(tmp, data, aux=False))):
         out = os.path.join(tmp, name)
         os.makedirs(out)
-        train_in_process(out, _config(out, tp), n=tp, args=("--model", path, "--data", data), timeout=400)
+        train_in_process(out, _config(out, tp, pp), n=tp * pp, args=("--model", path, "--data", data), timeout=400)
         logs[name] = read_log(out)
     assert len(logs["tp1"]) == 3 and logs["tp1"][-1].get("val_loss"), logs["tp1"]
     # the same weights without output_router_logits: the logged loss lacks the aux term (0.1 × aux > 0)
     assert float(logs["tp1"][0]["loss"]) - float(logs["no_aux"][0]["loss"]) > 1e-3, logs
     for key in ("loss", "val_loss"):
         one = [float(r[key]) for r in logs["tp1"] if r.get(key)]
-        two = [float(r[key]) for r in logs["tp2"] if r.get(key)]
-        assert one and len(one) == len(two), (key, logs)
-        assert all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(one, two)), (key, one, two)
+        for other in ("tp2", "pp2"):  # PP2: the aux loss's router sums cross the stage boundary (the carry)
+            two = [float(r[key]) for r in logs[other] if r.get(key)]
+            assert one and len(one) == len(two), (key, other, logs)
+            assert all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(one, two)), (key, other, one, two)
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "tp2", "hf"))
     assert type(exported).__name__ == "Qwen3MoeForCausalLM"
     ids = torch.tensor([[1, 2, 3]])

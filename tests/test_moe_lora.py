@@ -112,3 +112,42 @@ def test_expert_lora_trains_as_peft(name: str) -> None:
             assert not torch.equal(w, base[n]), n  # every factor trained
         else:
             assert torch.equal(got[n], base[n]), (name, n)  # the base frozen
+
+
+# --- the adapter and the merged export -------------------------------------------------------------------
+def _export_rank(rank: int, model: Any, data: list, cfg: dict, out: str) -> dict:
+    from test_lora import train_and_export_lora
+
+    return train_and_export_lora(model, cfg, data, out)
+
+
+@pytest.mark.parametrize("tp, layout, targets", [(2, "split", EXPERTS), (1, "whole", ["down_proj"])],
+                         ids=["tp2_split", "tp1_down_only"])
+def test_adapter_and_merged_export(tp: int, layout: str, targets: list, tmp_path: Any) -> None:
+    """``save_lora``'s adapter loads in ``PeftModel.from_pretrained`` (PEFT nests one ParamWrapper per targeted
+    tensor: with both, gate_up's is ``experts.base_layer``; alone, each is ``experts``) with the trained
+    PeftModel's logits; the merged export loads in ``from_pretrained`` with them too, and generates."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model, data = peft_moe(aux=True, targets=targets), steps(2)
+    want_losses, _, trained, _ = hf_oracle(model, data)
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(trained, strict=False)
+    cfg = ds_config(tp=tp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, lora=lora_block(targets),
+                    moe={"expert_layout": layout})
+    got = run_ranks(_export_rank, tp, model, data, cfg, str(tmp_path), timeout=600)
+    assert all(r["frozen_grads"] == [] and r["frozen_in_opt"] == [] for r in got)
+    assert got[0]["losses"] == pytest.approx(want_losses, rel=RTOL)
+    assert json.load(open(tmp_path / "adapter" / "adapter_config.json"))["target_parameters"] == targets
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ref.eval()(input_ids=ids).logits
+        assert float((tiny_moe()(input_ids=ids).logits - want).abs().max()) > 1e-3  # the adapter matters
+        loaded = PeftModel.from_pretrained(tiny_moe(), str(tmp_path / "adapter")).eval()
+        assert float((loaded(input_ids=ids).logits - want).abs().max()) < 1e-4
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+        assert float((merged(input_ids=ids).logits - want).abs().max()) < 1e-4
+    assert merged.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)

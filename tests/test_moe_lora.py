@@ -151,3 +151,51 @@ def test_adapter_and_merged_export(tp: int, layout: str, targets: list, tmp_path
         merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
         assert float((merged(input_ids=ids).logits - want).abs().max()) < 1e-4
     assert merged.generate(ids[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
+# --- a training checkpoint resumed at another layout -------------------------------------------------------
+def peft_momentum_oracle(model: Any, data: list) -> list[float]:
+    """``test_moe_pp_models.hf_oracle``'s steps with SGD momentum 0.9 (the optimizer state crosses the
+    checkpoints too): the uninterrupted run's losses."""
+    from helpers import targets
+    from test_moe_pp_models import COEF, hf_micro_batch
+
+    model = copy.deepcopy(model).train()
+    opt, losses = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), []
+    for mbs in data:
+        opt.zero_grad()
+        count, total = sum(targets(mb["labels"]) for mb in mbs), 0.0
+        for mb in mbs:
+            lm, aux, _ = hf_micro_batch(model, mb, [])
+            loss = lm * (targets(mb["labels"]) / count) + COEF * aux / len(mbs)
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+def _resume_rank(rank: int, model: Any, tp: int, layout: str, data: list, root: str, load: bool) -> list[float]:
+    import ds_mp
+    from ds_mp.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = ds_config(tp=tp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, lora=lora_block(), moe={"expert_layout": layout})
+    cfg["optimizer"]["params"]["momentum"] = 0.9
+    engine, *_ = ds_mp.initialize(model=model, config=cfg)
+    if load:
+        load_checkpoint(engine, root)
+    losses = [float(engine.train_batch(iter(mbs))) for mbs in data]
+    save_checkpoint(engine, root, f"{layout}{tp}")
+    return losses
+
+
+def test_resume_at_another_layout(tmp_path: Any) -> None:
+    """One SGD-momentum step at TP2 ``whole``, checkpoint; resumed at TP2 ``split`` (the factors and their
+    momenta re-cut: B of gate_up by rows, A of down by columns, the others whole), one step, checkpoint;
+    resumed at TP1, one step: PEFT's uninterrupted losses."""
+    model, data, root = peft_moe(), steps(2, n=3), str(tmp_path / "ckpt")
+    want = peft_momentum_oracle(model, data)
+    for i, (tp, layout) in enumerate([(2, "whole"), (2, "split"), (1, "whole")]):
+        got = run_ranks(_resume_rank, tp, model, tp, layout, data[i:i + 1], root, i > 0, timeout=600)[0]
+        assert got == pytest.approx(want[i:i + 1], rel=RTOL), (tp, layout)

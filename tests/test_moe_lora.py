@@ -199,3 +199,75 @@ def test_resume_at_another_layout(tmp_path: Any) -> None:
     for i, (tp, layout) in enumerate([(2, "whole"), (2, "split"), (1, "whole")]):
         got = run_ranks(_resume_rank, tp, model, tp, layout, data[i:i + 1], root, i > 0, timeout=600)[0]
         assert got == pytest.approx(want[i:i + 1], rel=RTOL), (tp, layout)
+
+
+# --- refusals -----------------------------------------------------------------------------------------------
+def test_refused_in_one_line() -> None:
+    """LoRA dropout with ``target_parameters`` (PEFT's ParamWrapper refuses it: the update is folded into
+    W_e), a name that is not a fused expert tensor, ``target_parameters`` on a dense family; from a PEFT
+    ``LoraConfig`` (the SFTTrainer's ``peft_config``) the same dropout and DoRA, before any model is built."""
+    from peft import LoraConfig
+
+    from ds_mp.config import ConfigError, load_config
+    from ds_mp.hf.lora import lora_block as peft_block
+    from helpers import tiny_qwen3
+
+    def refused(match: str, lora: dict, hf: Any = None) -> None:
+        with pytest.raises(ConfigError, match=match) as e:
+            load_config(ds_config(lora=lora), 1, (hf or tiny_moe()).config.to_dict())
+        assert "\n" not in str(e.value)
+
+    refused(r"^ds_mp.lora.dropout: 0.1 with target_parameters .*set dropout to 0", {**lora_block(), "dropout": 0.1})
+    refused(r"^ds_mp.lora.target_parameters: \['mlp.gate.weight'\] not qwen3_moe fused parameter names; choose from",
+            {**lora_block(), "target_parameters": ["mlp.gate.weight"]})
+    refused(r"^ds_mp.lora.target_parameters: .* not qwen3 fused parameter names; it has none", lora_block(),
+            tiny_qwen3())
+    load_config(ds_config(lora={**lora_block(["gate_up_proj"]), "target_modules": []}), 1, tiny_moe().config.to_dict())
+    assert peft_block(LoraConfig(r=R, target_parameters=EXPERTS))["target_modules"] == []
+    for bad, match in [({"lora_dropout": 0.1}, r"lora_dropout=0.1 with target_parameters"),
+                       ({"use_dora": True}, r"use_dora=True")]:
+        with pytest.raises(ConfigError, match=r"^peft_config: " + match) as e:
+            peft_block(LoraConfig(r=R, target_modules=ATTENTION, target_parameters=EXPERTS, **bad))
+        assert "\n" not in str(e.value)
+
+
+# --- ds_mp.hf.Trainer given the PeftModel -------------------------------------------------------------------
+def _trainer_run(out: str, ds: dict | None) -> dict:
+    """3 SGD steps of the Trainer (test_hf_trainer's padded rows, clipping) on :func:`peft_moe` (aux loss on:
+    HF's Trainer adds each forward's coef · aux, ds_mp's engine matches it), then ``save_model``."""
+    import os
+
+    from transformers import Trainer as PlainTrainer
+
+    from ds_mp.hf import Trainer
+    from test_hf_peft import _lora_state
+    from test_hf_trainer import collate, rows, training_args
+
+    cls = PlainTrainer if ds is None else Trainer
+    trainer = cls(model=peft_moe(), args=training_args(out, ds, max_steps=3, optim="sgd", learning_rate=0.1),
+                  train_dataset=rows(24), data_collator=collate)
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "model": _lora_state(trainer.model),
+            "dir": os.path.join(out, "final")}
+
+
+def _trainer_rank(rank: int, out: str, ds: dict) -> dict:
+    return _trainer_run(out, ds)
+
+
+def test_trainer_trains_the_peft_models_expert_adapter(tmp_path: Any) -> None:
+    """``ds_mp.hf.Trainer(model=<PeftModel with target_parameters>)`` at TP2 ``split``: the plain Trainer's
+    losses, the adapter ``save_model`` writes equal to PEFT's own (its ParamWrapper names), and
+    ``trainer.model`` holding the trained factors over the unchanged base, on every rank."""
+    from test_hf_peft import _lora_state, _same_adapter
+    from test_hf_trainer import ds_json
+
+    initial = _lora_state(peft_moe())
+    ref = _trainer_run(str(tmp_path / "plain"), None)
+    got = run_ranks(_trainer_rank, 2, str(tmp_path / "ds_mp"), ds_json(tp=2, moe={"expert_layout": "split"}),
+                    timeout=900)
+    assert len(ref["losses"]) == 3 and got[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert any("experts.base_layer.lora_B" in k and not torch.equal(v, initial[k]) for k, v in ref["model"].items())
+    for res in got:
+        _same_adapter(res, ref, initial)

@@ -6,8 +6,8 @@ mlp.experts.down_proj])`` (PEFT's ``ParamWrapper``: ``W_e + s · B_e A_e`` per e
 drawn (PEFT inits B = 0, which leaves A's gradient zero in step 1), trained on one process with SGD and
 clipping (``test_moe_pp_models.hf_oracle``: padded rows with an attention mask, the aux loss as TRL's
 SFTTrainer weighs it, routing margins asserted).  ds_mp trains the same PeftModel (``ds_mp.lora`` with
-``target_parameters``) at TP1, TP2 ``whole``, TP2 ``split``, PP2 and TP2 × PP2: losses, pre-clip grad
-norms and every factor after 3 steps within 1e-5 relative, the base weights unchanged bit for bit, the
+``target_parameters``) at TP1, TP2 ``whole``, TP2 ``split``, PP2 and TP2 × PP2 (ZeRO-1 in two): losses,
+pre-clip grad norms and every factor after 3 steps within 1e-5 relative, the base weights unchanged bit for bit, the
 first micro-batch's routing as HF's.
 
 Checkpoints: the adapter ``save_lora`` writes loads in ``PeftModel.from_pretrained`` (with its
@@ -76,12 +76,12 @@ def ds_names(peft_model: Any, tensors: dict[str, torch.Tensor]) -> dict[str, tor
                                       if hasattr(m, "parameter_name")})
 
 
-CASES = {  # (TP, PP, expert layout, aux loss)
-    "tp1": (1, 1, "whole", True),
-    "tp2_whole": (2, 1, "whole", False),
-    "tp2_split": (2, 1, "split", True),
-    "pp2": (1, 2, "whole", True),
-    "tp2_pp2_split": (2, 2, "split", False),
+CASES = {  # (TP, PP, expert layout, aux loss, ZeRO stage)
+    "tp1": (1, 1, "whole", True, 0),
+    "tp2_whole_zero1": (2, 1, "whole", False, 1),
+    "tp2_split": (2, 1, "split", True, 0),
+    "pp2": (1, 2, "whole", True, 0),
+    "tp2_pp2_split_zero1": (2, 2, "split", False, 1),
 }
 
 
@@ -89,13 +89,13 @@ CASES = {  # (TP, PP, expert layout, aux loss)
 def test_expert_lora_trains_as_peft(name: str) -> None:
     from test_moe_pp_models import _rank
 
-    tp, pp, layout, aux = CASES[name]
+    tp, pp, layout, aux, zero = CASES[name]
     model = peft_moe(aux)
     data = steps(2)
     want_losses, want_norms, trained, want_routes = hf_oracle(model, data)
     want = ds_names(model, trained)
     base = ds_names(model, dict(model.named_parameters()))
-    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, lora=lora_block(),
+    cfg = ds_config(tp=tp, pp=pp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, lora=lora_block(), zero=zero,
                     moe={"expert_layout": layout})
     out = run_ranks(_rank, tp * pp, model, data, cfg, timeout=600)
     got, routes = {}, {}

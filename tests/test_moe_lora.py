@@ -7,14 +7,15 @@ drawn (PEFT inits B = 0, which leaves A's gradient zero in step 1), trained on o
 clipping (``test_moe_pp_models.hf_oracle``: padded rows with an attention mask, the aux loss as TRL's
 SFTTrainer weighs it, routing margins asserted).  ds_mp trains the same PeftModel (``ds_mp.lora`` with
 ``target_parameters``) at TP1, TP2 ``whole``, TP2 ``split``, PP2 and TP2 × PP2 (ZeRO-1 in two): losses,
-pre-clip grad norms and every factor after 3 steps within 1e-5 relative, the base weights unchanged bit for bit, the
-first micro-batch's routing as HF's.
+pre-clip grad norms and every factor after 3 steps within 1e-5 relative, the base weights unchanged bit
+for bit, the first micro-batch's routing as HF's.
 
 Checkpoints: the adapter ``save_lora`` writes loads in ``PeftModel.from_pretrained`` (with its
 ``target_parameters``) with the trained PeftModel's logits, and the merged export in ``from_pretrained``;
-a training checkpoint saved at TP2 ``whole`` resumes at TP2 ``split`` and at TP1 with the
-uninterrupted run's losses.  Refusals: LoRA dropout with ``target_parameters``, a name that is not a
-fused expert tensor, ``target_parameters`` on a dense family.
+a training checkpoint saved at TP2 ``whole`` resumes at TP2 ``split``, and that one at TP1, with PEFT's
+uninterrupted losses.  ``ds_mp.hf.Trainer`` given the PeftModel equals the plain Trainer.  Refusals:
+LoRA dropout with ``target_parameters``, a name that is not a fused expert tensor, ``target_parameters``
+on a dense family.
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def peft_moe(aux: bool = True, targets: list | None = None) -> Any:
 
 
 def lora_block(targets: list | None = None) -> dict:
-    return {"r": R, "alpha": ALPHA, "dropout": 0.0, "target_modules": ATTENTION, "target_parameters": targets or EXPERTS}
+    return {"r": R, "alpha": ALPHA, "dropout": 0.0, "target_modules": ATTENTION,
+            "target_parameters": targets or EXPERTS}
 
 
 def ds_names(peft_model: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -248,8 +250,8 @@ def _trainer_run(out: str, ds: dict | None) -> dict:
                   train_dataset=rows(24), data_collator=collate)
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
-    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "model": _lora_state(trainer.model),
-            "dir": os.path.join(out, "final")}
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "model": _lora_state(trainer.model), "dir": os.path.join(out, "final")}
 
 
 def _trainer_rank(rank: int, out: str, ds: dict) -> dict:

@@ -77,7 +77,8 @@ def expert_lora(src: WeightSource, prefix: str, part: str, index: int, ctx: Ctx)
         a = ((torch.rand(E * lo.r, n_in, generator=g) * 2 - 1) / math.sqrt(n_in)).reshape(E, lo.r, n_in)
         b = torch.zeros(E, n_out, lo.r)
     whole = ctx.expert_layout == "whole"
-    kinds = ("experts", "experts") if whole else (EXPERT_LORA_PLAN[part + ".lora_A"], EXPERT_LORA_PLAN[part + ".lora_B"])
+    kinds = (("experts", "experts") if whole
+             else (EXPERT_LORA_PLAN[part + ".lora_A"], EXPERT_LORA_PLAN[part + ".lora_B"]))
     return ExpertLoRA(a, b, kinds, ctx.tp_rank, ctx.tp, lo.alpha / lo.r)
 
 

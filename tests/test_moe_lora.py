@@ -36,14 +36,14 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ROUTER_SCALE = 30.0
 
 
-def tiny_moe(aux: bool = True, seed: int = 0) -> Any:
+def tiny_moe(aux: bool = True, seed: int = 0, vocab: int = VOCAB) -> Any:
     """3 layers (layer 1 dense: no expert factors there), 4 experts of width 32, top-2, hidden 64."""
     import transformers
 
     torch.manual_seed(seed)
     cfg = transformers.Qwen3MoeConfig(
         hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
         rms_norm_eps=1e-5, num_experts_per_tok=2, output_router_logits=aux, router_aux_loss_coef=0.3,
         intermediate_size=96, moe_intermediate_size=32, num_experts=4, decoder_sparse_step=1, mlp_only_layers=[1],
         norm_topk_prob=True)
@@ -273,3 +273,57 @@ def test_trainer_trains_the_peft_models_expert_adapter(tmp_path: Any) -> None:
     assert any("experts.base_layer.lora_B" in k and not torch.equal(v, initial[k]) for k, v in ref["model"].items())
     for res in got:
         _same_adapter(res, ref, initial)
+
+
+def _sft_run(out: str, model_dir: str, ds: dict | None) -> dict:
+    """3 SGD steps of TRL's SFT on raw chats (test_hf_peft's), the model named by path and
+    ``peft_config=LoraConfig(target_modules=attention, target_parameters=experts)``: PEFT wraps it as TRL does."""
+    import os
+
+    import trl
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    from ds_mp.hf import SFTTrainer
+    from test_hf_peft import SFT_ARGS, _lora_state
+    from test_hf_sft import trl_sft_script
+
+    cls = trl.SFTTrainer if ds is None else SFTTrainer
+    chats = Dataset.from_list(trl_sft_script().tiny_chats(40))
+    peft_config = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=ATTENTION,
+                             target_parameters=EXPERTS)
+    trainer = cls(model=model_dir, args=trl.SFTConfig(output_dir=out, deepspeed=ds, **SFT_ARGS),
+                  train_dataset=chats.select(range(32)), processing_class=AutoTokenizer.from_pretrained(model_dir),
+                  peft_config=peft_config)
+    initial = _lora_state(trainer.model)
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "model": _lora_state(trainer.model), "initial": initial, "dir": os.path.join(out, "final")}
+
+
+def _sft_rank(rank: int, *args: Any) -> dict:
+    return _sft_run(*args)
+
+
+def test_sft_trainer_with_expert_peft_config_equals_plain_trl(tmp_path: Any) -> None:
+    """``ds_mp.hf.SFTTrainer(model=<dir>, peft_config=LoraConfig(..., target_parameters=experts))`` at TP2
+    ``whole`` (aux loss on): TRL's initial factors, plain TRL's losses, adapter and ``trainer.model``."""
+    from test_hf_peft import _same_adapter
+    from test_hf_sft import trl_sft_script
+    from test_hf_trainer import ds_json
+
+    tokenizer = trl_sft_script().tiny_tokenizer()
+    model_dir = str(tmp_path / "model")
+    tiny_moe(vocab=len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    ref = _sft_run(str(tmp_path / "plain"), model_dir, None)
+    cfg = ds_json(tp=2)
+    del cfg["ds_mp"]["data"]  # seq_len from max_length, as TRL's scripts leave it
+    got = run_ranks(_sft_rank, 2, str(tmp_path / "ds_mp"), model_dir, cfg, timeout=900)
+    assert len(ref["losses"]) == 3 and got[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    for k, v in ref["initial"].items():
+        assert torch.equal(got[0]["initial"][k], v), k  # the same PEFT model (TRL's seed, TRL's load)
+    for res in got:
+        _same_adapter(res, ref, ref["initial"])

@@ -6,7 +6,8 @@ mlp.experts.down_proj])`` (PEFT's ``ParamWrapper``: ``W_e + s · B_e A_e`` per e
 drawn (PEFT inits B = 0, which leaves A's gradient zero in step 1), trained on one process with SGD and
 clipping (``test_moe_pp_models.hf_oracle``: padded rows with an attention mask, the aux loss as TRL's
 SFTTrainer weighs it, routing margins asserted).  ds_mp trains the same PeftModel (``ds_mp.lora`` with
-``target_parameters``) at TP1, TP2 ``whole``, TP2 ``split``, PP2 and TP2 × PP2 (ZeRO-1 in two): losses,
+``target_parameters``) at TP1, TP2 ``whole``, TP2 ``split``, PP2 and TP2 × PP2 (ZeRO-1 in two; and a
+Mixtral, every layer sparse, at TP2 ``split``): losses,
 pre-clip grad norms and every factor after 3 steps within 1e-5 relative, the base weights unchanged bit
 for bit, the first micro-batch's routing as HF's.
 
@@ -36,18 +37,23 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ROUTER_SCALE = 30.0
 
 
-def tiny_moe(aux: bool = True, seed: int = 0, vocab: int = VOCAB) -> Any:
-    """3 layers (layer 1 dense: no expert factors there), 4 experts of width 32, top-2, hidden 64."""
+def tiny_moe(aux: bool = True, seed: int = 0, vocab: int = VOCAB, model_type: str = "qwen3_moe") -> Any:
+    """3 layers, 4 experts of width 32, top-2, hidden 64 (Qwen3-MoE: layer 1 dense, no expert factors there;
+    Mixtral: every layer sparse, top-k always renormalised, fp32 routing weights)."""
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3MoeConfig(
-        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
-        rms_norm_eps=1e-5, num_experts_per_tok=2, output_router_logits=aux, router_aux_loss_coef=0.3,
-        intermediate_size=96, moe_intermediate_size=32, num_experts=4, decoder_sparse_step=1, mlp_only_layers=[1],
-        norm_topk_prob=True)
-    model = transformers.Qwen3MoeForCausalLM(cfg)
+    common = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0,
+                  eos_token_id=0, rms_norm_eps=1e-5, num_experts_per_tok=2, output_router_logits=aux,
+                  router_aux_loss_coef=0.3)
+    if model_type == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, intermediate_size=32,
+                                                                           num_local_experts=4))
+    else:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, intermediate_size=96, moe_intermediate_size=32, num_experts=4, decoder_sparse_step=1,
+            mlp_only_layers=[1], norm_topk_prob=True))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -55,14 +61,14 @@ def tiny_moe(aux: bool = True, seed: int = 0, vocab: int = VOCAB) -> Any:
     return model.eval()
 
 
-def peft_moe(aux: bool = True, targets: list | None = None) -> Any:
+def peft_moe(aux: bool = True, targets: list | None = None, model_type: str = "qwen3_moe") -> Any:
     from peft import LoraConfig, get_peft_model
 
     from helpers import randomise_lora_b
 
     cfg = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=ATTENTION,
                      target_parameters=targets or EXPERTS)
-    return randomise_lora_b(get_peft_model(tiny_moe(aux), cfg), 7)
+    return randomise_lora_b(get_peft_model(tiny_moe(aux, model_type=model_type), cfg), 7)
 
 
 def lora_block(targets: list | None = None) -> dict:
@@ -78,12 +84,13 @@ def ds_names(peft_model: Any, tensors: dict[str, torch.Tensor]) -> dict[str, tor
                                       if hasattr(m, "parameter_name")})
 
 
-CASES = {  # (TP, PP, expert layout, aux loss, ZeRO stage)
+CASES = {  # (TP, PP, expert layout, aux loss, ZeRO stage); Qwen3-MoE unless named
     "tp1": (1, 1, "whole", True, 0),
     "tp2_whole_zero1": (2, 1, "whole", False, 1),
     "tp2_split": (2, 1, "split", True, 0),
     "pp2": (1, 2, "whole", True, 0),
     "tp2_pp2_split_zero1": (2, 2, "split", False, 1),
+    "mixtral_tp2_split": (2, 1, "split", True, 0),
 }
 
 
@@ -92,7 +99,9 @@ def test_expert_lora_trains_as_peft(name: str) -> None:
     from test_moe_pp_models import _rank
 
     tp, pp, layout, aux, zero = CASES[name]
-    model = peft_moe(aux)
+    model_type = "mixtral" if name.startswith("mixtral") else "qwen3_moe"
+    model = peft_moe(aux, model_type=model_type)
+    sparse = [0, 1, 2] if model_type == "mixtral" else [0, 2]
     data = steps(2)
     want_losses, want_norms, trained, want_routes = hf_oracle(model, data)
     want = ds_names(model, trained)
@@ -106,7 +115,7 @@ def test_expert_lora_trains_as_peft(name: str) -> None:
         assert norms == pytest.approx(want_norms, rel=RTOL), name
         got.update(weights)
         routes.update(seen)
-    assert sorted(routes) == [0, 2] and all(torch.equal(routes[i], r) for i, r in zip((0, 2), want_routes)), name
+    assert sorted(routes) == sparse and all(torch.equal(routes[i], r) for i, r in zip(sparse, want_routes)), name
     assert set(got) == set(want), set(got) ^ set(want)
     for n, w in want.items():
         if ".lora_" in n:

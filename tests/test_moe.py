@@ -19,7 +19,8 @@ expert the 2nd and 3rd probabilities are both small and close although their log
   ``from_pretrained`` with the trained logits and generates; a TP2 ``whole`` training checkpoint resumes at
   TP1 and at TP2 ``split``;
 * LoRA on attention equals PEFT; the tables equal HF's state dicts; refusals in one line
-  (``router_jitter_noise``, E not divisible by TP for ``whole``, an unknown layout, LoRA on experts).
+  (``router_jitter_noise``, E not divisible by TP for ``whole``, an unknown layout, a dense MLP name in
+  ``lora.target_modules``; LoRA on the experts: tests/test_moe_lora.py).
 
 The HF oracle (:func:`hf_train`) weighs each micro-batch's aux loss as ds_mp's default ``aux_reduction``
 ("mean", TRL's): ``coef · aux / M`` per micro-batch.

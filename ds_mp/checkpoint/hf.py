@@ -28,7 +28,7 @@ from ds_mp.checkpoint.sharded import CheckpointError, ShardedReader, expected_sh
 from ds_mp.models.family import family_named, family_of, untied_as_hf_loads
 from ds_mp.models.pipeline import hf_param_name, is_tied_copy
 from ds_mp.models.weights import WeightSource
-from ds_mp.tensor_parallel.sharding import EXPERT_KINDS, read_shard, shard, unshard
+from ds_mp.tensor_parallel.sharding import EXPERT_KINDS, REPLICATED, read_shard, shard, unshard
 from ds_mp.engine_view import EngineView
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -327,7 +327,7 @@ def gather_stage(engine: EngineView, masters: dict[int, torch.Tensor] | None = N
         local, kind = (masters or {}).get(id(p), p).detach().float().contiguous(), pipe.family.tp_kind(name)
         if p.tp_kind in EXPERT_KINDS:  # cut by the run's expert layout (ds_mp.moe), which the plan cannot name
             kind = p.tp_kind
-        if topo.tp > 1 and kind != "replicated":
+        if topo.tp > 1 and kind not in REPLICATED:
             parts = [torch.empty_like(local) for _ in range(topo.tp)] if topo.tp_rank == 0 else None
             dist.gather(local, parts, dst=topo.peer(tp=0),
                         group=topo.tp_group)

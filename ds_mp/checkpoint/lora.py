@@ -11,6 +11,12 @@ LoRA factors included, gathered to global rank 0 by HF name; factors in the Conv
   ``PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), out)`` loads it.
 * merged (``merge=True``): an HF GPT-2 directory with ``W ← W + s · lora_A lora_B``
   (= W + s·(BA)ᵀ in the Conv1D layout), s = alpha / r, and no LoRA tensors.
+
+A mixture of experts' fused tensors (``target_parameters``) carry their factors per expert,
+``<tensor>.lora_A`` (E, r, in) and ``<tensor>.lora_B`` (E, out, r) (``ds_mp.models.moe.lora``): the
+adapter stores them as PEFT's ``ParamWrapper`` does (``….experts[.base_layer].lora_A.weight`` (r·E, in),
+``lora_B.weight`` (out, r·E)) and lists ``target_parameters`` in its config; the merge adds
+``s · B_e A_e`` to each expert's ``W_e``.
 """
 from __future__ import annotations
 
@@ -24,8 +30,16 @@ from ds_mp.atomic import atomic_dir
 from ds_mp.checkpoint.hf import full_state_dict, write_hf_dir, write_on_rank0
 from ds_mp.checkpoint.sharded import CheckpointError
 from ds_mp.engine_view import EngineView
+from ds_mp.models.family import family_of
+from ds_mp.models.weights import param_factors_to_peft, peft_wrapper_names
 
-__all__ = ["save_lora", "merge_lora", "peft_adapter_tensors", "adapter_config", "peft_version", "PEFT_TESTED"]
+__all__ = ["save_lora", "merge_lora", "peft_adapter_tensors", "hf_order", "adapter_config", "peft_version",
+           "PEFT_TESTED"]
+
+
+def hf_order(cfg: Any) -> list[str]:
+    """Every parameter of ``cfg``'s model by HF name, in HF order (the order PEFT nests ``ParamWrapper`` s in)."""
+    return list(family_of(cfg).param_shapes(cfg))
 
 
 def _factors(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -37,18 +51,33 @@ def merge_lora(tensors: dict[str, torch.Tensor], scaling: float,
                fan_in_fan_out: bool = True) -> dict[str, torch.Tensor]:
     """HF tensors with every LoRA update folded into its base weight: ``W + s · lora_A lora_B`` for a
     Conv1D-layout ``W`` (in, out), its transpose for an ``nn.Linear`` ``W`` (out, in;
-    ``fan_in_fan_out=False``, the Llama family)."""
+    ``fan_in_fan_out=False``, the Llama family); a fused expert tensor ``W`` (E, out, in) adapted per
+    expert (``target_parameters``, factors (E, r, in) and (E, out, r)): ``W_e + s · lora_B_e lora_A_e``."""
     out = {n: t for n, t in tensors.items() if ".lora_" not in n}
     for m in _factors(tensors):
-        delta = scaling * (tensors[m + ".lora_A"] @ tensors[m + ".lora_B"])
+        a, b = tensors[m + ".lora_A"], tensors[m + ".lora_B"]
+        if a.dim() == 3:  # PEFT's ParamWrapper: the factors are named after the parameter itself
+            out[m] = out[m] + scaling * torch.bmm(b, a)
+            continue
+        delta = scaling * (a @ b)
         out[m + ".weight"] = out[m + ".weight"] + (delta if fan_in_fan_out else delta.t())
     return out
 
 
-def peft_adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The LoRA factors under PEFT's saved names, in PEFT's (nn.Linear) orientation."""
-    out = {}
-    for m in _factors(tensors):
+def peft_adapter_tensors(tensors: dict[str, torch.Tensor], cfg: Any = None) -> dict[str, torch.Tensor]:
+    """The LoRA factors under PEFT's saved names, in PEFT's (nn.Linear) orientation; a fused expert
+    tensor's factors (3-D: ``target_parameters``) under the name of the ``ParamWrapper`` PEFT nests for it
+    (by ``cfg``'s HF parameter order, :func:`hf_order`; :func:`~ds_mp.models.weights.peft_wrapper_names`), as
+    PEFT's ``(r·E, in)`` and ``(out, r·E)`` weights."""
+    out, factors = {}, _factors(tensors)
+    params = [m for m in factors if tensors[m + ".lora_A"].dim() == 3]
+    wrappers = peft_wrapper_names(params, hf_order(cfg)) if params else {}
+    for m in factors:
+        if m in wrappers:
+            a, b = param_factors_to_peft(tensors[m + ".lora_A"], tensors[m + ".lora_B"])
+            out[f"base_model.model.{wrappers[m]}.lora_A.weight"] = a
+            out[f"base_model.model.{wrappers[m]}.lora_B.weight"] = b
+            continue
         for f in ("lora_A", "lora_B"):
             out[f"base_model.model.{m}.{f}.weight"] = tensors[f"{m}.{f}"].t().contiguous()
     return out
@@ -76,7 +105,8 @@ def adapter_config(lora: Any, base_model: str | None, fan_in_fan_out: bool = Tru
             "r": lora.r, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": list(lora.target_modules), "fan_in_fan_out": fan_in_fan_out, "bias": "none",
             "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
-            "peft_version": peft_version()}
+            "peft_version": peft_version(), **({"target_parameters": list(lora.target_parameters)}
+                                               if getattr(lora, "target_parameters", None) else {})}
 
 
 def save_lora(engine: EngineView, out_dir: str, merge: bool = False, tokenizer_dir: str | None = None,
@@ -97,7 +127,8 @@ def save_lora(engine: EngineView, out_dir: str, merge: bool = False, tokenizer_d
         from safetensors.torch import save_file
 
         with atomic_dir(out_dir, overwrite=True) as tmp:
-            save_file(peft_adapter_tensors(tensors), os.path.join(tmp, "adapter_model.safetensors"),
+            save_file(peft_adapter_tensors(tensors, engine.hf_config),
+                      os.path.join(tmp, "adapter_model.safetensors"),
                       metadata={"format": "pt"})
             with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
                 json.dump(adapter_config(lora, base_model, conv1d), f, indent=2)

@@ -32,7 +32,7 @@ import torch
 from ds_mp.models.family import Family, family_named, family_of
 from ds_mp.checkpoint.integrity import MANIFEST, CheckpointError, Manifest, warn_unverified, write_manifest
 from ds_mp.checkpoint.safetensors_io import SafetensorsRanges, open_safetensors, st_dtype, write_safetensors_streaming
-from ds_mp.tensor_parallel.sharding import EXPERT_KINDS, locate, read_shard, shard, shard_ranges, unshard
+from ds_mp.tensor_parallel.sharding import EXPERT_KINDS, REPLICATED, locate, read_shard, shard, shard_ranges, unshard
 
 FORMAT, VERSION = "ds_mp.sharded", 1
 META = "ds_mp_meta.json"
@@ -204,7 +204,7 @@ class ShardedReader:
                     | ({shard_file(self.path, "optim", s, k) for k in ranks} if state and self.state_keys.get(name) else set()))
         _, mine, _ = shard_ranges(kind, rank, size, full, n_head=n_head, padded_vocab=padded_vocab)
         saved = [shard_ranges(kind, k, self.tp, full, n_head=n_head, padded_vocab=self.meta["padded_vocab"])[1]
-                 for k in range(1 if kind == "replicated" else self.tp)]
+                 for k in range(1 if kind in REPLICATED else self.tp)]
         ranks = {k for k, ranges in enumerate(saved) if any(locate(lo, hi, ranges) for lo, hi in mine)}
         out = {shard_file(self.path, "model", s, k) for k in ranks}
         if state and self.state_keys.get(name):  # the state's slices, and TP rank 0's file (its extras)
@@ -269,7 +269,7 @@ class ShardedReader:
             shards = [self._open(prefix, s, k).get_tensor(key) for k in range(self.tp)]
             out.copy_(unshard(shards, self.kind(name)).narrow(dim, lo, hi - lo))
             return
-        for k in range(1 if kind == "replicated" else self.tp):
+        for k in range(1 if kind in REPLICATED else self.tp):
             _, ranges, _ = shard_ranges(kind, k, self.tp, full, n_head=n_head, padded_vocab=padded)
             for llo, lhi, glo in locate(lo, hi, ranges):
                 self._ranges(prefix, s, k).read(key, dim, llo, lhi, out.narrow(dim, glo - lo, lhi - llo))

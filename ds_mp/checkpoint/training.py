@@ -81,10 +81,13 @@ def _params(engine: EngineView) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def _lora_meta(engine: EngineView) -> dict | None:
-    """``{"r", "alpha", "target_modules"}`` of a LoRA engine (its factors are saved and resumed
-    like any parameter), None without LoRA."""
+    """``{"r", "alpha", "target_modules"}`` (+ ``"target_parameters"`` when it adapts fused tensors) of a
+    LoRA engine (its factors are saved and resumed like any parameter), None without LoRA."""
     lora = engine.module.ds_mp_ctx.lora
-    return None if lora is None else {"r": lora.r, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
+    if lora is None:
+        return None
+    meta = {"r": lora.r, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
+    return {**meta, "target_parameters": list(lora.target_parameters)} if lora.target_parameters else meta
 
 
 def everywhere(what: str, fn: Callable[[], Any], gather: bool = False) -> Any:
@@ -305,7 +308,7 @@ def _open_checked(engine: EngineView, ckpt_root: str, tag: str | None, verify: b
     if (lora_shapes(reader.config, saved) != lora_shapes(engine.hf_config, have)  # the same factors, same scaling
             or (saved or {}).get("alpha") != (have or {}).get("alpha")):
         raise CheckpointError(f"{path}: saved with ds_mp.lora {saved or 'off'}, the engine has {have or 'off'}; "
-                              "resume with the same LoRA r, alpha and target_modules")
+                              "resume with the same LoRA r, alpha, target_modules and target_parameters")
     if opt is not None and not reader.meta.get("has_optimizer"):
         raise CheckpointError(f"{path}: holds weights only (no optimizer state); start from it with "
                               "ds_mp.training.init_from instead of resuming")

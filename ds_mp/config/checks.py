@@ -14,7 +14,7 @@ from typing import Callable
 
 from ds_mp.config.batching import check_batch_ramp, check_noise_scale
 from ds_mp.config.context import check_context_parallel
-from ds_mp.config.families import family_for
+from ds_mp.config.families import FAMILIES, family_for
 from ds_mp.config.registry import SCHEDULES, names_where, schedule_spec
 from ds_mp.config.losses import LOSSES, configured_loss
 from ds_mp.config.resolve import resolve_model_source, shape_of
@@ -197,11 +197,18 @@ def check_lora(cfg: DsMpConfig, shape: InlineModel) -> None:
     if not 0.0 <= lo.dropout < 1.0:
         raise ConfigError(f"ds_mp.lora.dropout: must be in [0, 1), got {lo.dropout}")
     kind = cfg.hf_config.get("model_type", "gpt2")
-    targets = MODEL_TYPES[kind]
+    targets, params = MODEL_TYPES[kind], FAMILIES[kind].lora_parameters
     bad = [t for t in lo.target_modules if t not in targets]
-    if not lo.target_modules or bad:
+    if (not lo.target_modules and not lo.target_parameters) or bad:
         raise ConfigError(f"ds_mp.lora.target_modules: {bad or lo.target_modules} not {kind} linear names; "
                           f"choose from {', '.join(targets)}")
+    bad = [t for t in lo.target_parameters if t not in params]
+    if bad:
+        raise ConfigError(f"ds_mp.lora.target_parameters: {bad} not {kind} fused parameter names; "
+                          + (f"choose from {', '.join(params)}" if params else "it has none (use target_modules)"))
+    if lo.target_parameters and lo.dropout:
+        raise ConfigError(f"ds_mp.lora.dropout: {lo.dropout} with target_parameters (the experts' update is "
+                          "folded into W_e, as PEFT's ParamWrapper, which refuses dropout too); set dropout to 0")
     if cfg.tensor_parallel.sequence_parallel and cfg.tp > 1:
         raise ConfigError("ds_mp.lora: not supported with tensor_parallel.sequence_parallel (the replicated LoRA "
                           "factors would see only a slice of tokens); set sequence_parallel to false")

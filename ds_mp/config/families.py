@@ -23,6 +23,7 @@ class FamilyEntry:
     architecture: str  # the HF …ForCausalLM class of this model_type (read, and written by an export)
     lora_targets: tuple[str, ...]  # the PEFT-style ds_mp.lora.target_modules values accepted
     module: str = ""  # the module defining FAMILY (default ds_mp.models.<family>)
+    lora_parameters: tuple[str, ...] = ()  # the PEFT-style ds_mp.lora.target_parameters values accepted
 
     @property
     def package(self) -> str:
@@ -31,7 +32,9 @@ class FamilyEntry:
 
 _GPT2_LORA = ("c_attn", "c_proj", "c_fc", "attn.c_proj", "mlp.c_proj")  # PEFT-style names of GPT-2's Conv1Ds
 _LLAMA_LORA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # its nn.Linears
-_MOE_LORA = ("q_proj", "k_proj", "v_proj", "o_proj")  # attention only: the experts are fused 3-D tensors
+_MOE_LORA = ("q_proj", "k_proj", "v_proj", "o_proj")  # attention's linears; the experts are fused 3-D tensors:
+# PEFT's target_parameters names them (ParamWrapper), as a parameter's full name or a dotted suffix of it
+_MOE_EXPERTS = tuple(f"{p}{t}_proj" for t in ("gate_up", "down") for p in ("mlp.experts.", "experts.", ""))
 
 FAMILIES: dict[str, FamilyEntry] = {
     "gpt2": FamilyEntry("gpt2", "GPT2LMHeadModel", _GPT2_LORA),
@@ -41,9 +44,9 @@ FAMILIES: dict[str, FamilyEntry] = {
     "qwen3": FamilyEntry("llama", "Qwen3ForCausalLM", _LLAMA_LORA),
     "gemma3_text": FamilyEntry("gemma3", "Gemma3ForCausalLM", _LLAMA_LORA),
     "gemma3": FamilyEntry("gemma3", "Gemma3ForConditionalGeneration", _LLAMA_LORA),  # its text model
-    "qwen3_moe": FamilyEntry("moe", "Qwen3MoeForCausalLM", _MOE_LORA),
-    "mixtral": FamilyEntry("moe", "MixtralForCausalLM", _MOE_LORA),
-    "qwen2_moe": FamilyEntry("moe", "Qwen2MoeForCausalLM", _MOE_LORA),
+    "qwen3_moe": FamilyEntry("moe", "Qwen3MoeForCausalLM", _MOE_LORA, lora_parameters=_MOE_EXPERTS),
+    "mixtral": FamilyEntry("moe", "MixtralForCausalLM", _MOE_LORA, lora_parameters=_MOE_EXPERTS),
+    "qwen2_moe": FamilyEntry("moe", "Qwen2MoeForCausalLM", _MOE_LORA, lora_parameters=_MOE_EXPERTS),
 }
 
 

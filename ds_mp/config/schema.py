@@ -156,6 +156,9 @@ class LoraConfig:
     dropout: float = 0.0  # dropout on the LoRA branch's input (PEFT's lora_dropout)
     # layers to adapt, PEFT-style names: c_attn, c_fc, c_proj (= attn.c_proj + mlp.c_proj), attn.c_proj, mlp.c_proj
     target_modules: list = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"])
+    # fused parameters to adapt (PEFT's target_parameters; LoRA dropout must be 0): a mixture of experts'
+    # mlp.experts.gate_up_proj and mlp.experts.down_proj (ΔW_e = alpha/r · B_e A_e per expert); [] = none
+    target_parameters: list = field(default_factory=list)
 
 
 @dataclass

@@ -4,8 +4,8 @@ Ownership rule of the global norm ‖g‖₂ over a model sharded TP × PP (× D
 hold identical reduced gradients): each rank adds the squares of the parameters it *owns*
 and one all-reduce over the model-parallel group (TP × PP) sums them —
 
-* a TP shard (``tp_kind`` ≠ ``"replicated"``): owned by every TP rank (each holds its part);
-* a replicated tensor: owned by TP rank 0 only;
+* a TP shard (any other ``tp_kind``): owned by every TP rank (each holds its part);
+* a replicated tensor (``replicated``, ``experts_replicated``): owned by TP rank 0 only;
 * the tied ``wte`` (on the first and the last stage): owned by the first stage only.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ds_mp import deepspeed_compat as compat
+from ds_mp.tensor_parallel.sharding import REPLICATED
 
 
 def owned_parameters(module: torch.nn.Module, topology: Any) -> list[torch.nn.Parameter]:
@@ -27,7 +28,7 @@ def owned_parameters(module: torch.nn.Module, topology: Any) -> list[torch.nn.Pa
     for p in module.parameters():
         if id(p) in tied_ids and not tied_first:
             continue
-        if getattr(p, "tp_kind", "replicated") == "replicated" and topology.tp_rank != 0:
+        if getattr(p, "tp_kind", "replicated") in REPLICATED and topology.tp_rank != 0:
             continue
         out.append(p)
     return out

@@ -24,10 +24,16 @@ def lora_block(peft_config: Any) -> dict:
     if not isinstance(peft_config, LoraConfig):
         raise ConfigError(f"peft_config: {type(peft_config).__name__} is not supported by ds_mp (LoRA only); pass a "
                           "peft.LoraConfig")
-    targets = peft_config.target_modules
+    targets, params = peft_config.target_modules, getattr(peft_config, "target_parameters", None) or []
+    if targets is None and params:
+        targets = []  # PEFT allows the fused parameters alone
     bad = [
         (not isinstance(targets, (list, set, tuple)), f"target_modules={targets!r}: name the modules as a list "
          "(e.g. ['q_proj', 'v_proj'])"),
+        (not isinstance(params, (list, set, tuple)), f"target_parameters={params!r}: name the parameters as a list "
+         "(e.g. ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'])"),
+        (params and peft_config.lora_dropout, f"lora_dropout={peft_config.lora_dropout} with target_parameters: "
+         "PEFT's ParamWrapper folds the update into the weight and cannot drop its input; set lora_dropout=0"),
         (peft_config.use_dora, "use_dora=True: ds_mp's LoRA has no DoRA magnitude; set use_dora=False"),
         (peft_config.use_rslora, "use_rslora=True: ds_mp scales by lora_alpha / r; set use_rslora=False"),
         (peft_config.bias != "none", f"bias={peft_config.bias!r}: ds_mp's LoRA trains the factors only; set "
@@ -41,8 +47,9 @@ def lora_block(peft_config: Any) -> dict:
     msg = next((m for b, m in bad if b), None)
     if msg:
         raise ConfigError(f"peft_config: {msg}")
-    return {"r": peft_config.r, "alpha": float(peft_config.lora_alpha), "dropout": float(peft_config.lora_dropout),
-            "target_modules": sorted(targets)}
+    block = {"r": peft_config.r, "alpha": float(peft_config.lora_alpha), "dropout": float(peft_config.lora_dropout),
+             "target_modules": sorted(targets)}
+    return {**block, "target_parameters": sorted(params)} if params else block
 
 
 def is_peft_model(model: Any) -> bool:
@@ -104,7 +111,8 @@ def save_adapter(engine: EngineView, model: Any, tensors: dict[str, torch.Tensor
 
     base = (getattr(model.get_base_model().config, "_name_or_path", None) or None) if is_peft_model(model) else None
     os.makedirs(out, exist_ok=True)
-    save_file(peft_adapter_tensors(tensors), os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(peft_adapter_tensors(tensors, engine.hf_config), os.path.join(out, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
     with open(os.path.join(out, "adapter_config.json"), "w") as f:
         json.dump(adapter_config(engine.ds_mp_config.lora, base, engine.module.family.fan_in_fan_out), f, indent=2)
 
@@ -115,7 +123,8 @@ def load_adapter(model: Any, tensors: dict[str, torch.Tensor]) -> None:
 
     from ds_mp.checkpoint.lora import peft_adapter_tensors
 
-    adapter = {k: v.to(next(model.parameters()).device) for k, v in peft_adapter_tensors(tensors).items()}
+    adapter = {k: v.to(next(model.parameters()).device)
+               for k, v in peft_adapter_tensors(tensors, model.get_base_model().config).items()}
     result = set_peft_model_state_dict(model, adapter)
     if getattr(result, "unexpected_keys", None):
         raise ConfigError(f"model: the trained adapter has tensors the PeftModel lacks ({result.unexpected_keys[:3]})")

@@ -93,6 +93,12 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` in forward; its gradient times ``scale`` in backward (a term every TP rank adds whole to a
+    gradient that is later summed over TP passes 1/TP)."""
+    return _ScaleGrad.apply(x, scale)
+
+
 def add_router_stats(ctx: Any, routing_weights: torch.Tensor, selected: torch.Tensor,
                      grad_scale: float = 1.0) -> None:
     """Add one MoE layer's router statistics to the running micro-batch's carry (``ctx.carry``;
@@ -110,7 +116,7 @@ def add_router_stats(ctx: Any, routing_weights: torch.Tensor, selected: torch.Te
     E = routing_weights.shape[-1]
     probs = routing_weights.float()
     if grad_scale != 1.0:
-        probs = _ScaleGrad.apply(probs, grad_scale)
+        probs = scale_grad(probs, grad_scale)
     lay = ctx.layout
     keep = None if lay is None or bool((lay.docs >= 0).all()) else (lay.docs >= 0).reshape(-1).float()
     if keep is None:
@@ -177,4 +183,4 @@ class CarriedLoss(BoundLoss):
         return loss + self.ctx.carry_weight * self.carry.loss(self.ctx.carry).to(loss.dtype)
 
 
-__all__ = ["Carry", "RouterCarry", "carry_for", "add_router_stats", "carrying_checkpoint", "CarriedLoss"]
+__all__ = ["Carry", "RouterCarry", "carry_for", "add_router_stats", "carrying_checkpoint", "CarriedLoss", "scale_grad"]

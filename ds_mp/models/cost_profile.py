@@ -95,7 +95,9 @@ def profile_key(hf_config: Any, *, rows: int, seq: int, dtype: torch.dtype, devi
     parts = {**shape, "rows": rows, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
              "tp": tp, "sp": bool(sequence_parallel and tp > 1), "vocab_pad_multiple": vocab_pad_multiple,
              "overlap_comm": bool(overlap_comm and tp > 1),
-             "lora": [lora.r, sorted(lora.target_modules)] if lora is not None and lora.r > 0 else None,
+             "lora": ([lora.r, sorted(lora.target_modules), *([sorted(lora.target_parameters)]
+                                                              if getattr(lora, "target_parameters", None) else [])]
+                      if lora is not None and lora.r > 0 else None),
              "device": device_label(device), "version": LAYER_COST_VERSION}
     return json.dumps(parts, sort_keys=True, default=str)
 

@@ -72,7 +72,8 @@ class WeightSource:
         causal_lm_family(model)
         sd, cfg = model.state_dict(), model.config
         if hasattr(model, "peft_config"):
-            sd = peft_to_hf_names(sd)
+            sd = peft_to_hf_names(sd, {n: m.parameter_name for n, m in model.named_modules()
+                                       if hasattr(m, "parameter_name") and hasattr(m, "lora_A")})
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         if getattr(cfg, "tie_word_embeddings", False) and head is not None and head.weight is not embedding.weight:
             cfg = untied_as_hf_loads(cfg, f"the {type(model).__name__} object")
@@ -81,19 +82,61 @@ class WeightSource:
         return cls(lambda n: sd[n], cfg, names=set(sd), frozen=frozen)
 
 
-def peft_to_hf_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _hf_module(peft_name: str) -> str:
+    """The HF name under a PEFT model's name: without ``base_model.model.`` and every ``.base_layer``."""
+    return re.sub(r"(\.base_layer)+(?=\.|$)", "", re.sub(r"^base_model\.model\.", "", peft_name))
+
+
+def peft_to_hf_names(sd: dict[str, torch.Tensor], wrappers: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """A PEFT LoRA model's state dict (``base_model.model.<hf>.base_layer.weight``,
     ``….lora_A.<adapter>.weight`` (r, in), ``….lora_B.<adapter>.weight`` (out, r)) by HF name, the
-    factors transposed into ds_mp's layout (``….lora_A`` (in, r), ``….lora_B`` (r, out))."""
+    factors transposed into ds_mp's layout (``….lora_A`` (in, r), ``….lora_B`` (r, out)).
+
+    ``wrappers``: PEFT's ``ParamWrapper`` modules (``target_parameters``) by module name -> the name of the
+    parameter each adapts; their factors are named after it (``<hf>.<parameter>.lora_A/B``) in ds_mp's
+    expert layout (:func:`param_factors_from_peft`, E from the parameter's first dim)."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in sd.items():
-        name = re.sub(r"^base_model\.model\.", "", name).replace(".base_layer.", ".")
-        m = re.match(r"^(.*)\.(lora_[AB])\.[^.]+\.weight$", name)
+    wrapped: dict[str, dict[str, torch.Tensor]] = {}
+    for raw, t in sd.items():
+        m = re.match(r"^(.*)\.(lora_[AB])\.[^.]+\.weight$", raw)
+        if m and m.group(1) in (wrappers or {}):
+            wrapped.setdefault(f"{_hf_module(m.group(1))}.{wrappers[m.group(1)]}", {})[m.group(2)] = t
+            continue
+        name = _hf_module(raw)
         if m:
-            out[f"{m.group(1)}.{m.group(2)}"] = t.t().contiguous()
+            out[f"{_hf_module(m.group(1))}.{m.group(2)}"] = t.t().contiguous()
         elif "lora_" not in name:
             out[name] = t
+    for param, f in wrapped.items():
+        out[param + ".lora_A"], out[param + ".lora_B"] = param_factors_from_peft(f["lora_A"], f["lora_B"],
+                                                                                out[param].shape[0])
     return out
+
+
+def param_factors_from_peft(a: torch.Tensor, b: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's ``ParamWrapper`` factors of a 3-D parameter (E, out, in), ``lora_A.weight`` (r·E, in) and
+    ``lora_B.weight`` (out, r·E), as ds_mp's ``lora_A`` (E, r, in) and ``lora_B`` (E, out, r): PEFT reads
+    ``A_e = lora_A.reshape(E, r, in)[e]`` (expert-major rows) and ``B_e = lora_B.reshape(out, r, E)[:, :, e]``
+    (expert-minor columns), ``ΔW_e = s · B_e A_e``."""
+    return (a.reshape(experts, -1, a.shape[-1]).contiguous(),
+            b.reshape(b.shape[0], -1, experts).permute(2, 0, 1).contiguous())
+
+
+def param_factors_to_peft(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`param_factors_from_peft`: (E, r, in), (E, out, r) -> (r·E, in), (out, r·E)."""
+    E, r, n_in = a.shape
+    return a.reshape(E * r, n_in).contiguous(), b.permute(1, 2, 0).reshape(b.shape[1], r * E).contiguous()
+
+
+def peft_wrapper_names(params: list[str], order: list[str]) -> dict[str, str]:
+    """The module name (HF-relative) of PEFT's ``ParamWrapper`` adapting each of ``params`` (HF names of
+    parameters ``target_parameters`` names).  PEFT wraps a module's targeted parameters one after the other,
+    in the order the module registers them (``order``: HF names in HF order), each wrapper around the
+    previous: the last one is the module itself, each earlier one a ``.base_layer`` deeper."""
+    by_module: dict[str, list[str]] = {}
+    for p in sorted(params, key=order.index):
+        by_module.setdefault(p.rsplit(".", 1)[0], []).append(p)
+    return {p: module + ".base_layer" * (len(ps) - 1 - k) for module, ps in by_module.items() for k, p in enumerate(ps)}
 
 
 class LazyWeight:
@@ -170,4 +213,5 @@ def fresh_source(hf_config: Any, seed: int, std: float = 0.02) -> WeightSource:
     return WeightSource(get, hf_config, get_shard)
 
 
-__all__ = ["WeightSource", "LazyWeight", "peft_to_hf_names", "ROWS_PER_DRAW", "fresh_tensor", "fresh_source"]
+__all__ = ["WeightSource", "LazyWeight", "peft_to_hf_names", "param_factors_from_peft", "param_factors_to_peft",
+           "peft_wrapper_names", "ROWS_PER_DRAW", "fresh_tensor", "fresh_source"]

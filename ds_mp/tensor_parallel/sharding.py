@@ -29,7 +29,10 @@ Mixture-of-experts tensors as transformers 5 fuses them (``experts.gate_up_proj`
 * ``experts``: whole experts, ``E`` split along dim 0 (rank r holds experts ``r·E/p … (r+1)·E/p − 1``);
 * ``experts_gate_up``: each expert's intermediate dimension cut like a column-parallel MLP: rank r
   gets rows ``r·I/p … (r+1)·I/p − 1`` of the gate half and the same rows of the up half (dim 1);
-* ``experts_down``: the matching row-parallel cut, columns of ``I`` (the last dim).
+* ``experts_down``: the matching row-parallel cut, columns of ``I`` (the last dim);
+* ``experts_replicated``: a per-expert tensor the split layout keeps whole on every rank (LoRA's factor
+  on the side of an expert tensor that is not cut: ``gate_up_proj``'s A, ``down_proj``'s B); like the
+  others it is cut by experts in the ``whole`` layout.
 """
 from __future__ import annotations
 
@@ -38,8 +41,9 @@ from typing import Callable
 import torch
 
 KINDS = ("column", "qkv", "row", "vocab", "replicated", "linear_out", "linear_in", "kv", "experts",
-         "experts_gate_up", "experts_down")
-EXPERT_KINDS = ("experts", "experts_gate_up", "experts_down")
+         "experts_gate_up", "experts_down", "experts_replicated")
+EXPERT_KINDS = ("experts", "experts_gate_up", "experts_down", "experts_replicated")  # "whole" cuts them by expert
+REPLICATED = ("replicated", "experts_replicated")  # every TP rank holds the whole tensor
 
 
 def _as_conv1d_kind(kind: str, size: int, n_head: int) -> str:
@@ -49,7 +53,7 @@ def _as_conv1d_kind(kind: str, size: int, n_head: int) -> str:
         if not n_head:
             raise ValueError("kind 'kv' needs n_head = the key/value heads")
         return "row" if n_head % size == 0 else "replicated"
-    return {"linear_out": "row", "linear_in": "column"}.get(kind, kind)
+    return {"linear_out": "row", "linear_in": "column", "experts_replicated": "replicated"}.get(kind, kind)
 
 
 def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:

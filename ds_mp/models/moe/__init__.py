@@ -7,20 +7,22 @@ MLP where HF builds one.
 Refused in one line (:meth:`MoEFamily.check`, :meth:`MoEFamily.check_run`): ``router_jitter_noise``
 > 0 (Mixtral's training-time noise on the router input: a random multiplier HF draws per element),
 ``use_sliding_window`` (Qwen), an ``expert_layout`` other than whole/split, E not divisible by TP for
-``whole``, an expert width not divisible by TP for ``split``, LoRA on the experts (PEFT 0.21
-wraps ``nn.Linear``; the fused 3-D expert tensors are refused by the registry's LoRA targets).
+``whole``, an expert width not divisible by TP for ``split``.  LoRA: on attention's linears
+(``target_modules``) and on the fused expert tensors (``target_parameters``, PEFT's ``ParamWrapper``:
+``ds_mp.models.moe.lora``), whose LoRA dropout the config check refuses, as PEFT does.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from ds_mp.config.schema import ConfigError
+from ds_mp.models.family import lora_targeted
 from ds_mp.models.llama import LlamaFamily
 from ds_mp.models.llama.plan import linear_shape
 from ds_mp.models.moe import hf_adapter
 from ds_mp.models.moe.layers import Block, expert_matmul_parameters
-from ds_mp.models.moe.plan import (ATTENTION, LAYOUTS, MOE_LORA_PLAN, MOE_TP_PLAN, biases, expert_width, is_sparse,
-                                   n_experts, param_shapes, qk_norm)
+from ds_mp.models.moe.plan import (ATTENTION, LAYOUTS, MOE_LORA_PLAN, MOE_TP_PLAN, biases, expert_lora_shapes,
+                                   expert_width, is_sparse, n_experts, param_shapes, qk_norm)
 
 
 class MoEFamily(LlamaFamily):
@@ -35,6 +37,20 @@ class MoEFamily(LlamaFamily):
 
     def param_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]:
         return param_shapes(cfg)
+
+    def lora_shapes(self, cfg: Any, lora: dict | None) -> dict[str, tuple[int, ...]]:
+        """Llama's (attention's factors), and per sparse block the expert factors ``target_parameters``
+        names: ``lora_A`` (E, r, in), ``lora_B`` (E, out, r) (``ds_mp.models.moe.lora``), block by block."""
+        dense = super().lora_shapes(cfg, lora)
+        if not lora or not lora.get("r"):
+            return dense
+        targets, out = lora.get("target_parameters") or [], {}
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            out.update({n: s for n, s in dense.items() if n.startswith(p)})
+            experts = expert_lora_shapes(cfg, i, lora["r"], lambda name: lora_targeted(name, targets))
+            out.update({p + n: s for n, s in experts.items()})
+        return out
 
     def expert_part(self, name: str) -> tuple[str, int, str] | None:
         return hf_adapter.expert_part(name)

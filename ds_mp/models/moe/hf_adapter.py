@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 
-from ds_mp.models.llama.hf_adapter import hf_name, ignored, layer_prefix, plan_key
+from ds_mp.models.llama import hf_adapter as llama
+from ds_mp.models.llama.hf_adapter import ignored, layer_prefix, plan_key
 
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -22,6 +23,12 @@ PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate"
 def canonical_name(name: str) -> str:
     """Mixtral's Hub prefix ``block_sparse_moe.`` is transformers 5's ``mlp.``."""
     return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+def hf_name(prefix: str, name: str) -> str:
+    """Llama's, with the experts' LoRA factors (``mlp.experts.lora.gate_up_proj.lora_A`` in ds_mp's layer) named
+    after the tensor they adapt: ``model.layers.<i>.mlp.experts.gate_up_proj.lora_A``."""
+    return llama.hf_name(prefix, name.replace("mlp.experts.lora.", "mlp.experts."))
 
 
 def expert_part(name: str) -> tuple[str, int, str] | None:

@@ -38,7 +38,8 @@ from ds_mp.models.weights import WeightSource
 from ds_mp.tensor_parallel import copy_to_tp, reduce_from_tp
 from ds_mp.tensor_parallel.layers import tp_parameter
 from ds_mp.tensor_parallel.mappings import reduce_scatter_to_sequence
-from ds_mp.models.moe.plan import expert_width, is_sparse, n_experts, renormalises
+from ds_mp.models.moe.lora import expert_lora, lora_experts_forward
+from ds_mp.models.moe.plan import EXPERTS, expert_width, is_sparse, n_experts, renormalises
 
 
 def route(logits: torch.Tensor, k: int, renormalise: bool, cast: bool) -> tuple[torch.Tensor, ...]:
@@ -85,19 +86,33 @@ class _Weight(nn.Module):
 
 class Experts(nn.Module):
     """This rank's part of ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj`` (whole experts
-    ``first …``, or every expert's slice of the intermediate dimension: ``ds_mp.moe.expert_layout``)."""
+    ``first …``, or every expert's slice of the intermediate dimension: ``ds_mp.moe.expert_layout``), and
+    their LoRA factors where ``ds_mp.lora.target_parameters`` names them (``lora.<tensor>.lora_A/B``,
+    HF-named ``mlp.experts.<tensor>.lora_A/B``: ``ds_mp.models.moe.lora``)."""
 
-    def __init__(self, src: WeightSource, name: str, ctx: Ctx) -> None:
+    def __init__(self, src: WeightSource, index: int, ctx: Ctx) -> None:
         super().__init__()
+        name = f"model.layers.{index}.mlp.experts."
         p, r, whole = ctx.tp, ctx.tp_rank, ctx.expert_layout == "whole"
         up_kind, down_kind = ("experts", "experts") if whole else ("experts_gate_up", "experts_down")
         self.gate_up_proj = tp_parameter(src.lazy(name + "gate_up_proj"), up_kind, r, p)  # (E_l, 2I_l, H)
         self.down_proj = tp_parameter(src.lazy(name + "down_proj"), down_kind, r, p)  # (E_l, H, I_l)
         self.first = r * self.gate_up_proj.shape[0] if whole else 0  # global index of this rank's first expert
         self.act = ACT2FN[ctx.hf.hidden_act]
+        factors = {t.rsplit(".", 1)[1]: expert_lora(src, f"model.layers.{index}.", t, index, ctx) for t in EXPERTS}
+        self.lora = nn.ModuleDict({k: v for k, v in factors.items() if v is not None})
+        self.group, self.split = ctx.group, (1 if whole else p)  # the TP size each expert is cut over
 
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return experts_forward(x, index, weights, self.gate_up_proj, self.down_proj, self.first, self.act)
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                x_pre: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's partial sum, and the LoRA term added after its reduction (None: nothing)."""
+        if not len(self.lora):
+            return experts_forward(x, index, weights, self.gate_up_proj, self.down_proj, self.first, self.act), None
+        return lora_experts_forward(x, x if x_pre is None else x_pre.reshape(x.shape), index, weights,
+                                    self.gate_up_proj, self.down_proj, self.first, self.act,
+                                    self.lora["gate_up_proj"] if "gate_up_proj" in self.lora else None,
+                                    self.lora["down_proj"] if "down_proj" in self.lora else None,
+                                    self.group, self.split)
 
 
 class SharedExpert(nn.Module):
@@ -126,7 +141,7 @@ class SparseMLP(nn.Module):
         self.ctx, self.k = ctx, cfg.num_experts_per_tok
         self.renormalise, self.cast = renormalises(cfg), cfg.model_type != "mixtral"
         self.gate = _Weight(src, name + "gate.weight", ctx)  # (E, H)
-        self.experts = Experts(src, name + "experts.", ctx)
+        self.experts = Experts(src, index, ctx)
         if cfg.model_type == "qwen2_moe":
             self.shared_expert = SharedExpert(src, index, ctx)
             self.shared_expert_gate = _Weight(src, name + "shared_expert_gate.weight", ctx)
@@ -138,10 +153,12 @@ class SparseMLP(nn.Module):
         ctx, x = self.ctx, x_in.reshape(-1, H)
         probs, weights, index = route(self.gate(x), self.k, self.renormalise, self.cast)  # (N, E), (N, k), (N, k)
         add_router_stats(ctx, probs, index, grad_scale=1.0 / ctx.tp)  # the aux loss's sums (models/carry.py)
-        y = self.experts(x, index, weights).view(B, T, H)
+        y, post = self.experts(x, index, weights, x_pre)
+        y = y.view(B, T, H)
         if hasattr(self, "shared_expert"):
             y = y + torch.sigmoid(self.shared_expert_gate(x_in)) * self.shared_expert(x_in, x_pre)
-        return reduce_scatter_to_sequence(y, ctx.group, dim=1) if ctx.sp else reduce_from_tp(y, ctx.group)
+        y = reduce_scatter_to_sequence(y, ctx.group, dim=1) if ctx.sp else reduce_from_tp(y, ctx.group)
+        return y if post is None else y + post.view(B, T, H)  # split down_proj LoRA: added once, after g
 
 
 class Block(llama_layers.Block):

@@ -37,7 +37,14 @@ MOE_TP_PLAN: dict[str, str] = {
     "mlp.experts.down_proj": "experts_down", "mlp.shared_expert.gate_proj.weight": "linear_out",
     "mlp.shared_expert.up_proj.weight": "linear_out", "mlp.shared_expert.down_proj.weight": "linear_in",
     "mlp.shared_expert_gate.weight": "replicated"}
-MOE_LORA_PLAN: dict[str, str] = {k: v for k, v in LLAMA_LORA_PLAN.items() if k.startswith("self_attn.")}
+# LoRA on the fused experts (PEFT's target_parameters; ds_mp.models.moe.lora): per expert lora_A (E, r, in) and
+# lora_B (E, out, r), cut in the split layout like the base (B of gate_up by its gate and up rows, A of down by
+# its columns) or kept whole on every rank (the other factor); by experts in the whole layout, like the base
+EXPERT_LORA_PLAN: dict[str, str] = {
+    "mlp.experts.gate_up_proj.lora_A": "experts_replicated", "mlp.experts.gate_up_proj.lora_B": "experts_gate_up",
+    "mlp.experts.down_proj.lora_A": "experts_down", "mlp.experts.down_proj.lora_B": "experts_replicated"}
+MOE_LORA_PLAN: dict[str, str] = {**{k: v for k, v in LLAMA_LORA_PLAN.items() if k.startswith("self_attn.")},
+                                 **EXPERT_LORA_PLAN}
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 LAYOUTS = ("whole", "split")
 
@@ -89,6 +96,20 @@ def sparse_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def expert_lora_shapes(cfg: Any, index: int, r: int, targeted: Any) -> dict[str, tuple[int, ...]]:
+    """Block ``index``'s expert LoRA factors (block-relative names) and their full shapes: for each fused
+    tensor ``(E, out, in)`` that ``targeted(name)`` accepts, ``lora_A`` (E, r, in) and ``lora_B`` (E, out, r);
+    none in a dense layer."""
+    if not is_sparse(cfg, index):
+        return {}
+    out: dict[str, tuple[int, ...]] = {}
+    for name in EXPERTS:
+        if targeted(name):
+            E, n_out, n_in = sparse_shapes(cfg)[name]
+            out[name + ".lora_A"], out[name + ".lora_B"] = (E, r, n_in), (E, n_out, r)
+    return out
+
+
 def param_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     """Every parameter (HF name) and its full shape; ``lm_head.weight`` only when untied."""
     C, V = cfg.hidden_size, cfg.vocab_size
@@ -114,5 +135,6 @@ def param_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-__all__ = ["ATTENTION", "EXPERTS", "LAYOUTS", "MOE_LORA_PLAN", "MOE_TP_PLAN", "SHARED", "biases", "expert_width",
-           "is_sparse", "n_experts", "param_shapes", "qk_norm", "renormalises", "sparse_shapes"]
+__all__ = ["ATTENTION", "EXPERTS", "EXPERT_LORA_PLAN", "LAYOUTS", "MOE_LORA_PLAN", "MOE_TP_PLAN", "SHARED", "biases",
+           "expert_lora_shapes", "expert_width", "is_sparse", "n_experts", "param_shapes", "qk_norm", "renormalises",
+           "sparse_shapes"]

@@ -39,7 +39,8 @@ ROUTER_SCALE = 30.0
 
 def tiny_moe(aux: bool = True, seed: int = 0, vocab: int = VOCAB, model_type: str = "qwen3_moe") -> Any:
     """3 layers, 4 experts of width 32, top-2, hidden 64 (Qwen3-MoE: layer 1 dense, no expert factors there;
-    Mixtral: every layer sparse, top-k always renormalised, fp32 routing weights)."""
+    Mixtral: every layer sparse, top-k always renormalised, fp32 routing weights; Qwen2-MoE: as Qwen3-MoE, not
+    renormalised, with a shared expert)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -50,6 +51,10 @@ def tiny_moe(aux: bool = True, seed: int = 0, vocab: int = VOCAB, model_type: st
     if model_type == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, intermediate_size=32,
                                                                            num_local_experts=4))
+    elif model_type == "qwen2_moe":  # a shared expert and its sigmoid gate beside the routed experts
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=4, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False))
     else:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, intermediate_size=96, moe_intermediate_size=32, num_experts=4, decoder_sparse_step=1,
@@ -91,6 +96,7 @@ CASES = {  # (TP, PP, expert layout, aux loss, ZeRO stage); Qwen3-MoE unless nam
     "pp2": (1, 2, "whole", True, 0),
     "tp2_pp2_split_zero1": (2, 2, "split", False, 1),
     "mixtral_tp2_split": (2, 1, "split", True, 0),
+    "qwen2_moe_tp2_whole": (2, 1, "whole", True, 0),
 }
 
 
@@ -99,7 +105,7 @@ def test_expert_lora_trains_as_peft(name: str) -> None:
     from test_moe_pp_models import _rank
 
     tp, pp, layout, aux, zero = CASES[name]
-    model_type = "mixtral" if name.startswith("mixtral") else "qwen3_moe"
+    model_type = next((t for t in ("mixtral", "qwen2_moe") if name.startswith(t)), "qwen3_moe")
     model = peft_moe(aux, model_type=model_type)
     sparse = [0, 1, 2] if model_type == "mixtral" else [0, 2]
     data = steps(2)

@@ -72,3 +72,33 @@ def test_launcher_finetunes_qwen3_moe_at_tp2_and_pp2_as_at_tp1(tmp_path: Any) ->
     assert type(exported).__name__ == "Qwen3MoeForCausalLM"
     ids = torch.tensor([[1, 2, 3]])
     assert exported.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 6)
+
+
+def test_launcher_trains_expert_lora_and_exports_peft_adapter(tmp_path: Any) -> None:
+    """``"lora"`` with ``target_parameters`` through the launcher at TP2 ``split``: the PEFT adapter it
+    writes loads in ``PeftModel.from_pretrained`` over the base model and gives the merged export's logits,
+    and its expert factors trained (B starts at zero)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tmp = str(tmp_path)
+    data = tiny_dataset(tmp)
+    model = _moe_dir(tmp, data)
+    out = os.path.join(tmp, "lora")
+    os.makedirs(out)
+    cfg = _config(out, 2)
+    cfg["ds_mp"]["moe"] = {"expert_layout": "split"}
+    cfg["ds_mp"]["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
+                            "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    train_in_process(out, cfg, n=2, args=("--model", model, "--data", data), timeout=400)
+    adapter = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    experts_b = [v for k, v in adapter.items() if ".experts." in k and "lora_B" in k]
+    assert len(experts_b) == 4 and all(float(v.abs().max()) > 0 for v in experts_b), sorted(adapter)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), os.path.join(out, "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf")).eval()
+    with torch.no_grad():
+        want, got = peft(ids).logits, merged(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert merged.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 9)

@@ -90,6 +90,7 @@ def _ops_ranks(rank: int) -> None:
             assert torch.equal(changed, doc1[:, idx]), (what, changed)
     _plain_rows(rank, group)
     _dropout_checks(rank, group)
+    _regather_checks(rank, group)
     dist.destroy_process_group()
 
 
@@ -145,6 +146,58 @@ def _dropout_checks(rank: int, group) -> None:
     both = torch.empty(2, 2, 8)
     torch.distributed.all_gather_single(both, torch.stack((inside, after))[None].contiguous(), group=group)
     assert not torch.equal(both[0, 0], both[1, 0]) and torch.equal(both[0, 1], both[1, 1])
+
+
+def _regather_checks(rank: int, group) -> None:
+    """allgather holds this rank's k and v for backward and re-gathers them in backward: no tensor
+    it saves spans more than this rank's T/2 tokens (the gathered keys of the late chunk span up to
+    T, its mask T columns; a mask built by a function is rebuilt, not held), and the enclosing hooks
+    (a census) see the ones it keeps; the gradients equal one-process SDPA's — under those hooks, under
+    torch's non-reentrant checkpoint (whose hooks then enclose the op's), and in a second backward of
+    a retained graph; an in-place change of k after the forward is refused."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    from ds_mp.context_parallel.attention import allgather_attention
+
+    idx = shard_index(T, 2, rank, True)
+    lay = _layout(None)
+    for n_kv, heads in ((2, None), (3, [1, 1, 2, 2])):
+        gen = torch.Generator().manual_seed(21 + n_kv)
+        q, g = (torch.randn(3, 4, T, HD, generator=gen) for _ in range(2))
+        k, v = (torch.randn(3, n_kv, T, HD, generator=gen) for _ in range(2))
+        kv_index = torch.arange(4) // 2 if heads is None else torch.tensor(heads)
+        _, *want = _reference(q, k, v, lay, kv_index, g)
+        want = [w[:, :, idx] for w in want]
+        mine = dataclasses.replace(lay, q_index=idx, masks={})
+        op = functools.partial(allgather_attention, kv_index=None if heads is None else kv_index,
+                               masks=functools.partial(mine.run_mask, 2, dtype=torch.float32), group=group, cp=2,
+                               cp_rank=rank)
+        leaves = lambda: [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]  # noqa: E731
+        what = f"allgather re-gather kv={n_kv} kv_index={heads}"
+
+        saved: list[torch.Tensor] = []
+        ins = leaves()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.detach()) or saved[-1], lambda t: t):
+            y = op(*ins)
+        wide = [tuple(t.shape) for t in saved if max(t.shape[-2:]) > T // 2]
+        assert not wide, f"{what}: saved for backward beyond this rank's tokens: {wide}"
+        assert ins[0].untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in saved}, what
+        got = torch.autograd.grad((y * g[:, :, idx]).sum(), ins, retain_graph=True)
+        again = torch.autograd.grad((y * g[:, :, idx]).sum(), ins)  # the retained graph: gathered once more
+        ins = leaves()
+        y = checkpoint(op, *ins, use_reentrant=False)
+        under = torch.autograd.grad((y * g[:, :, idx]).sum(), ins)
+        for how, grads in (("census hooks", got), ("second backward", again), ("non-reentrant checkpoint", under)):
+            for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{what} {how} {name}")
+    ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+    k_in = kl * 1.0
+    y = allgather_attention(ql, k_in, vl, kv_index, mine.run_masks(2), group=group, cp=2, cp_rank=rank)
+    k_in.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
 
 
 def test_cp_attention_ops_match_full_row_sdpa() -> None:

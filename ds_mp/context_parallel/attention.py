@@ -46,14 +46,16 @@ Every collective runs on the inputs' device (gloo on CPU, NCCL on GPU).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ds_mp.context_parallel.shard import shard_order
+from ds_mp.deepspeed_compat.torch_private import enclosing_saved_tensors_hooks
 
 
 def _all_gather(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
@@ -70,23 +72,88 @@ def _reduce_scatter(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
     return out
 
 
+def _gather_row(x: torch.Tensor, group: Any, cp: int, order: torch.Tensor) -> torch.Tensor:
+    """``(…, Tl, hd)`` on each rank -> ``(…, T, hd)`` in full-row order (dim -2): a view of a fresh
+    ``(T, …, hd)`` storage, the same layout every call (what :class:`_Rebuilt` relies on)."""
+    gathered = _all_gather(x.movedim(-2, 0), group, cp)  # (T, …, hd) in shard order
+    full = torch.empty_like(gathered).index_copy_(0, order, gathered)  # full[order[p]] = gathered[p]
+    return full.movedim(0, -2)
+
+
 class _GatherSequence(torch.autograd.Function):
-    """``(…, Tl, hd)`` on each rank -> ``(…, T, hd)`` in full-row order (dim -2); backward: the
-    reduce-scatter of the gradient back to each rank's tokens (module docstring)."""
+    """:func:`_gather_row`; backward: the reduce-scatter of the gradient back to each rank's tokens
+    (module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, cp: int, order: torch.Tensor) -> torch.Tensor:
-        ctx.group, ctx.cp = group, cp
-        ctx.save_for_backward(order)
-        gathered = _all_gather(x.movedim(-2, 0), group, cp)  # (T, …, hd) in shard order
-        full = torch.empty_like(gathered).index_copy_(0, order, gathered)  # full[order[p]] = gathered[p]
-        return full.movedim(0, -2)
+        ctx.group, ctx.cp, ctx.order = group, cp, order  # (T,) long: not an activation
+        return _gather_row(x, group, cp, order)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (order,) = ctx.saved_tensors
-        in_shard_order = grad.movedim(-2, 0).index_select(0, order)
+        in_shard_order = grad.movedim(-2, 0).index_select(0, ctx.order)
         return _reduce_scatter(in_shard_order, ctx.group, ctx.cp).movedim(0, -2), None, None, None
+
+
+class _Rebuilt:
+    """Saved-tensor hooks around one :func:`allgather_attention`'s SDPA calls, so that it holds
+    this rank's ``k`` and ``v`` for backward, not the gathered row's.
+
+    A tensor autograd saves there whose storage was :meth:`register` ed (the gathered K/V, a head
+    pick of them, a run's mask built by the caller's function) is kept as that storage's recipe and
+    the tensor's (shape, stride, offset) and rebuilt at unpack, in backward: the gathered K/V by the
+    forward's all-gather of the same ``k`` and ``v`` (bitwise the forward's tensors, so SDPA's backward
+    is exactly the one it would have run on the held ones), once per backward of the call (cached
+    until every rebuilt tensor of the call is unpacked).  Every other saved tensor goes to the
+    enclosing hooks (the held-memory census, torch's non-reentrant checkpoint), or is kept.  ``k`` and
+    ``v`` themselves are given to the enclosing hooks too (a checkpoint recomputes them)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, group: Any, cp: int, order: torch.Tensor) -> None:
+        self.outer = enclosing_saved_tensors_hooks()
+        self.versions = (k._version, v._version)
+        self.local = tuple(self._keep(t) for t in (k, v))
+        self.group, self.cp, self.order = group, cp, order
+        self.recipes: dict[int, Callable[[], torch.Tensor]] = {}  # storage address -> its rebuild
+        self.gathered: torch.Tensor | None = None
+        self.pending = 0  # rebuilt tensors packed and not yet unpacked
+
+    def _keep(self, t: torch.Tensor) -> Any:
+        return (None, self.outer[0](t)) if self.outer is not None else (None, t.detach())
+
+    def _get(self, packed: tuple) -> torch.Tensor:
+        return self.outer[1](packed[1]) if self.outer is not None else packed[1]
+
+    def register(self, t: torch.Tensor, recipe: Callable[[], torch.Tensor]) -> None:
+        """Saved views of ``t``'s storage are rebuilt by ``recipe()``: a tensor laid out as ``t``."""
+        self.recipes[t.untyped_storage().data_ptr()] = recipe
+
+    def kv(self) -> torch.Tensor:
+        """The gathered ``(2, B, h_kv, T, hd)``, all-gathered again from this rank's k and v."""
+        if self.gathered is None:
+            k, v = (self._get(p) for p in self.local)
+            if self.outer is None and (k._version, v._version) != self.versions:
+                raise RuntimeError("allgather_attention: k or v was modified in place after the forward; "
+                                   "its backward re-gathers them")
+            with torch.no_grad():
+                self.gathered = _gather_row(torch.stack((k, v)), self.group, self.cp, self.order)
+        return self.gathered
+
+    def pack(self, t: torch.Tensor) -> Any:
+        recipe = self.recipes.get(t.untyped_storage().data_ptr()) if t.untyped_storage().data_ptr() else None
+        if recipe is None:
+            return self._keep(t)
+        self.pending += 1
+        return recipe, t.shape, t.stride(), t.storage_offset()
+
+    def unpack(self, packed: tuple) -> torch.Tensor:
+        if packed[0] is None:
+            return self._get(packed)
+        recipe, shape, stride, offset = packed
+        out = recipe().as_strided(shape, stride, offset)
+        self.pending -= 1
+        if self.pending <= 0:  # the call's last one (or a second backward: one gather per tensor)
+            self.gathered = None
+        return out
 
 
 def _seq_to_head(x: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
@@ -169,22 +236,52 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Ten
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,
-                        masks: Sequence[torch.Tensor], *, group: Any, cp: int, cp_rank: int, dropout_p: float = 0.0,
-                        scale: float | None = None) -> torch.Tensor:
+                        masks: Sequence[torch.Tensor] | Callable[[int], torch.Tensor], *, group: Any, cp: int,
+                        cp_rank: int, dropout_p: float = 0.0, scale: float | None = None, runs: int = 2) -> torch.Tensor:
     """CP attention by all-gathering keys and values (module docstring).
 
     ``q`` ``(B, h, Tl, hd)``, ``k``/``v`` ``(B, h_kv, Tl, hd)``: this rank's tokens of the zigzag
     split (``shard_index(T, cp, cp_rank, balanced=True)``), rotated; query head j reads key/value
     head ``kv_index[j]``, or ``j // (h / h_kv)`` when ``kv_index`` is None (:func:`grouped_kv`);
-    ``masks``: for each equal run of this rank's tokens (the zigzag's two chunks), its rows of the
-    causal mask, boolean or additive, against the keys up to its last token
-    (``Layout.run_masks(2)``): each run attends over that prefix of the gathered row only.
-    Returns ``(B, h, Tl, hd)``."""
+    ``masks``: for each of the ``runs`` equal runs of this rank's tokens (the zigzag's two chunks),
+    its rows of the causal mask, boolean or additive, against the keys up to its last token — the
+    list (``Layout.run_masks(2)``), or a function of the run's index building it
+    (``Layout.run_mask``), called again in backward, so that no mask is held in between; each run
+    attends over that prefix of the gathered row only.  For backward it holds ``q``, ``k`` and ``v``
+    (``Tl`` tokens), SDPA's outputs, not the gathered ``T`` (:class:`_Rebuilt`).  Returns ``(B, h, Tl, hd)``."""
     order = shard_order(q.shape[2] * cp, cp, True, q.device)
+    mask_of = masks if callable(masks) else masks.__getitem__
     kv = _GatherSequence.apply(torch.stack((k, v)), group, cp, order)  # (2, B, h_kv, T, hd)
-    runs = q.chunk(len(masks), dim=2)
-    return torch.cat([_sdpa(run, kv[0, :, :, :m.shape[-1]], kv[1, :, :, :m.shape[-1]], kv_index, m, cp, cp_rank,
-                            dropout_p, scale) for run, m in zip(runs, masks)], dim=2)
+    saving = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    rebuilt = _Rebuilt(k, v, group, cp, order) if saving else None
+    hooks = (torch.autograd.graph.saved_tensors_hooks(rebuilt.pack, rebuilt.unpack) if rebuilt is not None
+             else contextlib.nullcontext())
+    outs = []
+    with hooks:
+        if rebuilt is not None:
+            rebuilt.register(kv, rebuilt.kv)
+        for i, run in enumerate(q.chunk(runs, dim=2)):
+            mask = mask_of(i)
+            e = mask.shape[-1]
+            kr, vr = kv[0, :, :, :e], kv[1, :, :, :e]
+            if kv_index is not None:  # picked per query head: h copies, rebuilt from the gathered h_kv too
+                kr, vr = kr.index_select(1, kv_index), vr.index_select(1, kv_index)
+            if rebuilt is not None:
+                rebuilt.register(mask, functools.partial(mask_of, i))
+                if kv_index is not None:
+                    for j, t in enumerate((kr, vr)):
+                        rebuilt.register(t, functools.partial(_pick, rebuilt.kv, j, e, kv_index))
+            outs.append(_sdpa(run, kr, vr, None, mask, cp, cp_rank, dropout_p, scale))
+            if rebuilt is not None:  # this run's mask and picks are freed: their addresses may be reused
+                rebuilt.recipes = {kv.untyped_storage().data_ptr(): rebuilt.kv}
+    if rebuilt is not None:
+        rebuilt.recipes = {}
+    return torch.cat(outs, dim=2)
+
+
+def _pick(kv: Callable[[], torch.Tensor], j: int, e: int, kv_index: torch.Tensor) -> torch.Tensor:
+    """The query heads' copies of the gathered keys (j = 0) or values (j = 1) up to ``e``."""
+    return kv()[j, :, :, :e].index_select(1, kv_index)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,

@@ -131,13 +131,20 @@ class Layout:
         score it (the zigzag then gives every rank the same work).  Built once, as :meth:`mask`."""
         key = ("runs", runs, windowed and self.window is not None, dtype)
         if key not in self.masks:
+            self.masks[key] = [self.run_mask(runs, i, windowed, dtype) for i in range(runs)]
+        return self.masks[key]
+
+    def run_mask(self, runs: int, i: int, windowed: bool = True, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Run ``i``'s mask of :meth:`run_masks`, built anew on every call (not cached): CP's
+        ``allgather`` builds it in forward and again in backward, and holds none between."""
+        key = ("run_ends", runs)
+        if key not in self.masks:
             if self.q_index is None or len(self.q_index) % runs:
                 raise ValueError(f"Layout.run_masks: q_index of {None if self.q_index is None else len(self.q_index)} "
                                  f"tokens does not cut into {runs} runs")
-            cut = self.q_index.view(runs, -1)
-            self.masks[key] = [self._mask(run, last + 1, key[2], dtype)
-                               for run, last in zip(cut, cut[:, -1].tolist())]
-        return self.masks[key]
+            self.masks[key] = self.q_index.view(runs, -1)[:, -1].tolist()  # each run's last index: one sync
+        run = self.q_index.view(runs, -1)[i]
+        return self._mask(run, self.masks[key][i] + 1, windowed and self.window is not None, dtype)
 
     def _mask(self, q_idx: torch.Tensor, k_len: int, windowed: bool, dtype: torch.dtype | None) -> torch.Tensor:
         """The rows ``q_idx`` (full-row indices) of the mask against the keys ``0 … k_len - 1``."""

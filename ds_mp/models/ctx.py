@@ -5,6 +5,7 @@ pipeline (it imports neither), so a family's layers and the family-free pipeline
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -80,7 +81,9 @@ class Ctx:
         T, kw = lay.docs.shape[1], {"group": self.cp_group, "cp": self.cp, "cp_rank": self.cp_rank,
                                     "dropout_p": dropout_p, "scale": scale}
         if self.cp_impl == "allgather":
-            return allgather_attention(q, k, v, kv_index, lay.run_masks(2, windowed, q.dtype), **kw)
+            # each run's mask built per call, again in backward: none held between (a float T²-sized one per micro-batch)
+            return allgather_attention(q, k, v, kv_index, functools.partial(lay.run_mask, 2, windowed=windowed,
+                                                                             dtype=q.dtype), **kw)
         mask = None if lay.causal_only(windowed) else lay.mask(T, T, windowed, q.dtype)
         return ulysses_attention(q, k, v, kv_index, mask, **kw)
 

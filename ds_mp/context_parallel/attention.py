@@ -258,22 +258,20 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_in
              else contextlib.nullcontext())
     outs = []
     with hooks:
-        if rebuilt is not None:
-            rebuilt.register(kv, rebuilt.kv)
         for i, run in enumerate(q.chunk(runs, dim=2)):
             mask = mask_of(i)
             e = mask.shape[-1]
             kr, vr = kv[0, :, :, :e], kv[1, :, :, :e]
             if kv_index is not None:  # picked per query head: h copies, rebuilt from the gathered h_kv too
                 kr, vr = kr.index_select(1, kv_index), vr.index_select(1, kv_index)
-            if rebuilt is not None:
+            if rebuilt is not None:  # this run's only: an earlier run's mask and picks are freed, their addresses reusable
+                rebuilt.recipes = {}
+                rebuilt.register(kv, rebuilt.kv)
                 rebuilt.register(mask, functools.partial(mask_of, i))
                 if kv_index is not None:
                     for j, t in enumerate((kr, vr)):
                         rebuilt.register(t, functools.partial(_pick, rebuilt.kv, j, e, kv_index))
             outs.append(_sdpa(run, kr, vr, None, mask, cp, cp_rank, dropout_p, scale))
-            if rebuilt is not None:  # this run's mask and picks are freed: their addresses may be reused
-                rebuilt.recipes = {kv.untyped_storage().data_ptr(): rebuilt.kv}
     if rebuilt is not None:
         rebuilt.recipes = {}
     return torch.cat(outs, dim=2)

@@ -14,8 +14,12 @@ each query the keys of the whole row; both are exact (the same SDPA over the sam
              queries to every key.  The key at full-row index j lives on one rank, and its gradient
              is the sum of every rank's queries' contributions, so ``dk = scatter(Pᵀ · Σ_ranks dK)``:
              one reduce-scatter of dK and dV stacked (the all-gather's adjoint).  dq stays local.
-    Traffic per layer: ``2·(C−1)/C · T·h_kv·hd`` forward (and the same backward), any head count;
-    GQA gathers only the key/value heads.
+    held     for backward: q, k, v (``T/C`` tokens) and SDPA's outputs — not the gathered ``K``,
+             ``V`` nor the chunks' masks (``T``-wide, per layer): the backward all-gathers k and v
+             again (the same collective on the same data: bitwise the forward's ``K``, ``V``, so
+             the gradients are those of holding them) and rebuilds the masks (:class:`_Rebuilt`).
+    Traffic per layer: ``2·(C−1)/C · T·h_kv·hd`` forward, twice that backward (the re-gather and
+    the reduce-scatter), any head count; GQA gathers only the key/value heads.
 
 ``ulysses`` (:func:`ulysses_attention`, the contiguous split):
     forward  an all-to-all turns ``(B, h, Tl, hd)`` (a sequence split) into ``(B, h/C, T, hd)`` (a
@@ -32,9 +36,10 @@ each query the keys of the whole row; both are exact (the same SDPA over the sam
     the key/value traffic.
 
 Grouped heads (GQA) are grouped by SDPA itself (``enable_gqa``), so the attention holds the
-``h_kv`` key/value heads for backward, not ``h`` copies; the layout's mask may be additive (one
-float tensor built per micro-batch and held once for every layer, where SDPA would convert a
-boolean one per call and hold each copy).
+``h_kv`` key/value heads for backward, not ``h`` copies; the layout's mask may be additive (for
+``ulysses`` one float tensor built per micro-batch and held once for every layer, where SDPA would
+convert a boolean one per call and hold each copy; ``allgather`` builds its chunks' masks per call
+and holds none).
 
 Dropout on the attention probabilities keeps its semantics (each probability dropped
 independently with ``dropout_p``): CP peers share the caller's RNG stream (the same TP rank), so

@@ -72,8 +72,9 @@ class Ctx:
         ``q`` ``(B, h, T/C, hd)`` and ``k``/``v`` ``(B, h_kv, T/C, hd)`` rotated at
         ``layout.local_positions()``; query head j reads key/value head ``kv_index[j]``, or
         ``j // (h / h_kv)`` when ``kv_index`` is None (``grouped_kv``); the layout's mask
-        (``windowed``: with its window), additive in q's dtype (ulysses on a plain causal row: none,
-        SDPA's ``is_causal``).  Returns ``(B, h, T/C, hd)``."""
+        (``windowed``: with its window), additive in q's dtype (ulysses: the full row's, cached on the
+        layout, or on a plain causal row none, SDPA's ``is_causal``; allgather: each chunk's built per
+        call, ``Layout.run_mask``, and again in backward).  Returns ``(B, h, T/C, hd)``."""
         lay, Tl = self.layout, q.shape[2]
         if lay is None or lay.q_index is None or len(lay.q_index) != Tl:
             raise RuntimeError(f"context parallelism: the engine must set a Layout with q_index of this rank's "
@@ -81,7 +82,6 @@ class Ctx:
         T, kw = lay.docs.shape[1], {"group": self.cp_group, "cp": self.cp, "cp_rank": self.cp_rank,
                                     "dropout_p": dropout_p, "scale": scale}
         if self.cp_impl == "allgather":
-            # each run's mask built per call, again in backward: none held between (a float T²-sized one per micro-batch)
             return allgather_attention(q, k, v, kv_index, functools.partial(lay.run_mask, 2, windowed=windowed,
                                                                              dtype=q.dtype), **kw)
         mask = None if lay.causal_only(windowed) else lay.mask(T, T, windowed, q.dtype)

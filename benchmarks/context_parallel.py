@@ -14,9 +14,12 @@ held memory per rank at CP = 2 ≤ 0.55× CP = 1's at the same ``seq_len``; the 
 held memory fits CP = 1's at ``MEMORY_SEQ`` (the budget), CP = 2 over CP = 1, ≥ 1.8× — searched on a
 grid of multiples of ``MEMORY_SEQ`` / 8 up to 2.5 ×, so the ratio is stated as the grid's interval [longest that fits, first that does not) over CP = 1's longest.  tokens/s:
 the ratio of median step times with a 90% bootstrap interval (``benchmarks.common.speedup``).
+``DS_MP_CP_MEMORY_ONLY=1`` skips the timed rounds (and TP = 2, one process × 2 threads) and measures
+memory alone.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from typing import Any
 
@@ -100,6 +103,9 @@ def run(quick: bool, out_dir: str) -> dict:  # noqa: ARG001 - no plots
                       kwargs={"shape": shape, "cp": 2, "impl": "ulysses"}),
                Config("tp2", "benchmarks.context_parallel:setup", **two, kwargs={"shape": shape, "tp": 2}),
                Config("one_process_2_threads", "benchmarks.context_parallel:setup", threads=2, kwargs={"shape": shape})]
+    memory_only = os.environ.get("DS_MP_CP_MEMORY_ONLY") == "1"
+    if memory_only:
+        configs, repeats = configs[:3], 0
     held: dict[str, list[list[int]]] = {}
 
     def extra(groups: dict) -> None:
@@ -107,18 +113,18 @@ def run(quick: bool, out_dir: str) -> dict:  # noqa: ARG001 - no plots
             held[name] = [groups[name].call("held_at", s) for s in grid]
 
     times, _ = run_side_by_side(configs, repeats, steps, extra=extra)
-    res = summarize(times, {c.name: ROWS * shape["seq"] for c in configs})
+    res = {} if memory_only else summarize(times, {c.name: ROWS * shape["seq"] for c in configs})
     memory, mem_rows, summary = _memory(shape, held, grid)
     ratios, speed_rows = {}, []
-    for fast in ("cp2_allgather", "cp2_ulysses", "tp2"):
+    for fast in () if memory_only else ("cp2_allgather", "cp2_ulysses", "tp2"):
         for base in ("one_process_2_threads", "tp2"):
             if fast == base:
                 continue
             r = speedup(res[base]["step_times_s"], res[fast]["step_times_s"])
             ratios[f"{fast}/{base}"] = r.as_dict()
             speed_rows.append([f"{fast} over {base}", str(r)])
-    summary += [f"tokens/s at seq {shape['seq']}: " + "; ".join(f"{k} {v['value']:.2f}× [{v['lo']:.2f}, {v['hi']:.2f}]"
-                                                               for k, v in ratios.items())]
+    summary += [] if memory_only else [f"tokens/s at seq {shape['seq']}: " + "; ".join(
+        f"{k} {v['value']:.2f}× [{v['lo']:.2f}, {v['hi']:.2f}]" for k, v in ratios.items())]
     return {"workload": f"{Shape(**shape).describe()}; {ROWS} row per step; memory at seq {grid[0]} … {grid[-1]}",
             "repeats": repeats, "steps_per_repeat": steps, "results": res, "ratios": ratios, "memory": memory,
             "held_peak_bytes": held, "summary": summary,

@@ -144,7 +144,8 @@ class _Rebuilt:
         return self.gathered
 
     def pack(self, t: torch.Tensor) -> Any:
-        recipe = self.recipes.get(t.untyped_storage().data_ptr()) if t.untyped_storage().data_ptr() else None
+        address = t.untyped_storage().data_ptr()
+        recipe = self.recipes.get(address) if address else None
         if recipe is None:
             return self._keep(t)
         self.pending += 1

@@ -243,7 +243,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Ten
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_index: torch.Tensor | None,
                         masks: Sequence[torch.Tensor] | Callable[[int], torch.Tensor], *, group: Any, cp: int,
-                        cp_rank: int, dropout_p: float = 0.0, scale: float | None = None, runs: int = 2) -> torch.Tensor:
+                        cp_rank: int, dropout_p: float = 0.0, scale: float | None = None, runs: int = 2
+                        ) -> torch.Tensor:
     """CP attention by all-gathering keys and values (module docstring).
 
     ``q`` ``(B, h, Tl, hd)``, ``k``/``v`` ``(B, h_kv, Tl, hd)``: this rank's tokens of the zigzag
@@ -270,7 +271,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_in
             kr, vr = kv[0, :, :, :e], kv[1, :, :, :e]
             if kv_index is not None:  # picked per query head: h copies, rebuilt from the gathered h_kv too
                 kr, vr = kr.index_select(1, kv_index), vr.index_select(1, kv_index)
-            if rebuilt is not None:  # this run's only: an earlier run's mask and picks are freed, their addresses reusable
+            if rebuilt is not None:  # this run's only: an earlier run's mask and picks are freed (addresses reusable)
                 rebuilt.recipes = {}
                 rebuilt.register(kv, rebuilt.kv)
                 rebuilt.register(mask, functools.partial(mask_of, i))

@@ -28,7 +28,8 @@ whose ``deepspeed=`` is the ds_mp JSON, ``train_dataset``, ``eval_dataset``, ``p
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import trl
@@ -52,8 +53,63 @@ def dpo_refusal(args: Any) -> None:
     if getattr(args, "activation_offloading", False):
         raise ConfigError("DPOConfig.activation_offloading: TRL's offloading hooks do not reach ds_mp's pipeline "
                           "stages; set activation_offloading=False (gradient_checkpointing is ds_mp's)")
-    if getattr(args, "router_aux_loss_coef", None):
-        raise ConfigError("DPOConfig.router_aux_loss_coef: the 'dpo' loss adds no router auxiliary loss; remove it")
+
+
+def router_aux(model: Any, args: Any) -> tuple[float, bool]:
+    """TRL 1.16's MoE aux loss for ``model`` (an object with a ``config``): (the effective coefficient,
+    enabled), as ``trl.DPOTrainer.__init__`` computes them: ``DPOConfig.router_aux_loss_coef``, else the
+    model config's ``router_aux_loss_coef`` (0.0 when it has none); enabled when the config has
+    ``output_router_logits`` (whatever its value: TRL asks for the router logits per forward) and the
+    coefficient is non-zero, e.g. a Qwen3-MoE by default (0.001)."""
+    config = getattr(model, "config", None)
+    if config is None or args is None:
+        return 0.0, False
+    text = config.get_text_config()
+    coef = args.router_aux_loss_coef
+    coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+    return float(coef), hasattr(text, "output_router_logits") and coef != 0.0
+
+
+@contextlib.contextmanager
+def router_aux_config(model: Any, enabled: bool, coef: float) -> Iterator[None]:
+    """Around the engine's build: ``model``'s config says ``output_router_logits = enabled`` (and, enabled,
+    ``router_aux_loss_coef = coef``), so ds_mp builds its carry (``ds_mp.models.carry``) exactly when TRL
+    adds the aux term (a config loaded with ``output_router_logits=True`` and coef 0.0 trains without
+    it, as TRL).  Restored after: the saved config is the model's, as TRL saves it."""
+    text = model.config.get_text_config()
+    if not hasattr(text, "output_router_logits"):
+        yield
+        return
+    saved = (text.output_router_logits, getattr(text, "router_aux_loss_coef", None))
+    text.output_router_logits = enabled
+    if enabled:
+        text.router_aux_loss_coef = coef
+    try:
+        yield
+    finally:
+        text.output_router_logits = saved[0]
+        if enabled:
+            text.router_aux_loss_coef = saved[1]
+
+
+def with_router_aux(model: Any, args: Any) -> tuple[Any, float, bool]:
+    """(the model to build, TRL's coefficient, enabled: :func:`router_aux`).  A directory or Hub id (or a
+    model on the meta device) whose ``config.json`` disagrees with TRL's flag is loaded with TRL's
+    values, as TRL's ``from_pretrained`` loads it (ds_mp's engine reads a directory's own config)."""
+    from ds_mp.hf.model_sync import model_and_source
+
+    if model is None or args is None:
+        return model, 0.0, False
+    obj, source = model_and_source(model)
+    coef, enabled = router_aux(obj, args)
+    text = obj.config.get_text_config()
+    if source is obj or not hasattr(text, "output_router_logits"):
+        return model, coef, enabled
+    if bool(text.output_router_logits) == enabled and (not enabled or text.router_aux_loss_coef == coef):
+        return model, coef, enabled
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), coef, enabled
 
 
 def loss_block(args: Any) -> dict:
@@ -77,10 +133,15 @@ def set_loss_block(args: Any) -> None:
     block["loss"] = {**(given or {}), **want}
 
 
+#: Whether the MoE aux term is added to the 'dpo' loss (else refused when TRL would add it).
+AUX_WITH_DPO = False
+
+
 class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
     """``trl.DPOTrainer`` whose optimizer step is one ds_mp ``engine.train_batch`` (module docstring)."""
 
     ds_mp_rows_per_item = 2  # a pair: its chosen and rejected rows
+    ds_mp_aux_reduction = "mean"  # TRL: each micro-batch's dpo + coef · aux, divided by the accumulation steps
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
@@ -93,6 +154,11 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
             raise ConfigError("ref_model: pass a model object other than model= (or omit it: the reference is then "
                               "the initial weights, precomputed)")
         set_loss_block(args)
+        model, coef, enabled = with_router_aux(model, args)
+        if enabled and not AUX_WITH_DPO:
+            raise ConfigError(f"DPOConfig.router_aux_loss_coef: TRL adds the MoE load-balancing loss ({coef} · aux) "
+                              "to the DPO loss, which ds_mp does not compute; set router_aux_loss_coef=0.0 to train "
+                              "without the aux loss")
         if peft_config is not None:
             model = peft_model(model, args, peft_config)
         # the reference: TRL's, without its second full model on every rank (module docstring)
@@ -101,7 +167,9 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
         self._ds_mp_per_step = (self._ds_mp_reference == "adapters_off"
                                 and not getattr(args, "precompute_ref_log_probs", False))
         self._ds_mp_stats: dict[str, list[torch.Tensor]] = {"train": []}
-        with dpo_ref.trl_builds_no_reference(args):
+        aux = contextlib.nullcontext() if model is None or isinstance(model, str) else \
+            router_aux_config(model, enabled, coef)  # a path already says TRL's flag (with_router_aux)
+        with dpo_ref.trl_builds_no_reference(args), aux:
             super().__init__(model, None, args, data_collator=data_collator, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class,
                              compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)

@@ -58,10 +58,13 @@ def reference_engine(trainer: Any, ref_model: Any) -> Any:
     from ds_mp.hf.args import deepspeed_dict
     from ds_mp.hf.model_sync import model_and_source
 
+    from ds_mp.hf.dpo import router_aux_config
+
     model, source = model_and_source(ref_model)
     raw = deepspeed_dict(trainer.args, model.config, trainer.ds_mp_rows_per_item)
     raw.pop("optimizer")  # evaluated only: no optimizer, no master copies
-    engine, _, _, _ = ds_mp.initialize(model=source, config=raw)
+    with router_aux_config(model, False, 0.0):  # TRL's reference forward asks for no router logits
+        engine, _, _, _ = ds_mp.initialize(model=source, config=raw)
     return engine
 
 

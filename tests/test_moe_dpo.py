@@ -1,0 +1,122 @@
+"""``ds_mp.hf.DPOTrainer`` on a mixture of experts against the plain ``trl.DPOTrainer`` on one process.
+
+TRL 1.16 adds the MoE load-balancing loss to the DPO loss whenever the model's config has
+``output_router_logits`` (whatever its value) and the effective coefficient (``DPOConfig.router_aux_loss_coef``,
+else the config's ``router_aux_loss_coef``) is non-zero: by default for a Qwen3-MoE.  The tiny Qwen3-MoE
+here (``tests/test_moe_pp_models.tiny_moe4``: 8 experts top-2, layer 1 dense; the tokenizer's vocabulary;
+``output_router_logits=False`` as Hub configs say) is trained by the same script as ``tests/test_hf_dpo.py``
+(uneven pairs, padding, one cut at ``max_length``) and compared the same way: logged losses 1e-5
+relative, rewards/logps metrics, evaluation metrics, saved weights (state dicts of
+``AutoModelForCausalLM.from_pretrained``: TRL saves HF's per-expert keys, ds_mp may save the fused ones).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from test_hf_dpo import _run, close, ds_json
+
+COEF = 0.1  # the config's router_aux_loss_coef: large enough that the aux term moves the loss
+
+
+def moe_dir(root: str, flag: bool = False) -> str:
+    """The tiny Qwen3-MoE (config coef :data:`COEF`, ``output_router_logits`` ``flag``: False as Hub
+    configs say) and its tokenizer."""
+    from test_hf_sft import trl_sft_script
+    from test_moe_pp_models import tiny_moe4
+
+    path = os.path.join(root, f"qwen3_moe_{flag}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tok = trl_sft_script().tiny_tokenizer()
+        model = tiny_moe4(vocab=len(tok), aux=flag)
+        model.config.router_aux_loss_coef = COEF
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+    return path
+
+
+def weights(out: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(out).state_dict().items()}
+
+
+def compare(ref: tuple[dict, dict], res: dict, got_w: dict, where: str, aux: bool) -> None:
+    from test_hf_dpo import METRICS, REL
+
+    want, want_w = ref
+    assert len(res["train"]) == len(want["train"]) == 5, (where, res["train"])
+    names = (*METRICS, "aux_loss") if aux else METRICS
+    for got, exp in zip(res["train"], want["train"]):
+        assert close(got["loss"], exp["loss"], abs_=0), f"{where}: loss {got['loss']} vs {exp['loss']}"
+        for k in names:
+            assert close(got[k], exp[k], rel=REL if k.startswith("logps") or k == "aux_loss" else 0), \
+                f"{where}: {k} {got[k]} vs {exp[k]}"
+    for k in ("loss", *names):
+        g, e = res["eval"][f"eval_{k}"], want["eval"][f"eval_{k}"]
+        assert close(g, e, rel=REL if k in ("loss", "aux_loss") or k.startswith("logps") else 0), \
+            f"{where}: eval_{k} {g} vs {e}"
+    assert set(got_w) == set(want_w), where
+    worst = max(float((got_w[k] - v).abs().max()) for k, v in want_w.items())
+    assert worst <= 1e-5, f"{where}: saved weights differ by {worst}"
+
+
+_ORACLE: dict[str, tuple[dict, dict]] = {}
+
+
+def oracle(root: str, model: str, **kw: Any) -> tuple[dict, dict]:
+    """The plain TRL run (one process, no DeepSpeed), once per argument set: its history and weights."""
+    key = repr(sorted(kw.items()))
+    if key not in _ORACLE:
+        out = os.path.join(root, f"plain{len(_ORACLE)}")
+        res = run_ranks(_run, 1, model, out, True, {**kw, "use_cpu": True}, timeout=600)[0]
+        _ORACLE[key] = (res, weights(out))
+    return _ORACLE[key]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: Any) -> str:
+    return str(tmp_path_factory.mktemp("moe_dpo"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_coef_zero_trains_without_the_aux_loss_as_trl(tmp_path: Any, root: str) -> None:
+    """``router_aux_loss_coef=0.0`` at TP2 (whole experts), on a config saying ``output_router_logits=True``:
+    TRL adds no aux term (its loss is its own, from the log-probs), nor does ds_mp (it builds no carry)."""
+    model = moe_dir(root, flag=True)
+    kw = {"router_aux_loss_coef": 0.0}
+    ref = oracle(root, model, **kw)
+    assert "aux_loss" not in ref[0]["train"][0]
+    out = str(tmp_path / "ds_mp")
+    cfg = ds_json(str(tmp_path / "ds.json"), 2, 1)
+    res = run_ranks(_run, 2, model, out, False, {"deepspeed": cfg, **kw}, timeout=600)[0]
+    compare(ref, res, weights(out), "TP2 coef 0", aux=False)
+
+
+def _refused(rank: int, model: str, root: str) -> str:
+    from datasets import Dataset
+    from trl import DPOConfig
+
+    from ds_mp.config import ConfigError
+    from ds_mp.hf import DPOTrainer
+    from test_hf_dpo import pairs
+
+    args = DPOConfig(output_dir=root, report_to="none", bf16=False, deepspeed=ds_json(
+        os.path.join(root, f"refuse-{rank}.json"), 1, 2))
+    try:
+        DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs(4)))
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.timeout(300)
+def test_default_coef_is_refused_in_one_line(tmp_path: Any, root: str) -> None:
+    """TRL's default (the config's coef, non-zero) adds the aux term: refused, naming the key and the fix."""
+    said = run_ranks(_refused, 2, moe_dir(root), str(tmp_path), timeout=240)[0]
+    assert "DPOConfig.router_aux_loss_coef" in said and "0.0" in said and "\n" not in said, said

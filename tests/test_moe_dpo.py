@@ -54,6 +54,8 @@ def compare(ref: tuple[dict, dict], res: dict, got_w: dict, where: str, aux: boo
     for got, exp in zip(res["train"], want["train"]):
         assert close(got["loss"], exp["loss"], abs_=0), f"{where}: loss {got['loss']} vs {exp['loss']}"
         for k in names:
+            if k == "rewards/accuracies" and exp["rewards/margins"] == 0.0:
+                continue  # step 1, policy = reference: each pair's margin is 0 up to roundoff, its sign noise
             assert close(got[k], exp[k], rel=REL if k.startswith("logps") or k == "aux_loss" else 0), \
                 f"{where}: {k} {got[k]} vs {exp[k]}"
     for k in ("loss", *names):
@@ -98,25 +100,19 @@ def test_coef_zero_trains_without_the_aux_loss_as_trl(tmp_path: Any, root: str) 
     compare(ref, res, weights(out), "TP2 coef 0", aux=False)
 
 
-def _refused(rank: int, model: str, root: str) -> str:
-    from datasets import Dataset
-    from trl import DPOConfig
-
-    from ds_mp.config import ConfigError
-    from ds_mp.hf import DPOTrainer
-    from test_hf_dpo import pairs
-
-    args = DPOConfig(output_dir=root, report_to="none", bf16=False, deepspeed=ds_json(
-        os.path.join(root, f"refuse-{rank}.json"), 1, 2))
-    try:
-        DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs(4)))
-    except ConfigError as err:
-        return str(err)
-    return ""
-
-
-@pytest.mark.timeout(300)
-def test_default_coef_is_refused_in_one_line(tmp_path: Any, root: str) -> None:
-    """TRL's default (the config's coef, non-zero) adds the aux term: refused, naming the key and the fix."""
-    said = run_ranks(_refused, 2, moe_dir(root), str(tmp_path), timeout=240)[0]
-    assert "DPOConfig.router_aux_loss_coef" in said and "0.0" in said and "\n" not in said, said
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)], ids=["pp2-1f1b", "tp2"])
+def test_default_coef_adds_the_aux_loss_as_trl(tmp_path: Any, root: str, tp: int, pp: int) -> None:
+    """TRL's default coefficient (the config's, here 0.1) on a config with ``output_router_logits=False``:
+    TRL adds ``coef · aux`` (over each micro-batch's [chosen; rejected] forward, masked) to each
+    micro-batch's DPO loss and logs ``aux_loss``; ds_mp's carry pools the same over every MoE layer, across
+    the two stages at PP2 (1F1B), and its evaluation adds each eval step's term as TRL's does."""
+    model = moe_dir(root)
+    ref = oracle(root, model)
+    first = ref[0]["train"][0]
+    assert COEF * first["aux_loss"] > 1e-3 * first["loss"]  # the term is far above the tolerance
+    out = str(tmp_path / "ds_mp")
+    cfg = ds_json(str(tmp_path / "ds.json"), tp, pp)
+    res = run_ranks(_run, tp * pp, model, out, False, {"deepspeed": cfg}, timeout=600)[0]
+    compare(ref, res, weights(out), f"TP{tp} PP{pp} default coef", aux=True)

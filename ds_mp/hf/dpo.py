@@ -133,10 +133,6 @@ def set_loss_block(args: Any) -> None:
     block["loss"] = {**(given or {}), **want}
 
 
-#: Whether the MoE aux term is added to the 'dpo' loss (else refused when TRL would add it).
-AUX_WITH_DPO = False
-
-
 class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
     """``trl.DPOTrainer`` whose optimizer step is one ds_mp ``engine.train_batch`` (module docstring)."""
 
@@ -155,10 +151,6 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
                               "the initial weights, precomputed)")
         set_loss_block(args)
         model, coef, enabled = with_router_aux(model, args)
-        if enabled and not AUX_WITH_DPO:
-            raise ConfigError(f"DPOConfig.router_aux_loss_coef: TRL adds the MoE load-balancing loss ({coef} · aux) "
-                              "to the DPO loss, which ds_mp does not compute; set router_aux_loss_coef=0.0 to train "
-                              "without the aux loss")
         if peft_config is not None:
             model = peft_model(model, args, peft_config)
         # the reference: TRL's, without its second full model on every rank (module docstring)
@@ -166,7 +158,7 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
                                  "adapters_off" if peft_config is not None else "initial")
         self._ds_mp_per_step = (self._ds_mp_reference == "adapters_off"
                                 and not getattr(args, "precompute_ref_log_probs", False))
-        self._ds_mp_stats: dict[str, list[torch.Tensor]] = {"train": []}
+        self._ds_mp_stats: dict[str, list[torch.Tensor]] = {"train": [], "aux": []}
         aux = contextlib.nullcontext() if model is None or isinstance(model, str) else \
             router_aux_config(model, enabled, coef)  # a path already says TRL's flag (with_router_aux)
         with dpo_ref.trl_builds_no_reference(args), aux:
@@ -176,6 +168,9 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
         self.precompute_ref_logps = not self._ds_mp_per_step  # TRL's flag: the batches carry the ref log-probs
         self.ref_model = None
         self._ds_mp_ref_engine = dpo_ref.reference_engine(self, ref_model)
+        carry = getattr(self.ds_mp_engine.module, "carry", None)
+        if carry is not None:  # TRL's aux_loss metric: each training micro-batch's carry recorded
+            self.ds_mp_engine.module.loss_fn.record_training = True
         if not self._ds_mp_per_step:
             self.train_dataset = self._ds_mp_precompute(self.train_dataset)
             if isinstance(self.eval_dataset, dict):
@@ -214,6 +209,9 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._ds_mp_stats["train"] += step_stats(self.ds_mp_engine.step_rows(), len(rows[0]["labels"]),
                                                  self.beta)
+        carries = self.ds_mp_engine.step_carries()
+        if carries is not None:
+            self._ds_mp_stats["aux"] += dpo_ref.raw_aux(self.ds_mp_engine.module.carry, list(carries.double().cpu()))
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -224,6 +222,9 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
         if "loss" in logs and self._ds_mp_stats["train"]:
             logs.update(micro_batch_means(self._ds_mp_stats["train"]))
             self._ds_mp_stats["train"] = []
+        if "loss" in logs and self._ds_mp_stats["aux"]:  # TRL's mean over the micro-batches since the last log
+            logs["aux_loss"] = sum(self._ds_mp_stats["aux"]) / len(self._ds_mp_stats["aux"])
+            self._ds_mp_stats["aux"] = []
         Trainer.log(self, logs, start_time)
 
     # --- evaluation ---------------------------------------------------------------------

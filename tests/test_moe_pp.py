@@ -186,8 +186,11 @@ def test_aux_loss_refused_where_its_pooling_is_not_built(extra: dict, key: str) 
         _refused_and_accepted(extra, key)
     finally:
         LOSSES.pop("moe_toy")
-    cfg = ds_config(pp=2, seq=SEQ, loss={"type": "dpo"})
-    load_config(cfg, 2, hf_config=moe_like_gpt2().config.to_dict())  # the DPO loss adds the aux term
+    hf = moe_like_gpt2().config.to_dict()
+    with pytest.raises(ConfigError, match=r"^ds_mp.loss.normalization: the MoE aux loss"):
+        load_config(ds_config(pp=2, seq=SEQ, loss={"type": "dpo"}), 2, hf_config=hf)
+    cfg = ds_config(pp=2, seq=SEQ, loss={"type": "dpo", "normalization": "micro_batch"})
+    load_config(cfg, 2, hf_config=hf)  # the DPO loss adds the aux term as TRL does
 
 
 def _refused_and_accepted(extra: dict, key: str) -> None:

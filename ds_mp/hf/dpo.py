@@ -24,6 +24,19 @@ whose ``deepspeed=`` is the ds_mp JSON, ``train_dataset``, ``eval_dataset``, ``p
   TRL on one process averages them (per micro-batch, then over the micro-batches since the last log);
   ``evaluate()`` returns ``eval_loss`` and the same names with ``eval_``.  TRL's fused-head metrics
   (``entropy``, ``logits/*``, ``mean_token_accuracy``, ``num_tokens``) are not computed.
+* **A mixture of experts' aux loss**, as TRL 1.16 adds it: enabled when the model config has
+  ``output_router_logits`` (whatever its value) and the coefficient (``DPOConfig.router_aux_loss_coef``,
+  else the config's ``router_aux_loss_coef``) is non-zero, i.e. by default for a Qwen3-MoE
+  (:func:`router_aux`).  Each micro-batch's loss is then ``dpo_mb + coef · aux_mb``, aux HF's
+  load-balancing loss over the micro-batch's ``[chosen; rejected]`` rows (attention-masked), pooled over
+  every MoE layer across the pipeline stages by the carry (``ds_mp.models.carry``), and the step's loss
+  the mean over its micro-batches and replicas (``aux_reduction = "mean"``); ``aux_loss`` (raw aux, the
+  mean over the logged micro-batches) is logged, and an eval step adds ``coef · aux`` of its whole
+  forward to its loss, as TRL's.  Disabled (``router_aux_loss_coef=0.0``), no carry is built even where
+  the config says ``output_router_logits=True``.  The flag reaches the engine through the model's config
+  during the build (:func:`router_aux_config`, restored after: the saved config is the model's); a model
+  given by path whose ``config.json`` disagrees is loaded whole on each rank (fp32), as TRL loads it
+  (:func:`with_router_aux`).
 * ``save_model``, checkpoints and resume are the mixin's (:mod:`ds_mp.hf.mixin`), as on the SFT path.
 """
 from __future__ import annotations

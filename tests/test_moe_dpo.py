@@ -116,3 +116,29 @@ def test_default_coef_adds_the_aux_loss_as_trl(tmp_path: Any, root: str, tp: int
     cfg = ds_json(str(tmp_path / "ds.json"), tp, pp)
     res = run_ranks(_run, tp * pp, model, out, False, {"deepspeed": cfg}, timeout=600)[0]
     compare(ref, res, weights(out), f"TP{tp} PP{pp} default coef", aux=True)
+
+
+def test_trl_rule_for_the_aux_loss() -> None:
+    """:func:`ds_mp.hf.dpo.router_aux` is TRL 1.16's rule (``DPOTrainer.__init__``): the DPOConfig's
+    coefficient, else the config's; on when the config has ``output_router_logits`` (even False) and the
+    coefficient is non-zero; a dense model never."""
+    import transformers
+    from trl import DPOConfig
+
+    from ds_mp.hf.dpo import router_aux
+
+    moe = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        intermediate_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2, vocab_size=32))
+    assert moe.config.output_router_logits is False and moe.config.router_aux_loss_coef == 0.001
+    dense = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=16,
+        vocab_size=32))
+    args = DPOConfig(output_dir="unused", report_to="none", bf16=False)
+    assert args.router_aux_loss_coef is None
+    assert router_aux(moe, args) == (0.001, True)
+    assert router_aux(dense, args) == (0.0, False)
+    args.router_aux_loss_coef = 0.0
+    assert router_aux(moe, args) == (0.0, False)
+    args.router_aux_loss_coef = 0.25
+    assert router_aux(moe, args) == (0.25, True)

@@ -118,6 +118,21 @@ def test_default_coef_adds_the_aux_loss_as_trl(tmp_path: Any, root: str, tp: int
     compare(ref, res, weights(out), f"TP{tp} PP{pp} default coef", aux=True)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dp2_equals_trl_under_ddp(tmp_path: Any, root: str) -> None:
+    """DP2 × GA2 (2 pairs per micro-batch, each replica its own pairs): the oracle is plain TRL on two
+    processes (DDP over gloo): each replica's micro-batch aux is its own rows' (not pooled over
+    replicas), averaged as DDP averages; every metric TRL gathers, eval included, and the weights."""
+    model = moe_dir(root)
+    want_out = str(tmp_path / "trl_ddp")
+    want = run_ranks(_run, 2, model, want_out, True, {"use_cpu": True}, timeout=600)[0]
+    out = str(tmp_path / "ds_mp")
+    res = run_ranks(_run, 2, model, out, False, {"deepspeed": ds_json(str(tmp_path / "ds.json"), 1, 1)},
+                    timeout=600)[0]
+    compare((want, weights(want_out)), res, weights(out), "DP2 default coef", aux=True)
+
+
 def test_trl_rule_for_the_aux_loss() -> None:
     """:func:`ds_mp.hf.dpo.router_aux` is TRL 1.16's rule (``DPOTrainer.__init__``): the DPOConfig's
     coefficient, else the config's; on when the config has ``output_router_logits`` (even False) and the

@@ -8,6 +8,11 @@ here (``tests/test_moe_pp_models.tiny_moe4``: 8 experts top-2, layer 1 dense; th
 (uneven pairs, padding, one cut at ``max_length``) and compared the same way: logged losses 1e-5
 relative, rewards/logps metrics, evaluation metrics, saved weights (state dicts of
 ``AutoModelForCausalLM.from_pretrained``: TRL saves HF's per-expert keys, ds_mp may save the fused ones).
+Cases: TRL's default coefficient at PP2 (1F1B: the carry crosses the stages), TP2 (whole experts) and
+DP2 × GA2 (the oracle: TRL on two processes, DDP); ``router_aux_loss_coef=0.0`` on a config saying
+``output_router_logits=True`` at TP2.  Each fails without its part of the fix (checked by hand: the
+refusal, no carry override, the "sum" reduction, no eval term).  Step 1's ``rewards/accuracies`` is not
+compared: policy = reference, each pair's margin is 0 up to roundoff and its sign noise.
 """
 from __future__ import annotations
 
@@ -85,7 +90,6 @@ def root(tmp_path_factory: Any) -> str:
     return str(tmp_path_factory.mktemp("moe_dpo"))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_coef_zero_trains_without_the_aux_loss_as_trl(tmp_path: Any, root: str) -> None:
     """``router_aux_loss_coef=0.0`` at TP2 (whole experts), on a config saying ``output_router_logits=True``:
@@ -100,7 +104,6 @@ def test_coef_zero_trains_without_the_aux_loss_as_trl(tmp_path: Any, root: str) 
     compare(ref, res, weights(out), "TP2 coef 0", aux=False)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)], ids=["pp2-1f1b", "tp2"])
 def test_default_coef_adds_the_aux_loss_as_trl(tmp_path: Any, root: str, tp: int, pp: int) -> None:
@@ -118,7 +121,6 @@ def test_default_coef_adds_the_aux_loss_as_trl(tmp_path: Any, root: str, tp: int
     compare(ref, res, weights(out), f"TP{tp} PP{pp} default coef", aux=True)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_dp2_equals_trl_under_ddp(tmp_path: Any, root: str) -> None:
     """DP2 × GA2 (2 pairs per micro-batch, each replica its own pairs): the oracle is plain TRL on two

@@ -168,11 +168,32 @@ def test_aux_loss_refused_where_nothing_carries_it(schedule: str, extra: dict, k
 
 @pytest.mark.parametrize("extra, key", [
     ({"context_parallel": {"size": 2}}, "ds_mp.context_parallel: the MoE aux loss"),
-    ({"loss": {"type": "dpo"}}, "ds_mp.loss.type: the MoE aux loss"),
+    ({"loss": {"type": "moe_toy"}}, "ds_mp.loss.type: the MoE aux loss"),
 ])
 def test_aux_loss_refused_where_its_pooling_is_not_built(extra: dict, key: str) -> None:
     """Context parallelism splits a row's tokens over its ranks (each would pool only its shard's router
-    statistics), and a loss other than the LM loss has no aux term: one line each, accepted without it."""
+    statistics), and a loss other than the LM and DPO losses (a user's registered spec) has no aux term:
+    one line each, accepted without it.  (DPO with the aux term: tests/test_moe_dpo.py.)"""
+    import dataclasses
+
+    from ds_mp.config.checks import load_config
+    from ds_mp.config.losses import LOSSES, register_loss
+    from ds_mp.config.schema import ConfigError
+    from ds_mp.losses.lm import LM_LOSS
+
+    register_loss("moe_toy", dataclasses.replace(LM_LOSS, name="moe_toy"))
+    try:
+        _refused_and_accepted(extra, key)
+    finally:
+        LOSSES.pop("moe_toy")
+    hf = moe_like_gpt2().config.to_dict()
+    with pytest.raises(ConfigError, match=r"^ds_mp.loss.normalization: the MoE aux loss"):
+        load_config(ds_config(pp=2, seq=SEQ, loss={"type": "dpo"}), 2, hf_config=hf)
+    cfg = ds_config(pp=2, seq=SEQ, loss={"type": "dpo", "normalization": "micro_batch"})
+    load_config(cfg, 2, hf_config=hf)  # the DPO loss adds the aux term as TRL does
+
+
+def _refused_and_accepted(extra: dict, key: str) -> None:
     from ds_mp.config.checks import load_config
     from ds_mp.config.schema import ConfigError
 

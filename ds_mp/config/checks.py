@@ -242,7 +242,8 @@ def check_router_aux(cfg: DsMpConfig, shape: InlineModel) -> None:
     """A MoE model with ``output_router_logits`` (HF's aux loss, pooled over every layer: its statistics
     travel with the hidden state, ``ds_mp.models.carry``): a schedule that passes no carry, and sequence
     parallelism and context parallelism (each rank would pool its own tokens' statistics) and a loss other
-    than the LM loss (whose aux term is not built) are refused."""
+    than the LM loss and the DPO loss with ``normalization: "micro_batch"`` (TRL's DPOTrainer: each
+    micro-batch's pair mean plus ``coef · aux``, averaged; no other loss's aux term is built) are refused."""
     hf = cfg.hf_config or {}
     if not (hf.get("output_router_logits") and (hf.get("num_experts") or hf.get("num_local_experts"))):
         return
@@ -257,9 +258,13 @@ def check_router_aux(cfg: DsMpConfig, shape: InlineModel) -> None:
         raise ConfigError("ds_mp.context_parallel: the MoE aux loss (output_router_logits) pools router statistics "
                           "over every token of a row, which context parallelism splits over its ranks; set "
                           "output_router_logits to false or context_parallel.size to 1")
-    if cfg.loss.type != "lm":
-        raise ConfigError(f"ds_mp.loss.type: the MoE aux loss (output_router_logits) is added to the per-token LM loss "
-                          f"only, not to the {cfg.loss.type!r} loss; set output_router_logits to false")
+    if cfg.loss.type not in ("lm", "dpo"):
+        raise ConfigError(f"ds_mp.loss.type: the MoE aux loss (output_router_logits) is added to the 'lm' and 'dpo' "
+                          f"losses only, not to the {cfg.loss.type!r} loss; set output_router_logits to false")
+    if cfg.loss.type == "dpo" and cfg.loss.normalization != "micro_batch":
+        raise ConfigError("ds_mp.loss.normalization: the MoE aux loss (output_router_logits) is added to the 'dpo' "
+                          "loss as TRL adds it, per micro-batch: set normalization to \"micro_batch\" (TRL's) or "
+                          "output_router_logits to false")
 
 
 def check_family(cfg: DsMpConfig, shape: InlineModel) -> None:

@@ -23,11 +23,12 @@ from ds_mp.engine_view import RuntimeEngine
 
 def start(engine: RuntimeEngine, training: bool = True) -> None:
     """A step begins: record its rows if the spec has any (else record nothing: the LM loss), and, in
-    an eval step (``training`` False) of a model with a carry, its carries."""
+    an eval step (``training`` False) of a model with a carry, its carries (in a training step too where
+    ``loss_fn.record_training``: ``ds_mp.hf.DPOTrainer``'s ``aux_loss`` metric)."""
     loss_fn = engine.module.loss_fn
     loss_fn.recorded = [] if engine.module.loss_spec.row_keys else None
     if hasattr(loss_fn, "carried"):
-        loss_fn.carried = None if training else []
+        loss_fn.carried = [] if not training or loss_fn.record_training else None
 
 
 def _everywhere(engine: RuntimeEngine, mine: torch.Tensor, holds: bool) -> torch.Tensor:
@@ -65,7 +66,7 @@ def step_rows(engine: RuntimeEngine) -> dict[str, torch.Tensor]:
 
 
 def step_carries(engine: RuntimeEngine) -> torch.Tensor | None:
-    """The last eval step's carries, ``(dp · M, size)`` float32 on every rank, row ``d · M + i`` replica
+    """The last eval step's carries (or training step's, where recorded: :func:`start`), ``(dp · M, size)`` float32 on every rank, row ``d · M + i`` replica
     d's micro-batch i (module docstring); None for a model without a carry.  Collective: every rank
     calls it after the same eval step."""
     carry = getattr(engine.module, "carry", None)

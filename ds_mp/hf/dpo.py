@@ -24,11 +24,25 @@ whose ``deepspeed=`` is the ds_mp JSON, ``train_dataset``, ``eval_dataset``, ``p
   TRL on one process averages them (per micro-batch, then over the micro-batches since the last log);
   ``evaluate()`` returns ``eval_loss`` and the same names with ``eval_``.  TRL's fused-head metrics
   (``entropy``, ``logits/*``, ``mean_token_accuracy``, ``num_tokens``) are not computed.
+* **A mixture of experts' aux loss**, as TRL 1.16 adds it: enabled when the model config has
+  ``output_router_logits`` (whatever its value) and the coefficient (``DPOConfig.router_aux_loss_coef``,
+  else the config's ``router_aux_loss_coef``) is non-zero, i.e. by default for a Qwen3-MoE
+  (:func:`router_aux`).  Each micro-batch's loss is then ``dpo_mb + coef · aux_mb``, aux HF's
+  load-balancing loss over the micro-batch's ``[chosen; rejected]`` rows (attention-masked), pooled over
+  every MoE layer across the pipeline stages by the carry (``ds_mp.models.carry``), and the step's loss
+  the mean over its micro-batches and replicas (``aux_reduction = "mean"``); ``aux_loss`` (raw aux, the
+  mean over the logged micro-batches) is logged, and an eval step adds ``coef · aux`` of its whole
+  forward to its loss, as TRL's.  Disabled (``router_aux_loss_coef=0.0``), no carry is built even where
+  the config says ``output_router_logits=True``.  The flag reaches the engine through the model's config
+  during the build (:func:`router_aux_config`, restored after: the saved config is the model's); a model
+  given by path whose ``config.json`` disagrees is loaded whole on each rank (fp32), as TRL loads it
+  (:func:`with_router_aux`).
 * ``save_model``, checkpoints and resume are the mixin's (:mod:`ds_mp.hf.mixin`), as on the SFT path.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import trl
@@ -52,8 +66,63 @@ def dpo_refusal(args: Any) -> None:
     if getattr(args, "activation_offloading", False):
         raise ConfigError("DPOConfig.activation_offloading: TRL's offloading hooks do not reach ds_mp's pipeline "
                           "stages; set activation_offloading=False (gradient_checkpointing is ds_mp's)")
-    if getattr(args, "router_aux_loss_coef", None):
-        raise ConfigError("DPOConfig.router_aux_loss_coef: the 'dpo' loss adds no router auxiliary loss; remove it")
+
+
+def router_aux(model: Any, args: Any) -> tuple[float, bool]:
+    """TRL 1.16's MoE aux loss for ``model`` (an object with a ``config``): (the effective coefficient,
+    enabled), as ``trl.DPOTrainer.__init__`` computes them: ``DPOConfig.router_aux_loss_coef``, else the
+    model config's ``router_aux_loss_coef`` (0.0 when it has none); enabled when the config has
+    ``output_router_logits`` (whatever its value: TRL asks for the router logits per forward) and the
+    coefficient is non-zero, e.g. a Qwen3-MoE by default (0.001)."""
+    config = getattr(model, "config", None)
+    if config is None or args is None:
+        return 0.0, False
+    text = config.get_text_config()
+    coef = args.router_aux_loss_coef
+    coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+    return float(coef), hasattr(text, "output_router_logits") and coef != 0.0
+
+
+@contextlib.contextmanager
+def router_aux_config(model: Any, enabled: bool, coef: float) -> Iterator[None]:
+    """Around the engine's build: ``model``'s config says ``output_router_logits = enabled`` (and, enabled,
+    ``router_aux_loss_coef = coef``), so ds_mp builds its carry (``ds_mp.models.carry``) exactly when TRL
+    adds the aux term (a config loaded with ``output_router_logits=True`` and coef 0.0 trains without
+    it, as TRL).  Restored after: the saved config is the model's, as TRL saves it."""
+    text = model.config.get_text_config()
+    if not hasattr(text, "output_router_logits"):
+        yield
+        return
+    saved = (text.output_router_logits, getattr(text, "router_aux_loss_coef", None))
+    text.output_router_logits = enabled
+    if enabled:
+        text.router_aux_loss_coef = coef
+    try:
+        yield
+    finally:
+        text.output_router_logits = saved[0]
+        if enabled:
+            text.router_aux_loss_coef = saved[1]
+
+
+def with_router_aux(model: Any, args: Any) -> tuple[Any, float, bool]:
+    """(the model to build, TRL's coefficient, enabled: :func:`router_aux`).  A directory or Hub id (or a
+    model on the meta device) whose ``config.json`` disagrees with TRL's flag is loaded with TRL's
+    values, as TRL's ``from_pretrained`` loads it (ds_mp's engine reads a directory's own config)."""
+    from ds_mp.hf.model_sync import model_and_source
+
+    if model is None or args is None:
+        return model, 0.0, False
+    obj, source = model_and_source(model)
+    coef, enabled = router_aux(obj, args)
+    text = obj.config.get_text_config()
+    if source is obj or not hasattr(text, "output_router_logits"):
+        return model, coef, enabled
+    if bool(text.output_router_logits) == enabled and (not enabled or text.router_aux_loss_coef == coef):
+        return model, coef, enabled
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), coef, enabled
 
 
 def loss_block(args: Any) -> dict:
@@ -81,6 +150,7 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
     """``trl.DPOTrainer`` whose optimizer step is one ds_mp ``engine.train_batch`` (module docstring)."""
 
     ds_mp_rows_per_item = 2  # a pair: its chosen and rejected rows
+    ds_mp_aux_reduction = "mean"  # TRL: each micro-batch's dpo + coef · aux, divided by the accumulation steps
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, data_collator: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
@@ -93,6 +163,7 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
             raise ConfigError("ref_model: pass a model object other than model= (or omit it: the reference is then "
                               "the initial weights, precomputed)")
         set_loss_block(args)
+        model, coef, enabled = with_router_aux(model, args)
         if peft_config is not None:
             model = peft_model(model, args, peft_config)
         # the reference: TRL's, without its second full model on every rank (module docstring)
@@ -100,14 +171,19 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
                                  "adapters_off" if peft_config is not None else "initial")
         self._ds_mp_per_step = (self._ds_mp_reference == "adapters_off"
                                 and not getattr(args, "precompute_ref_log_probs", False))
-        self._ds_mp_stats: dict[str, list[torch.Tensor]] = {"train": []}
-        with dpo_ref.trl_builds_no_reference(args):
+        self._ds_mp_stats: dict[str, list[torch.Tensor]] = {"train": [], "aux": []}
+        aux = contextlib.nullcontext() if model is None or isinstance(model, str) else \
+            router_aux_config(model, enabled, coef)  # a path already says TRL's flag (with_router_aux)
+        with dpo_ref.trl_builds_no_reference(args), aux:
             super().__init__(model, None, args, data_collator=data_collator, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class,
                              compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         self.precompute_ref_logps = not self._ds_mp_per_step  # TRL's flag: the batches carry the ref log-probs
         self.ref_model = None
         self._ds_mp_ref_engine = dpo_ref.reference_engine(self, ref_model)
+        carry = getattr(self.ds_mp_engine.module, "carry", None)
+        if carry is not None:  # TRL's aux_loss metric: each training micro-batch's carry recorded
+            self.ds_mp_engine.module.loss_fn.record_training = True
         if not self._ds_mp_per_step:
             self.train_dataset = self._ds_mp_precompute(self.train_dataset)
             if isinstance(self.eval_dataset, dict):
@@ -146,6 +222,9 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._ds_mp_stats["train"] += step_stats(self.ds_mp_engine.step_rows(), len(rows[0]["labels"]),
                                                  self.beta)
+        carries = self.ds_mp_engine.step_carries()
+        if carries is not None:
+            self._ds_mp_stats["aux"] += dpo_ref.raw_aux(self.ds_mp_engine.module.carry, list(carries.double().cpu()))
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -156,6 +235,9 @@ class DPOTrainer(PipelineTrainerMixin, trl.DPOTrainer):
         if "loss" in logs and self._ds_mp_stats["train"]:
             logs.update(micro_batch_means(self._ds_mp_stats["train"]))
             self._ds_mp_stats["train"] = []
+        if "loss" in logs and self._ds_mp_stats["aux"]:  # TRL's mean over the micro-batches since the last log
+            logs["aux_loss"] = sum(self._ds_mp_stats["aux"]) / len(self._ds_mp_stats["aux"])
+            self._ds_mp_stats["aux"] = []
         Trainer.log(self, logs, start_time)
 
     # --- evaluation ---------------------------------------------------------------------

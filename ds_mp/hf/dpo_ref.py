@@ -58,10 +58,13 @@ def reference_engine(trainer: Any, ref_model: Any) -> Any:
     from ds_mp.hf.args import deepspeed_dict
     from ds_mp.hf.model_sync import model_and_source
 
+    from ds_mp.hf.dpo import router_aux_config
+
     model, source = model_and_source(ref_model)
     raw = deepspeed_dict(trainer.args, model.config, trainer.ds_mp_rows_per_item)
     raw.pop("optimizer")  # evaluated only: no optimizer, no master copies
-    engine, _, _, _ = ds_mp.initialize(model=source, config=raw)
+    with router_aux_config(model, False, 0.0):  # TRL's reference forward asks for no router logits
+        engine, _, _, _ = ds_mp.initialize(model=source, config=raw)
     return engine
 
 
@@ -155,24 +158,43 @@ def with_reference_columns(trainer: Any, dataset: Any) -> Any:
     return dataset.add_column("ref_rejected_logps", ref[:, 1].tolist())
 
 
+def raw_aux(carry: Any, carries: list[torch.Tensor]) -> list[float]:
+    """HF's ``outputs.aux_loss`` (without the coefficient: TRL's ``aux_loss`` metric) of each carry, a
+    micro-batch's or an eval step's pooled sums (``ds_mp.models.carry``); a carry without a kept token
+    (a filling micro-batch) left out."""
+    import dataclasses
+
+    raw = dataclasses.replace(carry, coef=1.0)
+    return [float(raw.loss(c)) for c in carries if float(c[-1]) > 0]
+
+
 def evaluate_pairs(trainer: Any, dataset: Any) -> tuple[dict[str, float], int]:
     """(``loss`` and TRL's DPO metrics over ``dataset``, this replica's eval steps).  As TRL on one
     process: eval step i is ``per_device_eval_batch_size`` pairs, its loss the spec's mean over its
     pairs (:func:`pairs_loss`, from the rows), ``loss`` the pair-weighted mean over steps, each metric
-    the mean over steps of the step's pair mean.  Collective."""
+    the mean over steps of the step's pair mean.  A MoE with TRL's aux loss on (a carry): each step's
+    ``coef · aux`` over its whole ``[chosen; rejected]`` forward (its micro-batches' carries summed, the
+    sums being linear) is added to its loss, and ``aux_loss`` is the mean over steps of its aux, as TRL
+    logs it.  Collective."""
     topo, per_step = trainer.ds_mp_topology, trainer.args.per_device_eval_batch_size
     pairs = trainer.args.per_device_train_batch_size
     steps = -(-len(dataset) // per_step)
     stats = [torch.zeros(7, dtype=torch.float64) for _ in range(steps)]
     rows_of: list[list[torch.Tensor]] = [[] for _ in range(steps)]  # (chosen, rejected) × (logps, ref, count)
+    carry = getattr(trainer.ds_mp_engine.module, "carry", None)
+    pooled: list[torch.Tensor | None] = [None] * steps
     for slots, rows in _passes(trainer, dataset, per_step):
         if trainer._ds_mp_per_step:
             fill_reference(trainer, rows)
         trainer.ds_mp_engine.eval_batch(iter(rows), num_micro_batches=len(rows))
         got = {k: v.double().cpu() for k, v in trainer.ds_mp_engine.step_rows().items()}
+        carries = trainer.ds_mp_engine.step_carries()  # (dp · M, size), replica-major as slots
         for j, slot in enumerate(slots):
             if slot.batch < 0:
                 continue
+            if carries is not None:
+                c = carries[j].double().cpu()
+                pooled[slot.batch] = c if pooled[slot.batch] is None else pooled[slot.batch] + c
             cut = slice(j * 2 * pairs, (j + 1) * 2 * pairs)
             has = got["targets"][cut] > 0
             real = has.chunk(2)[0] | has.chunk(2)[1]
@@ -180,12 +202,17 @@ def evaluate_pairs(trainer: Any, dataset: Any) -> tuple[dict[str, float], int]:
             rows_of[slot.batch].append(torch.stack([got[k][cut].view(2, pairs)[:, real] for k in
                                                     ("logps", "ref_logps", "targets")]))
     spec, total, weight = trainer.ds_mp_engine.module.loss_spec, 0.0, 0
-    for parts in rows_of:
+    for step, parts in enumerate(rows_of):
         if parts:
             x = torch.cat(parts, dim=2)  # (3, 2, n): [logps, ref, count] × [chosen, rejected] × pairs
             n = x.shape[2]
-            total, weight = total + n * pairs_loss(spec, x[0].reshape(-1), x[1].reshape(-1), x[2].reshape(-1)), weight + n
+            term = 0.0 if pooled[step] is None else float(carry.loss(pooled[step]))
+            total = total + n * (pairs_loss(spec, x[0].reshape(-1), x[1].reshape(-1), x[2].reshape(-1)) + term)
+            weight = weight + n
     values = {"loss": total / weight if weight else float("nan"), **micro_batch_means(stats)}
+    if carry is not None:
+        aux = raw_aux(carry, [c for c in pooled if c is not None])
+        values["aux_loss"] = sum(aux) / len(aux) if aux else float("nan")
     return values, len(range(topo.dp_rank, steps, topo.dp))
 
 

@@ -165,12 +165,18 @@ class CarriedLoss(BoundLoss):
     loss spec's, unchanged.
 
     ``carried``: while a list (the engine's eval steps, ``ds_mp.engine.rows.start``), each call appends
-    its micro-batch's carry, detached fp32 ``(size,)``; None: nothing recorded."""
+    its micro-batch's carry, detached fp32 ``(size,)``; None: nothing recorded.  ``record_training``: training
+    steps record it too (``ds_mp.engine.rows.start``; a caller that logs the aux, ``ds_mp.hf.DPOTrainer``).
+
+    The LM loss adds the term to its per-token loss; the ``"dpo"`` loss (``normalization: "micro_batch"``)
+    to its micro-batch's pair mean, ``dpo_mb + coef · aux_mb`` with aux over the micro-batch's
+    ``[chosen; rejected]`` rows: TRL's DPOTrainer's ``loss + router_aux_loss_coef * outputs.aux_loss``."""
 
     def __init__(self, spec: LossSpec, ctx: Any, carry: Carry) -> None:
         super().__init__(spec, ctx)
         self.carry = carry
         self.carried: list[torch.Tensor] | None = None
+        self.record_training = False
 
     def __call__(self, logits: torch.Tensor, labels: Any) -> torch.Tensor:
         loss = super().__call__(logits, labels)

@@ -222,7 +222,8 @@ def test_resume_at_another_layout(tmp_path: Any) -> None:
 def test_refused_in_one_line() -> None:
     """LoRA dropout with ``target_parameters`` (PEFT's ParamWrapper refuses it: the update is folded into
     W_e), a name that is not a fused expert tensor, ``target_parameters`` on a dense family; from a PEFT
-    ``LoraConfig`` (the SFTTrainer's ``peft_config``) the same dropout and DoRA, before any model is built."""
+    ``LoraConfig`` (the SFTTrainer's ``peft_config``) the same dropout and DoRA, before any model is built, and
+    PEFT's own conversion of gate/up/down on a MoE (a rank_pattern) with the explicit form to use instead."""
     from peft import LoraConfig
 
     from ds_mp.config import ConfigError, load_config
@@ -246,6 +247,16 @@ def test_refused_in_one_line() -> None:
         with pytest.raises(ConfigError, match=r"^peft_config: " + match) as e:
             peft_block(LoraConfig(r=R, target_modules=ATTENTION, target_parameters=EXPERTS, **bad))
         assert "\n" not in str(e.value)
+    # PEFT 0.22 turns the usual MLP targets of a MoE into the fused tensors, gate_up_proj at rank 2r: named
+    from peft import get_peft_model
+
+    converted = get_peft_model(tiny_moe(), LoraConfig(r=R, lora_alpha=ALPHA, target_modules=ATTENTION + [
+        "gate_proj", "up_proj", "down_proj"])).peft_config["default"]
+    assert converted.rank_pattern, "PEFT no longer converts gate/up/down of a MoE with a rank_pattern"
+    with pytest.raises(ConfigError, match=r"^peft_config: rank_pattern=.*gate_up_proj.* name the experts yourself, "
+                                          r"e.g. LoraConfig\(target_modules=") as e:
+        peft_block(converted)
+    assert "\n" not in str(e.value)
 
 
 # --- ds_mp.hf.Trainer given the PeftModel -------------------------------------------------------------------

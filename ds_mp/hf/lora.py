@@ -40,6 +40,11 @@ def lora_block(peft_config: Any) -> dict:
          "bias='none'"),
         (peft_config.modules_to_save, f"modules_to_save={peft_config.modules_to_save!r}: not trained by ds_mp's "
          "LoRA; remove it"),
+        (params and (peft_config.rank_pattern or peft_config.alpha_pattern),
+         f"rank_pattern={dict(peft_config.rank_pattern)!r}: PEFT gives the fused expert tensors their own rank where "
+         "it turns target_modules gate_proj/up_proj/down_proj of a mixture of experts into target_parameters; "
+         "ds_mp's LoRA has one r: name the experts yourself, e.g. LoraConfig(target_modules=['q_proj', 'k_proj', "
+         "'v_proj', 'o_proj'], target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'])"),
         (peft_config.rank_pattern or peft_config.alpha_pattern, "rank_pattern/alpha_pattern: ds_mp's LoRA has one "
          "r and alpha; remove them"),
         (peft_config.layers_to_transform is not None, "layers_to_transform: ds_mp adapts every layer; remove it"),

@@ -28,42 +28,17 @@ import torch
 
 from dist_utils import run_ranks
 from helpers import ds_config
-from test_moe_pp_models import CLIP, LR, RTOL, hf_oracle, steps
-from test_tensor_parallel import gather_weights
+from test_moe_pp_models import CLIP, LR, RTOL, hf_oracle, ranks_agree, steps, tiny_moe4
 
 R, ALPHA, SEQ, VOCAB = 4, 8.0, 16, 1003
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-ROUTER_SCALE = 30.0
 
 
 def tiny_moe(aux: bool = True, seed: int = 0, vocab: int = VOCAB, model_type: str = "qwen3_moe") -> Any:
-    """3 layers, 4 experts of width 32, top-2, hidden 64 (Qwen3-MoE: layer 1 dense, no expert factors there;
-    Mixtral: every layer sparse, top-k always renormalised, fp32 routing weights; Qwen2-MoE: as Qwen3-MoE, not
-    renormalised, with a shared expert)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    common = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0,
-                  eos_token_id=0, rms_norm_eps=1e-5, num_experts_per_tok=2, output_router_logits=aux,
-                  router_aux_loss_coef=0.3)
-    if model_type == "mixtral":
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, intermediate_size=32,
-                                                                           num_local_experts=4))
-    elif model_type == "qwen2_moe":  # a shared expert and its sigmoid gate beside the routed experts
-        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-            **common, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-            num_experts=4, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False))
-    else:
-        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            **common, intermediate_size=96, moe_intermediate_size=32, num_experts=4, decoder_sparse_step=1,
-            mlp_only_layers=[1], norm_topk_prob=True))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.mul_(ROUTER_SCALE)
-    return model.eval()
+    """test_moe_pp_models' model at 3 layers and 4 experts (Qwen3-MoE / Qwen2-MoE: layer 1 dense, no expert
+    factors there; Mixtral: every layer sparse)."""
+    return tiny_moe4(model_type, seed, vocab, aux, layers=3, experts=4)
 
 
 def peft_moe(aux: bool = True, targets: list | None = None, model_type: str = "qwen3_moe") -> Any:
@@ -115,12 +90,7 @@ def test_expert_lora_trains_as_peft(name: str) -> None:
     cfg = ds_config(tp=tp, pp=pp, micro=2, gas=2, lr=LR, clip=CLIP, seq=SEQ, lora=lora_block(), zero=zero,
                     moe={"expert_layout": layout})
     out = run_ranks(_rank, tp * pp, model, data, cfg, timeout=600)
-    got, routes = {}, {}
-    for losses, norms, weights, seen in out:
-        assert losses == pytest.approx(want_losses, rel=RTOL), name
-        assert norms == pytest.approx(want_norms, rel=RTOL), name
-        got.update(weights)
-        routes.update(seen)
+    got, routes = ranks_agree(out, want_losses, want_norms, name)
     assert sorted(routes) == sparse and all(torch.equal(routes[i], r) for i, r in zip(sparse, want_routes)), name
     assert set(got) == set(want), set(got) ^ set(want)
     for n, w in want.items():

@@ -31,21 +31,40 @@ BF16_RTOL = 1e-2  # bf16 losses against HF's fp32 (relative)
 ROUTER_SCALE = 30.0  # the routers × this: logits a few units apart (margins asserted)
 
 
-def tiny_moe4(model_type: str = "qwen3_moe", seed: int = 0, vocab: int = VOCAB, aux: bool = True) -> Any:
-    """4 layers (Qwen3-MoE's layer 1 dense), 8 experts of width 32, top-2, hidden 64; routers × ROUTER_SCALE."""
+def ranks_agree(out: list, want_losses: list, want_norms: list, name: str) -> tuple[dict, dict]:
+    """Every rank's (losses, grad norms) of :func:`_rank` are HF's (RTOL); returns the ranks' weights and routes
+    merged by name and layer."""
+    got, routes = {}, {}
+    for losses, norms, weights, seen in out:
+        assert losses == pytest.approx(want_losses, rel=RTOL), name
+        assert norms == pytest.approx(want_norms, rel=RTOL), name
+        got.update(weights)
+        routes.update(seen)
+    return got, routes
+
+
+def tiny_moe4(model_type: str = "qwen3_moe", seed: int = 0, vocab: int = VOCAB, aux: bool = True, layers: int = 4,
+              experts: int = 8) -> Any:
+    """``layers`` layers (Qwen3-MoE's and Qwen2-MoE's layer 1 dense), ``experts`` experts of width 32, top-2, hidden
+    64; routers × ROUTER_SCALE.  Mixtral: every layer sparse, top-k always renormalised; Qwen2-MoE: not
+    renormalised, with a shared expert and its sigmoid gate beside the routed experts."""
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    common = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0,
                   eos_token_id=0, rms_norm_eps=1e-5, num_experts_per_tok=2, output_router_logits=aux,
                   router_aux_loss_coef=COEF)
     if model_type == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, intermediate_size=32,
-                                                                           num_local_experts=8))
+                                                                           num_local_experts=experts))
+    elif model_type == "qwen2_moe":
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=experts, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False))
     else:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            **common, intermediate_size=96, moe_intermediate_size=32, num_experts=8, decoder_sparse_step=1,
+            **common, intermediate_size=96, moe_intermediate_size=32, num_experts=experts, decoder_sparse_step=1,
             mlp_only_layers=[1], norm_topk_prob=True))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -191,12 +210,7 @@ def test_moe_aux_loss_across_stages_equals_hf(name: str) -> None:
     if case.pop("bf16", False):  # bf16 weights and activations (the carry stays fp32): the losses only
         assert out[0][0] == pytest.approx(want_losses, rel=BF16_RTOL), name
         return
-    got, routes = {}, {}
-    for losses, norms, weights, seen in out:
-        assert losses == pytest.approx(want_losses, rel=RTOL), name
-        assert norms == pytest.approx(want_norms, rel=RTOL), name
-        got.update(weights)
-        routes.update(seen)
+    got, routes = ranks_agree(out, want_losses, want_norms, name)
     if not lora:  # (LoRA: the factors' names are PEFT's; losses and norms above hold their training)
         assert set(got) == set(want)
     for n, w in want.items() if not lora else ():

@@ -96,6 +96,15 @@ class Layout:
     def rows(self, r0: int, r1: int) -> "Layout":
         return Layout(self.positions[r0:r1], self.docs[r0:r1], self.window, self.q_index)
 
+    def kept_tokens(self) -> torch.Tensor | None:
+        """``(B·T,)`` fp32, 1 where a token is no padding (``docs >= 0``), in row-major order; None when
+        every token is kept.  Built once per micro-batch (cached with the masks): one host sync, not one
+        per layer that reads it (every MoE layer's router statistics, ``ds_mp.models.carry``)."""
+        if "kept" not in self.masks:
+            keep = self.docs >= 0
+            self.masks["kept"] = None if bool(keep.all()) else keep.reshape(-1).float()
+        return self.masks["kept"]
+
     def local_positions(self) -> torch.Tensor:
         """The positions of the tokens this rank holds: ``positions[:, q_index]`` ``(B, T/C)`` under
         CP, else ``positions``."""

@@ -118,7 +118,7 @@ def add_router_stats(ctx: Any, routing_weights: torch.Tensor, selected: torch.Te
     if grad_scale != 1.0:
         probs = scale_grad(probs, grad_scale)
     lay = ctx.layout
-    keep = None if lay is None or bool((lay.docs >= 0).all()) else (lay.docs >= 0).reshape(-1).float()
+    keep = None if lay is None else lay.kept_tokens()
     if keep is None:
         psum = probs.sum(dim=0)
         counts = torch.bincount(selected.reshape(-1), minlength=E).float()
